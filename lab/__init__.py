@@ -1,0 +1,17 @@
+"""The training lab, engine side: record, probe and steer Keras 3 training.
+
+Headless: nothing here imports ipywidgets, plotly or IPython.
+"""
+
+from lab import _versions
+
+_versions.check()
+
+from lab import breakpoints, datasets  # noqa: E402
+from lab.breakpoints import Breakpoint  # noqa: E402
+from lab.modes import set_mode  # noqa: E402
+from lab.recorder import Recorder  # noqa: E402
+from lab.run import Run  # noqa: E402
+
+__all__ = ["Breakpoint", "Recorder", "Run", "breakpoints", "datasets", "set_mode"]
+__version__ = "0.1.0"

@@ -1,0 +1,84 @@
+"""A per-step ring buffer that lives on the device, written inside the step.
+
+Each training step writes one float32 row; the host reads rows in blocks.
+This is what lets the lab keep every batch's own values when Keras runs
+several steps per execution and reports only the last one.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+
+class StepBuffer:
+    """A ring of `capacity` rows of `width` float32 values plus a write count.
+
+    Args:
+        width: int, values per row.
+        capacity: int, rows kept on the device before the oldest is overwritten.
+        strategy: tf.distribute.Strategy or None; the variables are created
+            under its scope so replica 0's write is the one kept.
+    """
+
+    def __init__(self, width, capacity=1024, strategy=None):
+        self.width = int(width)
+        self.capacity = int(capacity)
+        self.read_count = 0
+        with tf.init_scope():
+            scope = strategy.scope() if strategy is not None else _null_scope()
+            with scope:
+                self.values = tf.Variable(
+                    tf.fill([self.capacity, self.width], np.float32(np.nan)),
+                    trainable=False,
+                    name="lab_step_values",
+                    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+                )
+                self.count = tf.Variable(
+                    tf.constant(0, tf.int64),
+                    trainable=False,
+                    name="lab_step_count",
+                    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+                )
+        self._distributed = strategy is not None and strategy.num_replicas_in_sync > 1
+
+    def write(self, row):
+        """Appends one row (a float32 tensor of shape [width]); callable in a tf.function."""
+        row = tf.reshape(tf.cast(row, tf.float32), [1, self.width])
+        index = tf.reshape(tf.math.floormod(self.count, self.capacity), [1, 1])
+        if self._distributed:
+            # Mirrored variables take plain assigns from replica context only.
+            self.values.assign(tf.tensor_scatter_nd_update(self.values, index, row))
+        else:
+            self.values.scatter_nd_update(index, row)
+        self.count.assign_add(1)
+
+    def read_new(self):
+        """Returns the rows written since the last read, oldest first, as a numpy array.
+
+        Raises:
+            RuntimeError: when more rows were written than the ring holds
+                (the host read too rarely); the rows lost are counted.
+        """
+        count = int(self.count.numpy())
+        fresh = count - self.read_count
+        if fresh <= 0:
+            return np.zeros((0, self.width), np.float32)
+        if fresh > self.capacity:
+            lost = fresh - self.capacity
+            self.read_count = count - self.capacity
+            raise RuntimeError(f"{lost} recorded steps were overwritten before being read.")
+        values = self.values.numpy()
+        slots = np.arange(self.read_count, count) % self.capacity
+        self.read_count = count
+        return values[slots]
+
+    def skip_unread(self):
+        """Marks every written row as read (for rows the host must not pair)."""
+        self.read_count = int(self.count.numpy())
+
+
+class _null_scope:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

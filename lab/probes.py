@@ -1,0 +1,357 @@
+"""Probes: hooks on a model's train_step, compute_loss and optimizers.
+
+A probe makes each training step write its own values (the batch's loss and
+metrics, the learning rate it used, and optionally the norms of the gradients
+the optimizer applied) into a device-side `StepBuffer`, inside the compiled
+step. It works the same in eager, graph and XLA execution and under a
+tf.distribute strategy, because it hooks the methods Keras itself calls:
+
+- `model.train_step`: brackets the step; reads metric totals before and after,
+  so a mean-type metric's row is the batch's own value, not the epoch mean;
+- `model.compute_loss`: the loss of the batch, also when an old-style step
+  has corrupted the loss tracker through `compiled_metrics`;
+- each optimizer's `_backend_update_step` and `_all_reduce_sum_gradients`:
+  the gradients as the update consumes them (after clipping, after the
+  cross-replica sum) and the learning rate of that step.
+
+Probes patch instance attributes only and restore them on `uninstall()`.
+Their state (the buffer) lives on the probe, never on the model.
+"""
+
+import threading
+import warnings
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from lab.buffer import StepBuffer
+
+_PATCHED = "_lab_probe"
+
+
+def variable_keys(variables):
+    """Maps each variable (by id) to its path, with `#2`, `#3`, ... for repeats."""
+    keys, seen = {}, {}
+    for variable in variables:
+        path = getattr(variable, "path", None) or variable.name
+        seen[path] = seen.get(path, 0) + 1
+        keys[id(variable)] = path if seen[path] == 1 else f"{path}#{seen[path]}"
+    return keys
+
+
+def find_optimizers(model):
+    """The optimizers that may update `model`, named by the attribute holding them.
+
+    A model whose custom `compile()` keeps its own optimizers (`d_opt`,
+    `g_opt`) still gets a default `model.optimizer`; it is listed too, and
+    simply never produces a row value when it does not update.
+    """
+    found = {}
+    for name, value in vars(model).items():
+        if isinstance(value, keras.optimizers.Optimizer) and name != "_optimizer":
+            found[name] = value
+    optimizer = getattr(model, "optimizer", None)
+    if isinstance(optimizer, keras.optimizers.Optimizer) and all(
+        optimizer is not o for o in found.values()
+    ):
+        found = {"optimizer": optimizer, **found}
+    return found
+
+
+def leaf_metrics(model):
+    """Maps the names Keras logs under to metric objects (compiled metrics flattened)."""
+    names = {}
+    for metric in model.metrics:
+        flat = getattr(metric, "_flat_metrics", None)
+        if flat is None:
+            names.setdefault(metric.name, metric)
+            continue
+        for group in list(flat) + list(getattr(metric, "_flat_weighted_metrics", []) or []):
+            if not group:
+                continue
+            for leaf in group.metrics:
+                name = f"{group.output_name}_{leaf.name}" if group.output_name else leaf.name
+                names.setdefault(name, leaf)
+    return names
+
+
+def _is_mean(metric):
+    return isinstance(metric, keras.metrics.Mean) and hasattr(metric, "total") and hasattr(metric, "count")
+
+
+def _replica_context():
+    ctx = tf.distribute.get_replica_context()
+    if ctx is not None and ctx.num_replicas_in_sync > 1:
+        return ctx
+    return None
+
+
+def _all_reduce(value, op):
+    ctx = _replica_context()
+    if ctx is None:
+        return value
+    return ctx.all_reduce(op, value)
+
+
+class _StepState:
+    """What one call of train_step produced, collected while it runs (or traces)."""
+
+    def __init__(self):
+        self.loss = None
+        self.updates = []  # dicts: optimizer, variables, gradients, learning_rate, deltas
+
+
+class Probe:
+    """Hooks on one model that write each training step's values to a StepBuffer.
+
+    Args:
+        model: keras.Model, compiled.
+        gradients: bool, also record per-variable norms of the applied gradients.
+        weights: bool, also record weight norms and update/weight ratios.
+        capacity: int, rows of the device buffer (at least 4 executions).
+    """
+
+    def __init__(self, model, gradients=False, weights=False, capacity=1024):
+        self.model = model
+        self.gradients = gradients
+        self.weights = weights
+        self.capacity = capacity
+        self.columns = None
+        self.buffer = None
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._patches = []
+        self._variable_keys = {}
+        self._optimizer_names = []
+
+    @property
+    def installed(self):
+        return bool(self._patches)
+
+    # ---- installing --------------------------------------------------------
+
+    def install(self):
+        """Patches the model's and optimizers' methods (instance attributes only)."""
+        if self.installed:
+            return
+        model = self.model
+        if getattr(model.train_step, _PATCHED, None) is not None:
+            raise RuntimeError(
+                "This model is already watched by another lab Recorder or Dashboard. "
+                "Pass one of them to fit(), or call `.detach()` on the other first."
+            )
+        self._variable_keys = variable_keys(model.trainable_variables)
+        self._patch(model, "train_step", self._wrap_train_step(model.train_step))
+        self._patch(model, "compute_loss", self._wrap_compute_loss(model.compute_loss))
+        optimizers = find_optimizers(model)
+        self._optimizer_names = list(optimizers)
+        for name, optimizer in optimizers.items():
+            inner = getattr(optimizer, "inner_optimizer", None) or optimizer
+            self._patch(inner, "_backend_update_step", self._wrap_update_step(name, inner._backend_update_step))
+            if hasattr(inner, "_all_reduce_sum_gradients"):
+                self._patch(
+                    inner,
+                    "_all_reduce_sum_gradients",
+                    self._wrap_all_reduce(inner._all_reduce_sum_gradients),
+                )
+
+    def uninstall(self):
+        """Restores every patched method."""
+        while self._patches:
+            target, name, previous = self._patches.pop()
+            if previous is _MISSING:
+                try:
+                    object.__delattr__(target, name)
+                except AttributeError:
+                    pass
+            else:
+                object.__setattr__(target, name, previous)
+
+    def _patch(self, target, name, replacement):
+        previous = target.__dict__.get(name, _MISSING)
+        setattr(replacement, _PATCHED, self)
+        object.__setattr__(target, name, replacement)
+        self._patches.append((target, name, previous))
+
+    # ---- wrappers ----------------------------------------------------------
+
+    def _wrap_train_step(self, original):
+        probe = self
+
+        def train_step(data):
+            state = _StepState()
+            probe._local.state = state
+            try:
+                totals = probe._metric_totals()
+                logs = original(data)
+                probe._record(state, totals, logs)
+            finally:
+                probe._local.state = None
+            return logs
+
+        return train_step
+
+    def _wrap_compute_loss(self, original):
+        probe = self
+
+        def compute_loss(*args, **kwargs):
+            loss = original(*args, **kwargs)
+            state = getattr(probe._local, "state", None)
+            if state is not None and loss is not None:
+                state.loss = loss
+            return loss
+
+        return compute_loss
+
+    def _wrap_update_step(self, name, original):
+        probe = self
+
+        def _backend_update_step(grads, trainable_variables, learning_rate):
+            state = getattr(probe._local, "state", None)
+            if state is None:
+                return original(grads, trainable_variables, learning_rate)
+            variables = list(trainable_variables)
+            update = {"optimizer": name, "variables": variables, "gradients": None,
+                      "learning_rate": learning_rate, "deltas": None}
+            state.updates.append(update)
+            before = [tf.identity(v.value) for v in variables] if probe.weights else None
+            result = original(grads, trainable_variables, learning_rate)
+            if update["gradients"] is None:
+                update["gradients"] = list(grads)
+            if before is not None:
+                update["deltas"] = [tf.convert_to_tensor(v.value) - b for v, b in zip(variables, before)]
+            return result
+
+        return _backend_update_step
+
+    def _wrap_all_reduce(self, original):
+        probe = self
+
+        def _all_reduce_sum_gradients(grads_and_vars):
+            reduced = original(grads_and_vars)
+            state = getattr(probe._local, "state", None)
+            if state is not None and state.updates and state.updates[-1]["gradients"] is None:
+                reduced = list(reduced)
+                state.updates[-1]["gradients"] = [g for g, _ in reduced]
+            return reduced
+
+        return _all_reduce_sum_gradients
+
+    # ---- the row -------------------------------------------------------------
+
+    def _metric_totals(self):
+        totals = {}
+        for name, metric in leaf_metrics(self.model).items():
+            if _is_mean(metric):
+                totals[name] = (tf.identity(metric.total.value), tf.identity(metric.count.value))
+        return totals
+
+    def _metric_delta(self, metric, before):
+        total = _all_reduce(tf.cast(tf.identity(metric.total.value) - before[0], tf.float32), "SUM")
+        count = _all_reduce(tf.cast(tf.identity(metric.count.value) - before[1], tf.float32), "SUM")
+        return tf.math.divide_no_nan(total, count)
+
+    def _record(self, state, totals, logs):
+        values = {}
+        metrics = leaf_metrics(self.model)
+        tracker_loss = None
+        if "loss" in totals:
+            tracker_loss = self._metric_delta(metrics["loss"], totals["loss"])
+        if state.loss is not None:
+            from keras.src.losses.loss import unscale_loss_for_distribution
+
+            loss = tf.cast(unscale_loss_for_distribution(tf.convert_to_tensor(state.loss)), tf.float32)
+            values["loss"] = _all_reduce(tf.reduce_mean(loss), "MEAN")
+            if tracker_loss is not None:
+                values["_tracker_loss"] = tracker_loss
+        elif tracker_loss is not None:
+            values["loss"] = tracker_loss
+        for key, value in (logs or {}).items() if isinstance(logs, dict) else ():
+            if key in values:
+                continue
+            if key in totals:
+                values[key] = self._metric_delta(metrics[key], totals[key])
+            else:
+                tensor = tf.convert_to_tensor(value)
+                if tensor.shape.rank == 0 and (tensor.dtype.is_floating or tensor.dtype.is_integer):
+                    values[key] = _all_reduce(tf.cast(tensor, tf.float32), "MEAN")
+        self._record_updates(state, values)
+        self._write(values)
+
+    def _record_updates(self, state, values):
+        several = len({u["optimizer"] for u in state.updates}) > 1
+        for update in state.updates:
+            column = f"learning_rate/{update['optimizer']}" if several else "learning_rate"
+            values[column] = tf.cast(update["learning_rate"], tf.float32)
+        if not (self.gradients or self.weights):
+            return
+        squares = []
+        for update in state.updates:
+            for variable, grad, delta in zip(
+                update["variables"],
+                update["gradients"] or [None] * len(update["variables"]),
+                update["deltas"] or [None] * len(update["variables"]),
+            ):
+                key = self._key(variable)
+                if self.gradients and grad is not None:
+                    square = tf.reduce_sum(tf.square(tf.cast(grad, tf.float32)))
+                    squares.append(square)
+                    values[f"grad_norm/{key}"] = tf.sqrt(square)
+                if self.weights:
+                    norm = tf.norm(tf.cast(tf.convert_to_tensor(variable.value), tf.float32))
+                    values[f"weight_norm/{key}"] = norm
+                    if delta is not None:
+                        values[f"update_ratio/{key}"] = tf.math.divide_no_nan(
+                            tf.norm(tf.cast(delta, tf.float32)), norm
+                        )
+        if self.gradients and squares:
+            values["grad_norm"] = tf.sqrt(tf.add_n(squares))
+
+    def _key(self, variable):
+        key = self._variable_keys.get(id(variable))
+        if key is None:
+            # A variable the model did not list when the probe was installed.
+            self._variable_keys.update(variable_keys([variable]))
+            key = self._variable_keys[id(variable)]
+        return key
+
+    def _expected_columns(self, values):
+        """The buffer's columns: what this step produced plus every variable key,
+        so a variable with no gradient on some step reads as missing (NaN)."""
+        columns = list(values)
+        if self.gradients:
+            columns += [f"grad_norm/{k}" for k in self._variable_keys.values()]
+        return list(dict.fromkeys(columns))
+
+    def _write(self, values):
+        with self._lock:
+            if self.buffer is None:
+                self.columns = self._expected_columns(values)
+                strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+                self.buffer = StepBuffer(len(self.columns), self.capacity, strategy)
+        unknown = [name for name in values if name not in self.columns]
+        if unknown:
+            warnings.warn(
+                f"The training step produced new values {unknown} after recording "
+                "started; they are not recorded. Use a new Recorder to record them.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        nan = tf.constant(np.nan, tf.float32)
+        row = tf.stack([tf.cast(values[c], tf.float32) if c in values else nan for c in self.columns])
+        self.buffer.write(row)
+
+    def ensure_capacity(self, steps_per_execution):
+        """Raises the ring's size so one execution never overwrites unread rows."""
+        self.capacity = max(self.capacity, 4 * int(steps_per_execution))
+
+    def read(self):
+        """Rows written since the last read: a dict column -> float32 array."""
+        if self.buffer is None:
+            return {}
+        block = self.buffer.read_new()
+        return {name: block[:, i] for i, name in enumerate(self.columns)}
+
+
+_MISSING = object()

@@ -1,0 +1,325 @@
+"""Recorder: a Keras callback that turns fit()'s lifecycle into Run rows."""
+
+import time
+import warnings
+import weakref
+
+import keras
+import tensorflow as tf
+
+from lab import modes
+from lab.probes import Probe
+from lab.run import Run
+
+_WARNED_OLD_STYLE = weakref.WeakSet()
+_END_OF_DATA = (StopIteration, tf.errors.OutOfRangeError)
+
+OLD_STYLE_WARNING = (
+    "The loss Keras reports for this model is not its loss: the custom "
+    "train_step calls `self.compiled_metrics.update_state(y, y_pred)`, which in "
+    "Keras 3 feeds the predictions into the loss tracker. The lab records the "
+    "true batch loss (from compute_loss). To fix the step, replace that line with "
+    "the Keras 3 form:\n"
+    "    for metric in self.metrics:\n"
+    "        if metric.name == 'loss':\n"
+    "            metric.update_state(loss)\n"
+    "        else:\n"
+    "            metric.update_state(y, y_pred)\n"
+    "(or `return self.compute_metrics(x, y, y_pred, sample_weight)`), and compute "
+    "the loss with `self.compute_loss(x=x, y=y, y_pred=y_pred)` instead of "
+    "`self.compiled_loss`."
+)
+
+
+class Recorder(keras.callbacks.Callback):
+    """Records one row per training batch into `recorder.run`.
+
+    The row holds the batch's own loss and metric values (not Keras' running
+    epoch mean), also at `steps_per_execution > 1`: values are written on the
+    device inside the compiled step and read in blocks.
+
+    Args:
+        gradients: bool, add `grad_norm` and `grad_norm/<variable.path>`: norms
+            of the gradients the optimizer applied.
+        weights: bool, add `weight_norm/<path>` and `update_ratio/<path>`.
+        breakpoints: sequence of `lab.Breakpoint`, checked per batch; a hit
+            stops `fit()` and adds a `breakpoint` event.
+        path: str or None; when set, the run is saved there (HDF5) every epoch,
+            every `save_every` seconds and at the end.
+        run: `lab.Run` or None, to continue an existing record.
+        flush_every: float, seconds between reads of the device buffer while
+            training (views refresh from what was read).
+        save_every: float, seconds between incremental saves when `path` is set.
+
+    Example:
+
+    ```python
+    rec = lab.Recorder(gradients=True)
+    model.fit(x, y, epochs=2, callbacks=[rec])
+    rec.run.batches()
+    ```
+    """
+
+    def __init__(self, gradients=False, weights=False, breakpoints=(), path=None,
+                 run=None, flush_every=0.25, save_every=30.0):
+        super().__init__()
+        self.gradients = gradients
+        self.weights = weights
+        self.breakpoints = list(breakpoints)
+        self.path = path
+        self.run = run if run is not None else Run()
+        self.flush_every = flush_every
+        self.save_every = save_every
+        self.status = "idle"
+        self.status_detail = ""
+        self._status_listeners = []
+        self._probe = None
+        self._cached = None  # (signature, train_function) built with our hooks
+        self._pending = []  # host-side facts of steps whose device rows are unread
+        self._epoch = 0
+        self._begin_step = 0
+        self._t0 = None
+        self._last_flush = 0.0
+        self._last_save = 0.0
+        self._guarded = None
+        self._active = False
+        self._mode = None
+
+    # ---- the model's lifecycle --------------------------------------------
+
+    def set_model(self, model):
+        # Called by fit() before make_train_function(): install hooks now so the
+        # train function is traced with them, once.
+        super().set_model(model)
+        if self._probe is not None and self._probe.model is not model:
+            self._detach()
+            self._probe = None
+            self._cached = None
+        if self._probe is None:
+            self._probe = Probe(model, gradients=self.gradients, weights=self.weights)
+        self._probe.ensure_capacity(model.steps_per_execution)
+        self._probe.install()
+        cached = self._cached
+        if cached is not None and cached[0] == _signature(model):
+            model.train_function = cached[1]
+        elif not getattr(model.train_function, "_lab_recorder", None) is self:
+            model.train_function = None
+
+    def on_train_begin(self, logs=None):
+        self._active = True
+        self._pending = []
+        if self._probe.buffer is not None:
+            self._probe.buffer.skip_unread()
+        self._fill_metadata()
+        self._mode = modes.current_mode(self.model)
+        self._guard()
+        self._set_status("running")
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.model.train_function is not self._guarded:
+            self._guard()
+        self._begin_step = batch
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        elapsed = time.perf_counter() - self._t0 if self._t0 is not None else float("nan")
+        steps = max(1, batch - self._begin_step + 1)
+        mode = modes.current_mode(self.model)
+        if mode != self._mode:
+            self._mode = mode
+        for i in range(steps):
+            self._pending.append((self._epoch, self._begin_step + i, elapsed / steps, mode))
+        now = time.monotonic()
+        half_full = len(self._pending) * 2 >= self._probe.capacity
+        if self.breakpoints or half_full or now - self._last_flush >= self.flush_every:
+            start = len(self.run)
+            self.flush()
+            self._check_breakpoints(start)
+        self._maybe_save(now)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.flush()
+        self.run.append_epoch(epoch, logs)
+        if self.path:
+            self._save()
+
+    def on_train_end(self, logs=None):
+        self.flush()
+        self._finish("stopped" if self.status == "breakpoint" else "finished")
+
+    def on_test_end(self, logs=None):
+        if not self._active:
+            self._detach()
+
+    def on_predict_end(self, logs=None):
+        if not self._active:
+            self._detach()
+
+    # ---- reading the device buffer ----------------------------------------
+
+    def flush(self):
+        """Moves the rows recorded on the device into `run`; returns how many."""
+        if self._probe is None:
+            return 0
+        self._last_flush = time.monotonic()
+        rows = self._probe.read()
+        count = len(next(iter(rows.values()))) if rows else 0
+        if count == 0:
+            return 0
+        meta = self._pending[:count]
+        del self._pending[:count]
+        while len(meta) < count:
+            # Steps that ran but never reached on_train_batch_end (a failure
+            # inside a multi-step execution): keep them, with unknown timing.
+            last_batch = meta[-1][1] if meta else self._begin_step - 1
+            meta.append((self._epoch, last_batch + 1, float("nan"), self._mode))
+        columns = {
+            "epoch": [m[0] for m in meta],
+            "batch": [m[1] for m in meta],
+            "seconds": [m[2] for m in meta],
+            "mode": [m[3] for m in meta],
+        }
+        columns.update(rows)
+        self.run.append_batches(columns)
+        self._check_old_style(rows)
+        return count
+
+    def _check_old_style(self, rows):
+        if "_tracker_loss" not in rows or self.model in _WARNED_OLD_STYLE:
+            return
+        true, tracked = rows["loss"], rows["_tracker_loss"]
+        scale = max(1e-6, float(abs(true).max()) if len(true) else 1.0)
+        if len(true) and float(abs(true - tracked).max()) > 1e-3 * scale:
+            _WARNED_OLD_STYLE.add(self.model)
+            self.run.add_event("warning", "loss tracker fed with predictions (compiled_metrics)")
+            warnings.warn(OLD_STYLE_WARNING, UserWarning, stacklevel=2)
+
+    # ---- breakpoints -------------------------------------------------------
+
+    def _check_breakpoints(self, start):
+        if not self.breakpoints or len(self.run) <= start:
+            return
+        frame = self.run.batches().iloc[start:]
+        for _, row in frame.iterrows():
+            for point in self.breakpoints:
+                if point.hit(row):
+                    self.run.add_event("breakpoint", point.describe(row), step=int(row["step"]))
+                    self.model.stop_training = True
+                    self._set_status("breakpoint", point.describe(row))
+                    return
+
+    # ---- failures ----------------------------------------------------------
+
+    def _guard(self):
+        """Wraps the train function so a failure inside a step is noticed:
+        Keras calls no callback when the step raises."""
+        function = self.model.train_function
+        if function is None:
+            return
+        recorder = self
+
+        def guarded(iterator):
+            try:
+                return function(iterator)
+            except _END_OF_DATA:
+                raise
+            except BaseException as error:
+                recorder._on_failure(error)
+                raise
+
+        guarded._lab_recorder = self
+        guarded._lab_inner = function
+        self._guarded = guarded
+        self.model.train_function = guarded
+
+    def _on_failure(self, error):
+        try:
+            self.flush()
+        except Exception:  # noqa: BLE001 - the user's error is the one to show
+            pass
+        if isinstance(error, KeyboardInterrupt):
+            self.run.add_event("interrupt", "KeyboardInterrupt")
+            self._finish("interrupted")
+        else:
+            message = f"{type(error).__name__}: {error}".strip()
+            self.run.add_event("error", message)
+            self._finish("failed", message)
+
+    def _finish(self, status, detail=""):
+        if status != "stopped" or not self.status_detail:
+            self._set_status(status, detail)
+        else:
+            self._set_status(status, self.status_detail)
+        self._active = False
+        model = self.model
+        function = getattr(model.train_function, "_lab_inner", model.train_function)
+        if function is not None and status in ("finished", "stopped"):
+            self._cached = (_signature(model), function)
+        self._detach()
+        if self.path:
+            self._save()
+
+    def _detach(self):
+        """Leaves no trace: restores patched methods and drops hooked functions."""
+        if self._probe is not None:
+            self._probe.uninstall()
+        model = self.model
+        if model is not None and getattr(model.train_function, "_lab_recorder", None) is self:
+            model.train_function = None
+        elif self._cached is not None and model is not None and model.train_function is self._cached[1]:
+            model.train_function = None
+        elif model is not None and self._probe is not None and self._probe.buffer is not None:
+            # A function traced with our hooks (e.g. after a mode switch).
+            model.train_function = None
+
+    detach = _detach
+
+    # ---- status, metadata, saving -----------------------------------------
+
+    def add_status_listener(self, fn):
+        """Calls `fn(status, detail)` when the status changes (views use this)."""
+        self._status_listeners.append(fn)
+
+    def _set_status(self, status, detail=""):
+        self.status, self.status_detail = status, detail
+        for fn in list(self._status_listeners):
+            try:
+                fn(status, detail)
+            except Exception:  # noqa: BLE001 - a view must not stop training
+                self._status_listeners.remove(fn)
+
+    def _fill_metadata(self):
+        meta = self.run.metadata
+        model = self.model
+        meta.setdefault("model", model.name)
+        meta.setdefault("model_class", type(model).__name__)
+        try:
+            meta.setdefault("parameters", int(model.count_params()))
+        except ValueError:
+            pass
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None:
+            meta.setdefault("optimizer", type(optimizer).__name__)
+        meta.setdefault("steps_per_execution", int(model.steps_per_execution))
+        meta.setdefault("strategy", type(model.distribute_strategy).__name__)
+        meta.setdefault("tensorflow", tf.__version__)
+        meta.setdefault("keras", keras.__version__)
+
+    def _maybe_save(self, now):
+        if self.path and now - self._last_save >= self.save_every:
+            self._save()
+
+    def _save(self):
+        self._last_save = time.monotonic()
+        try:
+            self.run.save(self.path)
+        except Exception as error:  # noqa: BLE001 - saving must not stop training
+            warnings.warn(f"Could not save the run to {self.path}: {error}", RuntimeWarning, stacklevel=2)
+
+
+def _signature(model):
+    return (bool(model.run_eagerly), model.jit_compile, int(model.steps_per_execution),
+            id(model.distribute_strategy))

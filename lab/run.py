@@ -1,0 +1,225 @@
+"""Run: the append-only record of one training run.
+
+One source of truth per run. Batch rows live in typed columns that grow by
+doubling (float32 for values: 4 bytes per value per step), epoch rows and
+events in small lists. Views subscribe; files and comparisons read it.
+"""
+
+import threading
+import time
+
+import numpy as np
+import pandas as pd
+
+_INDEX_COLUMNS = ("step", "epoch", "batch")
+
+
+class _Column:
+    """A growable 1-D array; values before the column existed read as NaN."""
+
+    def __init__(self, dtype, length):
+        self.dtype = np.dtype(dtype)
+        self.data = np.full(max(16, length), self._missing(), self.dtype)
+
+    def _missing(self):
+        if self.dtype.kind == "f":
+            return np.nan
+        if self.dtype.kind in "iu":
+            return -1
+        return None
+
+    def reserve(self, length):
+        if length > len(self.data):
+            grown = np.full(max(length, 2 * len(self.data)), self._missing(), self.dtype)
+            grown[: len(self.data)] = self.data
+            self.data = grown
+
+    def fill(self, start, stop):
+        self.reserve(stop)
+        self.data[start:stop] = self._missing()
+
+
+class Run:
+    """The record of one training run: batch rows, epoch rows and events.
+
+    Rows are appended by a `lab.Recorder` (or `lab.watch`, or a `Stepper`) and
+    never changed afterwards. Read them as pandas DataFrames.
+
+    Args:
+        name: str, a label for comparisons and files.
+        metadata: dict, free-form facts about the run (model, optimizer, ...).
+
+    Example:
+
+    ```python
+    rec = lab.Recorder()
+    model.fit(x, y, callbacks=[rec])
+    rec.run.batches()[["step", "loss"]]
+    ```
+    """
+
+    def __init__(self, name="run", metadata=None):
+        self.name = name
+        self.metadata = dict(metadata or {})
+        self.metadata.setdefault("created", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+        self._lock = threading.RLock()
+        self._length = 0
+        self._columns = {}
+        self._epochs = []
+        self._events = []
+        self._subscribers = []
+
+    # ---- writing -----------------------------------------------------------
+
+    def append_batches(self, rows):
+        """Appends batch rows.
+
+        Args:
+            rows: dict, column name -> sequence of equal length. `step` is
+                filled in (global, from 0) when absent; `mode` holds strings.
+        """
+        lengths = {len(v) for v in rows.values()}
+        if len(lengths) != 1:
+            raise ValueError(f"Batch columns must have one length; got {sorted(lengths)}.")
+        count = lengths.pop()
+        if count == 0:
+            return
+        with self._lock:
+            start, stop = self._length, self._length + count
+            if "step" not in rows:
+                rows = dict(rows, step=np.arange(start, stop))
+            for name, values in rows.items():
+                column = self._columns.get(name)
+                if column is None:
+                    column = self._columns[name] = _Column(self._dtype_for(name, values), stop)
+                    column.fill(0, start)
+                column.reserve(stop)
+                column.data[start:stop] = values
+            for name, column in self._columns.items():
+                if name not in rows:
+                    column.fill(start, stop)
+            self._length = stop
+        self._notify("batches", start, stop)
+
+    @staticmethod
+    def _dtype_for(name, values):
+        if name in _INDEX_COLUMNS:
+            return np.int64
+        if name == "mode" or (len(values) and isinstance(values[0], str)):
+            return object
+        if name == "seconds":
+            return np.float64
+        return np.float32
+
+    def append_epoch(self, epoch, logs):
+        """Appends one epoch row (Keras' epoch logs, validation included)."""
+        row = {"epoch": int(epoch), "step": self._length - 1}
+        row.update({k: float(v) for k, v in (logs or {}).items() if _is_scalar(v)})
+        with self._lock:
+            self._epochs.append(row)
+        self._notify("epochs", len(self._epochs) - 1, len(self._epochs))
+
+    def add_event(self, kind, detail="", step=None):
+        """Records an event (`mode`, `breakpoint`, `nonfinite`, `interrupt`, `error`, ...)."""
+        with self._lock:
+            event = {
+                "step": self._length - 1 if step is None else int(step),
+                "kind": kind,
+                "detail": str(detail),
+                "time": time.time(),
+            }
+            self._events.append(event)
+        self._notify("events", len(self._events) - 1, len(self._events))
+        return event
+
+    # ---- reading -----------------------------------------------------------
+
+    def __len__(self):
+        return self._length
+
+    @property
+    def columns(self):
+        with self._lock:
+            return list(self._columns)
+
+    def column(self, name):
+        """One batch column as a numpy array (a copy)."""
+        with self._lock:
+            return self._columns[name].data[: self._length].copy()
+
+    def batches(self):
+        """One row per training batch, as a DataFrame (see DESIGN.md for columns)."""
+        with self._lock:
+            data = {n: c.data[: self._length].copy() for n, c in self._columns.items()}
+        ordered = [c for c in ("step", "epoch", "batch", "seconds", "mode", "loss") if c in data]
+        rest = [c for c in data if c not in ordered and not c.startswith("_")]
+        ordered += sorted(rest, key=lambda c: ("/" in c or c.startswith("grad_norm"), c))
+        frame = pd.DataFrame({c: data[c] for c in ordered})
+        if "mode" in frame:
+            frame["mode"] = frame["mode"].astype("string")
+        return frame
+
+    def epochs(self):
+        """One row per finished epoch: Keras' epoch logs, `val_*` included."""
+        with self._lock:
+            return pd.DataFrame(list(self._epochs))
+
+    def events(self):
+        """Events with columns `step`, `kind`, `detail`, `time`."""
+        with self._lock:
+            return pd.DataFrame(list(self._events), columns=["step", "kind", "detail", "time"])
+
+    # ---- subscribers -------------------------------------------------------
+
+    def subscribe(self, fn):
+        """Calls `fn(run, table, start, stop)` after rows are added.
+
+        `table` is "batches", "epochs" or "events". A subscriber that raises is
+        reported once and dropped: a view never stops training.
+
+        Returns:
+            A callable that unsubscribes.
+        """
+        self._subscribers.append(fn)
+        return lambda: self._subscribers.remove(fn) if fn in self._subscribers else None
+
+    def _notify(self, table, start, stop):
+        for fn in list(self._subscribers):
+            try:
+                fn(self, table, start, stop)
+            except Exception as error:  # noqa: BLE001 - a view must not stop training
+                self._subscribers.remove(fn)
+                import warnings
+
+                warnings.warn(
+                    f"A subscriber of run {self.name!r} raised {error!r} and was "
+                    "detached; training goes on.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+
+    # ---- files -------------------------------------------------------------
+
+    def save(self, path):
+        """Writes the run to an HDF5 file (atomically). See `lab.runfile`."""
+        from lab import runfile
+
+        return runfile.save(self, path)
+
+    @classmethod
+    def load(cls, path):
+        """Reads a run saved by `Run.save`."""
+        from lab import runfile
+
+        return runfile.load(path)
+
+    def __repr__(self):
+        return f"<lab.Run {self.name!r}: {self._length} batches, {len(self._epochs)} epochs, {len(self._events)} events>"
+
+
+def _is_scalar(value):
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return np.ndim(value) == 0
