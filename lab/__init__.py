@@ -9,9 +9,10 @@ _versions.check()
 
 from lab import breakpoints, datasets  # noqa: E402
 from lab.breakpoints import Breakpoint  # noqa: E402
+from lab.devices import devices, strategy, virtual_cpus  # noqa: E402
 from lab.modes import set_mode  # noqa: E402
 from lab.recorder import Recorder  # noqa: E402
 from lab.run import Run  # noqa: E402
 
-__all__ = ["Breakpoint", "Recorder", "Run", "breakpoints", "datasets", "set_mode"]
+__all__ = ["Breakpoint", "Recorder", "Run", "breakpoints", "datasets", "devices", "set_mode", "strategy", "virtual_cpus"]
 __version__ = "0.1.0"
