@@ -1,0 +1,241 @@
+"""Dashboard: a Recorder that is also a live view of its run.
+
+The callback only turns lifecycle events into calls: recording is
+`lab.Recorder`'s, drawing is `widgets.charts.LiveFigure`'s and
+`widgets.static`'s. Refreshes are rate-limited (a refresh reads the run,
+downsamples every series and sends one plotly update), never per batch, and
+the view is drawn once and updated in place: no `clear_output`.
+"""
+
+import collections
+import html
+import time
+import warnings
+
+import ipywidgets
+
+from lab.recorder import Recorder
+from widgets import static
+from widgets.charts import LiveFigure, chart_data
+
+_TERMINAL = ("finished", "stopped", "failed", "interrupted")
+_STATUS_COLORS = {
+    "idle": "#666", "running": "#1f77b4", "finished": "#2ca02c", "stopped": "#ff7f0e",
+    "breakpoint": "#ff7f0e", "failed": "#d62728", "interrupted": "#d62728",
+}
+
+
+def _frontend_available():
+    """True inside a Jupyter kernel, where a displayed widget has a frontend.
+
+    Decided when asked (not at import) so tests and scripts can change it.
+    """
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+class Dashboard(Recorder):
+    """A Keras callback and a notebook view: live loss, metrics, gradients, status.
+
+    Records like `lab.Recorder` (its record is `dashboard.run`) and shows,
+    while `fit()` runs: a status line (with the exception's message when a
+    step fails), epoch/batch progress with an estimate of the time left,
+    steps per second, per-batch loss and metrics with validation points per
+    epoch, events (`nonfinite`, `breakpoint`, `error`) marked on the loss,
+    and with `gradients=True` per-layer gradient norms (log scale) and a
+    layer x step heatmap; with `weights=True` update/weight ratios.
+
+    It shows itself when training begins if it is not displayed already.
+    Where no widget frontend exists (nbconvert, nbval, HTML export) its output
+    still shows the final charts as static SVG.
+
+    Args:
+        gradients: bool, record and show per-layer gradient norms.
+        weights: bool, record weight norms and show update/weight ratios.
+        breakpoints: sequence of `lab.Breakpoint`, checked per batch.
+        path: str or None, save the run there (HDF5) as it grows.
+        run: `lab.Run` or None, to continue an existing record.
+        refresh_every: float, the fewest seconds between two refreshes of
+            the view while training (0.25: at most four per second).
+        max_points: int, the most points a line sends per refresh.
+        **recorder_options: passed to `lab.Recorder` (`flush_every`, ...).
+
+    Example:
+
+    ```python
+    dashboard = widgets.Dashboard(gradients=True)
+    model.fit(x, y, epochs=5, callbacks=[dashboard])
+    dashboard.run.batches()
+    ```
+    """
+
+    def __init__(self, gradients=True, weights=False, breakpoints=(), path=None, run=None,
+                 refresh_every=0.25, max_points=2000, **recorder_options):
+        if refresh_every < 0:
+            raise ValueError(f"refresh_every must be 0 or more seconds; got {refresh_every}.")
+        if max_points < 4:
+            raise ValueError(f"max_points must be at least 4; got {max_points}.")
+        super().__init__(gradients=gradients, weights=weights, breakpoints=breakpoints,
+                         path=path, run=run, **recorder_options)
+        self.refresh_every = refresh_every
+        self.max_points = max_points
+        self.refreshes = 0
+        self._progress = dict(epoch=0, batch=-1, done=0)
+        self._rate_samples = collections.deque(maxlen=20)
+        self.header = ipywidgets.HTML(value=self._header_html())
+        self.chart = LiveFigure(gradients=gradients, weights=weights)
+        self.widget = ipywidgets.VBox([self.header, self.chart.figure])
+        self._handles = []
+        self._last_refresh = 0.0
+        self._view_failed = False
+        self.add_status_listener(self._on_status)
+
+    # ---- the fit() lifecycle -------------------------------------------------
+
+    def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
+        self._progress = dict(epoch=0, batch=-1, done=0)
+        self._rate_samples.clear()
+        self._rate_samples.append((time.monotonic(), 0))
+        if not self._handles and _frontend_available():
+            self._ipython_display_()
+        self.refresh()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        super().on_epoch_begin(epoch, logs)
+        self._progress["epoch"] = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        first = self._begin_step  # several steps per call at steps_per_execution > 1
+        super().on_train_batch_end(batch, logs)
+        self._progress["batch"] = batch
+        self._progress["done"] += max(1, batch - first + 1)
+        if time.monotonic() - self._last_refresh >= self.refresh_every:
+            self.refresh()
+
+    # ---- drawing -------------------------------------------------------------
+
+    def refresh(self):
+        """Redraws the view from the run: one plotly update and the header line."""
+        if self._view_failed:
+            return
+        self._last_refresh = time.monotonic()
+        try:
+            self.chart.update(chart_data(self.run, self.max_points))
+            self.header.value = self._header_html()
+            self.refreshes += 1
+        except Exception as error:  # noqa: BLE001 - a view must never stop training
+            self._view_failed = True
+            warnings.warn(f"The Dashboard could not draw ({error!r}); recording goes on, "
+                          "the run is at `dashboard.run`.", RuntimeWarning, stacklevel=2)
+
+    def _on_status(self, status, detail):
+        self.header.value = self._header_html()
+        if status in _TERMINAL:
+            self.refresh()
+            bundle = self._repr_mimebundle_()
+            for handle in self._handles:
+                handle.update(bundle, raw=True)
+
+    def _header_html(self):
+        status = getattr(self, "status", "idle")
+        color = _STATUS_COLORS.get(status, "#666")
+        line = f'<b style="color:{color}">{html.escape(status)}</b>'
+        if self.status_detail:
+            line += f': <span style="color:{color}">{html.escape(self.status_detail)}</span>'
+        progress = self.progress_text()
+        if progress:
+            line += f" &middot; {html.escape(progress)}"
+        return f'<div class="training-lab-status" style="font-family:sans-serif">{line}</div>'
+
+    def progress_text(self):
+        """Epoch/batch progress, steps per second and the time left, as one line of text."""
+        params = self.params or {}
+        if not self._rate_samples or self._progress["batch"] < 0:
+            return ""
+        epochs, steps = params.get("epochs"), params.get("steps")
+        epoch, batch = self._progress["epoch"], self._progress["batch"]
+        parts = [f"epoch {epoch + 1}/{epochs}" if epochs else f"epoch {epoch + 1}",
+                 f"batch {batch + 1}/{steps}" if steps else f"batch {batch + 1}"]
+        rate = self.steps_per_second()
+        if rate:
+            parts.append(f"{rate:,.1f} steps/s")
+            if epochs and steps and self.status in ("running", "breakpoint"):
+                left = (epochs - epoch - 1) * steps + (steps - batch - 1)
+                parts.append(f"about {_duration(left / rate)} left")
+        return " · ".join(parts)
+
+    def steps_per_second(self):
+        """Training steps per second over the last few refreshes (None before two samples)."""
+        now = time.monotonic()
+        self._rate_samples.append((now, self._progress["done"]))
+        t0, n0 = self._rate_samples[0]
+        if now - t0 <= 0 or self._progress["done"] <= n0:
+            return None
+        return (self._progress["done"] - n0) / (now - t0)
+
+    # ---- display -------------------------------------------------------------
+
+    def summary(self):
+        """A deterministic text summary of the run (no timings): what text/plain shows."""
+        run = self.run
+        status = self.status + (f": {self.status_detail}" if self.status_detail else "")
+        series = [c for c in ("loss",) if c in run.columns]
+        data_names = series + _metric_and_val_names(run)
+        lines = [f"Dashboard ({status})",
+                 f"{len(run)} steps, {len(run.epochs())} epochs"]
+        if data_names:
+            lines.append("series: " + ", ".join(data_names))
+        layers = sorted({c[len("grad_norm/"):].rsplit("/", 1)[0] for c in run.columns if c.startswith("grad_norm/")})
+        if layers:
+            lines.append(f"gradient norms: {len(layers)} layers")
+        kinds = run.events()["kind"].value_counts()
+        if len(kinds):
+            lines.append("events: " + ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())))
+        return "\n".join(lines)
+
+    def static_html(self):
+        """The status and the charts as HTML with inline SVG (no JavaScript)."""
+        status = html.escape(self.status + (f": {self.status_detail}" if self.status_detail else ""))
+        charts = static.charts_html(chart_data(self.run, self.max_points))
+        return (f'<div class="training-lab-dashboard"><p style="font-family:sans-serif">'
+                f"<b>Training Lab dashboard</b> ({status}), {len(self.run)} steps</p>{charts}</div>")
+
+    def _repr_mimebundle_(self, include=None, exclude=None, **kwargs):
+        bundle = dict(self.widget._repr_mimebundle_(include=include, exclude=exclude, **kwargs) or {})
+        bundle["text/plain"] = self.summary()
+        bundle["text/html"] = self.static_html()
+        return bundle
+
+    def _ipython_display_(self):
+        # Published with a display id so the output can be updated when
+        # training ends: the static charts then show the final run.
+        from IPython.display import display
+
+        handle = display(self._repr_mimebundle_(), raw=True, display_id=True)
+        if handle is not None:
+            self._handles.append(handle)
+
+    def __repr__(self):
+        return f"<widgets.Dashboard {self.status}: {len(self.run)} steps>"
+
+
+def _metric_and_val_names(run):
+    from widgets.charts import metric_names
+
+    names = metric_names(run.columns)
+    epochs = run.epochs()
+    names += [c for c in epochs.columns if c.startswith("val_")]
+    return names
+
+
+def _duration(seconds):
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
