@@ -13,6 +13,7 @@ from lab.devices import devices, strategy, virtual_cpus  # noqa: E402
 from lab.modes import set_mode  # noqa: E402
 from lab.recorder import Recorder  # noqa: E402
 from lab.run import Run  # noqa: E402
+from lab.stepper import Stepper, StepTrace  # noqa: E402
 
-__all__ = ["Breakpoint", "Recorder", "Run", "breakpoints", "datasets", "devices", "set_mode", "strategy", "virtual_cpus"]
+__all__ = ["Breakpoint", "Recorder", "Run", "breakpoints", "datasets", "devices", "set_mode", "StepTrace", "Stepper", "strategy", "virtual_cpus"]
 __version__ = "0.1.0"

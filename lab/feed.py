@@ -1,0 +1,205 @@
+"""Feed: the batches a Stepper hands to train_step, shaped as fit() shapes them.
+
+Arrays are batched here (seeded shuffle per epoch); datasets, PyDatasets and
+generators are iterated as fit() iterates them. Batches handed back by a
+rewind come out again first, so every data form replays exactly.
+"""
+
+import collections
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+Fed = collections.namedtuple("Fed", ["epoch", "batch", "data"])
+
+_END = (StopIteration, tf.errors.OutOfRangeError)
+
+
+class Feed:
+    """Yields `Fed(epoch, batch, data)` items; `data` is what train_step receives.
+
+    Args:
+        data: an array, a tuple `(x, y)` / `(x, y, sample_weight)` of arrays
+            (x may be a list or dict of arrays), a `tf.data.Dataset`, a
+            `keras.utils.PyDataset`, or a generator.
+        batch_size: int or None, for arrays (default 32).
+        shuffle: bool, reshuffle arrays every epoch.
+        seed: int or None, seeds the shuffle.
+        steps_per_epoch: int or None, batches per epoch.
+    """
+
+    def __init__(self, data, batch_size=None, shuffle=True, seed=None, steps_per_epoch=None):
+        if steps_per_epoch is not None and int(steps_per_epoch) < 1:
+            raise ValueError(f"steps_per_epoch must be at least 1, got {steps_per_epoch}.")
+        self.steps_per_epoch = None if steps_per_epoch is None else int(steps_per_epoch)
+        self._source = _source(data, batch_size, shuffle, seed)
+        self._replay = collections.deque()
+        self._epoch = 0
+        self._batch = 0
+        self._iterator = None
+
+    def next(self):
+        """The next item: a replayed one if any, else a fresh batch."""
+        if self._replay:
+            return self._replay.popleft()
+        while True:
+            if self.steps_per_epoch is not None and self._batch >= self.steps_per_epoch:
+                self._end_epoch(keep_iterator=True)
+            if self._iterator is None:
+                self._iterator = self._source.epoch(self._epoch)
+            try:
+                data = next(self._iterator)
+            except _END:
+                if self._batch == 0:
+                    raise self._source.empty_error(self._epoch) from None
+                self._end_epoch(keep_iterator=False)
+                continue
+            item = Fed(self._epoch, self._batch, _as_step_input(data))
+            self._batch += 1
+            return item
+
+    def push_back(self, items):
+        """Puts items back so they come out next, in the given order."""
+        for item in reversed(list(items)):
+            self._replay.appendleft(item)
+
+    def _end_epoch(self, keep_iterator):
+        self._epoch += 1
+        self._batch = 0
+        if not keep_iterator:
+            self._iterator = None
+
+
+def to_numpy(structure):
+    """Tensors in a nested structure -> numpy arrays (None stays None)."""
+    if structure is None:
+        return None
+    return keras.tree.map_structure(lambda t: None if t is None else np.asarray(t), structure)
+
+
+def _as_step_input(data):
+    """fit() passes tuples; lists become tuples, numpy leaves become tensors."""
+    if isinstance(data, list):
+        data = tuple(data)
+    return keras.tree.map_structure(
+        lambda leaf: leaf if leaf is None or tf.is_tensor(leaf) else tf.convert_to_tensor(_floatx(leaf)), data
+    )
+
+
+def _floatx(value):
+    array = np.asarray(value)
+    if array.dtype.kind == "f" and array.dtype != np.dtype(keras.backend.floatx()):
+        # fit() casts float arrays to the backend float type.
+        return array.astype(keras.backend.floatx())
+    return array
+
+
+def _source(data, batch_size, shuffle, seed):
+    if isinstance(data, tf.data.Dataset):
+        return _Reiterable(lambda: iter(data), "tf.data.Dataset")
+    if isinstance(data, keras.utils.PyDataset):
+        return _PyDatasetSource(data)
+    if _is_arrays(data):
+        return _ArraySource(data, batch_size, shuffle, seed)
+    if hasattr(data, "__next__"):
+        return _OneShot(data)
+    if hasattr(data, "__iter__") and not isinstance(data, (str, bytes, dict)):
+        return _Reiterable(lambda: iter(data), type(data).__name__)
+    raise TypeError(
+        f"Cannot step through data of type {type(data).__name__}. Pass what fit() takes: "
+        "an array, a tuple (x, y) or (x, y, sample_weight) of arrays, a tf.data.Dataset, "
+        "a keras.utils.PyDataset or a generator of (x, y) tuples."
+    )
+
+
+def _is_arrays(data):
+    if isinstance(data, tuple) and 1 <= len(data) <= 3:
+        leaves = keras.tree.flatten(data)
+    else:
+        leaves = keras.tree.flatten(data) if isinstance(data, (list, dict)) else [data]
+    return bool(leaves) and all(hasattr(leaf, "shape") and hasattr(leaf, "__array__") or
+                                hasattr(leaf, "to_numpy") for leaf in leaves)
+
+
+class _ArraySource:
+    def __init__(self, data, batch_size, shuffle, seed):
+        if not (isinstance(data, tuple) and 1 <= len(data) <= 3):
+            data = (data,)
+        data = tuple(d for d in data if d is not None) if data[-1] is None else data
+        self.data = keras.tree.map_structure(lambda a: np.asarray(a), data)
+        lengths = {}
+        for name, part in zip(("x", "y", "sample_weight"), self.data):
+            for leaf in keras.tree.flatten(part):
+                lengths.setdefault(name, set()).add(len(leaf))
+        sizes = {n: sorted(s) for n, s in lengths.items()}
+        if len({v for s in sizes.values() for v in s}) != 1:
+            described = ", ".join(f"{n} has {s[0] if len(s) == 1 else s} samples" for n, s in sizes.items())
+            raise ValueError(f"The arrays differ in length ({described}); give them the same first dimension.")
+        self.count = next(iter(sizes["x"]))
+        if self.count == 0:
+            raise ValueError("The arrays hold no samples.")
+        if batch_size is not None and int(batch_size) < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}.")
+        self.batch_size = 32 if batch_size is None else int(batch_size)
+        self.shuffle = shuffle
+        self.rng = np.random.default_rng(seed)
+
+    def epoch(self, epoch):
+        order = self.rng.permutation(self.count) if self.shuffle else np.arange(self.count)
+        for start in range(0, self.count, self.batch_size):
+            rows = order[start:start + self.batch_size]
+            yield keras.tree.map_structure(lambda a: a[rows], self.data)
+
+    def empty_error(self, epoch):
+        return ValueError("The arrays hold no samples.")
+
+
+class _Reiterable:
+    def __init__(self, make, kind):
+        self.make, self.kind = make, kind
+
+    def epoch(self, epoch):
+        return self.make()
+
+    def empty_error(self, epoch):
+        return ValueError(f"The {self.kind} yields no batches; give the Stepper data with at least one.")
+
+
+class _PyDatasetSource:
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def epoch(self, epoch):
+        if epoch > 0:
+            self.dataset.on_epoch_end()
+        count = self.dataset.num_batches
+        index = 0
+        while count is None or index < count:
+            try:
+                yield self.dataset[index]
+            except IndexError:
+                return
+            index += 1
+
+    def empty_error(self, epoch):
+        return ValueError("The PyDataset yields no batches.")
+
+
+class _OneShot:
+    def __init__(self, iterator):
+        self.iterator = iterator
+        self.used = False
+
+    def epoch(self, epoch):
+        if self.used:
+            raise ValueError(
+                "The generator is exhausted: a generator runs through once. Pass "
+                "steps_per_epoch=... to split it into epochs, or a tf.data.Dataset or "
+                "keras.utils.PyDataset, which can be iterated again."
+            )
+        self.used = True
+        return self.iterator
+
+    def empty_error(self, epoch):
+        return ValueError("The generator yields no batches.")

@@ -1,0 +1,668 @@
+"""Stepper: run a model's own train_step one batch at a time, and step back.
+
+The stepper owns the lab's only training loop. It hands the model's
+`train_step` (built-in or overridden, never re-implemented) batches shaped as
+`fit()` hands them — `(x, y)`, `(x,)` or `(x, y, sample_weight)`, not
+`train_on_batch`'s `(x, y, None)` — and records what each step touched in a
+`StepTrace`.
+
+Snapshots are copy-on-step: the stepper keeps one host copy of the model's
+state (weights, non-trainable variables, optimizer slots and iterations,
+metric totals, random-seed state) and, per kept step, the previous arrays of
+only the variables that step changed. An optimizer step changes every
+trainable weight and its slots, so with Adam the cost is about
+`(history + 1) * 4 * parameters * 4 bytes` (16 steps of a 1M-parameter model:
+about 270 MB) plus the kept batches. Lower `history` to spend less.
+"""
+
+import collections
+import dataclasses
+import inspect
+import time
+import traceback as traceback_module
+
+import keras
+import numpy as np
+import pandas as pd
+import tensorflow as tf
+
+from lab.probes import _is_mean, find_optimizers, leaf_metrics, variable_keys
+from lab.feed import Feed, to_numpy
+
+_LOSS_ARGS = ("x", "y", "y_pred", "sample_weight", "training")
+
+
+@dataclasses.dataclass
+class StepTrace:
+    """What one training step saw and did.
+
+    Attributes:
+        index: int, the global step from 0 (a replayed step reuses its index).
+        epoch: int, the epoch the batch belongs to.
+        batch: int, the batch's position in its epoch.
+        x: ndarray or structure of them, the batch's inputs.
+        y: ndarray or None, the batch's targets.
+        y_pred: ndarray or None, the predictions the step made (what it passed
+            to `compute_loss`, else what the model's `call` returned).
+        logs: dict, what `train_step` returned (Keras' running epoch values).
+        gradients: dict, variable key -> ndarray, the gradients the optimizer applied.
+        weights_before: dict, variable key -> ndarray, trainable weights before the step.
+        weights_after: dict, variable key -> ndarray, trainable weights after it.
+        seconds: float, wall time of the `train_step` call.
+        error: Exception or None, what the step raised (the model is then as before it).
+        traceback: str, the formatted traceback of `error` ("" without one).
+        hint: str, how to fix the usual cause of `error` ("" when none is known).
+        row: dict, the batch's own values as a run row (`loss`, metrics,
+            `learning_rate`, `grad_norm/<key>`, `grad_norm`).
+        no_gradient: list of str, keys of variables passed to the optimizer with a None gradient.
+        sample_weight: ndarray or None.
+    """
+
+    index: int
+    epoch: int
+    batch: int
+    x: object = None
+    y: object = None
+    y_pred: object = None
+    logs: dict = dataclasses.field(default_factory=dict)
+    gradients: dict = dataclasses.field(default_factory=dict)
+    weights_before: dict = dataclasses.field(default_factory=dict)
+    weights_after: dict = dataclasses.field(default_factory=dict)
+    seconds: float = float("nan")
+    error: BaseException = None
+    traceback: str = ""
+    hint: str = ""
+    row: dict = dataclasses.field(default_factory=dict)
+    no_gradient: list = dataclasses.field(default_factory=list)
+    sample_weight: object = None
+
+    @property
+    def loss(self):
+        """float, the batch's own loss (NaN when the step failed)."""
+        return float(self.row.get("loss", float("nan")))
+
+    def weight_deltas(self):
+        """dict, variable key -> ndarray, what the step added to each trainable weight."""
+        return {k: self.weights_after[k] - v for k, v in self.weights_before.items() if k in self.weights_after}
+
+    def __repr__(self):
+        if self.error is not None:
+            return f"<StepTrace {self.index} (epoch {self.epoch}, batch {self.batch}): {type(self.error).__name__}>"
+        return f"<StepTrace {self.index} (epoch {self.epoch}, batch {self.batch}): loss {self.loss:.4g}>"
+
+
+@dataclasses.dataclass
+class _Snapshot:
+    trace: StepTrace
+    fed: object  # the Feed item the step consumed
+    before: dict  # variable id -> array before the step, for variables it changed
+
+
+class Stepper:
+    """Runs a model's own `train_step` one batch at a time; rewinds steps.
+
+    Args:
+        model: keras.Model, compiled (its `train_step` may be overridden).
+        data: what `fit()` takes as `x`: an array, a tuple `(x, y)` or
+            `(x, y, sample_weight)` of arrays, a `tf.data.Dataset`, a
+            `keras.utils.PyDataset` or a generator of such tuples.
+        batch_size: int or None, for arrays (default 32, as in `fit()`).
+        shuffle: bool, reshuffle arrays every epoch; False keeps data order.
+        seed: int or None, makes the shuffled order reproducible.
+        mode: str, "eager" (every value inspectable) or "graph" (the step is
+            a `tf.function`; values come out of the compiled step).
+        history: int, how many steps `rewind` can undo (see the module's memory note).
+        steps_per_epoch: int or None, batches per epoch (needed for a
+            generator to run more than one epoch).
+        run: `lab.Run` or None; each step appends its row there.
+        start_step: int, the index of the first step (to continue a run).
+
+    Example:
+
+    ```python
+    stepper = lab.Stepper(model, (x, y), batch_size=32, seed=0)
+    trace = stepper.step()        # one batch through model.train_step
+    trace.loss, trace.gradients
+    stepper.rewind()              # as if that step never ran
+    ```
+    """
+
+    def __init__(self, model, data, batch_size=None, shuffle=True, seed=None, *, mode="eager",
+                 history=16, steps_per_epoch=None, run=None, start_step=0):
+        if not isinstance(model, keras.Model):
+            raise TypeError(f"Stepper needs a keras.Model, got {type(model).__name__}.")
+        if not getattr(model, "compiled", False):
+            raise ValueError(
+                "The model is not compiled. Call model.compile(optimizer=..., loss=...) "
+                "before stepping it, as fit() would require."
+            )
+        if int(history) < 1:
+            raise ValueError(f"history must be at least 1, got {history}.")
+        self.model = model
+        self.feed = Feed(data, batch_size=batch_size, shuffle=shuffle, seed=seed,
+                         steps_per_epoch=steps_per_epoch)
+        self.history = int(history)
+        self.run = run
+        self.mode = mode
+        self._index = int(start_step)
+        self._snapshots = collections.deque(maxlen=self.history)
+        self._state = {}  # variable id -> (variable, array): the model's state as last seen
+        self._created = {}  # variable id -> (variable, initial array), made during steps
+        self._graph_step = None
+        self._graph_failed_build = False
+        self._step_function = None  # set by from_step
+        self.last_trace = None
+
+    # ---- public ------------------------------------------------------------
+
+    @classmethod
+    def from_step(cls, step_fn, model, data, optimizers=(), **kwargs):
+        """A stepper for a step function the user wrote instead of a `train_step`.
+
+        Args:
+            step_fn: callable, `step_fn(x, y)` runs one training step and
+                returns a dict of logs or the loss.
+            model: keras.Model whose variables the step changes (need not be compiled).
+            data: as for `Stepper`.
+            optimizers: sequence of keras optimizers the step applies; their
+                state is snapshotted and their gradients recorded.
+            **kwargs: as for `Stepper`.
+
+        Example:
+
+        ```python
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y, model(x, training=True))
+            opt.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+            return {"loss": loss}
+
+        stepper = lab.Stepper.from_step(step, model, (x, y), optimizers=[opt])
+        ```
+        """
+        if not callable(step_fn):
+            raise TypeError(f"step_fn must be callable as step_fn(x, y), got {type(step_fn).__name__}.")
+        stepper = cls.__new__(cls)
+        compiled = getattr(model, "compiled", False)
+        try:
+            model.compiled = True  # from_step needs no compile(); skip that check only
+            cls.__init__(stepper, model, data, **kwargs)
+        finally:
+            model.compiled = compiled
+        stepper._step_function = step_fn
+        stepper._extra_optimizers = list(optimizers)
+        return stepper
+
+    @property
+    def traces(self):
+        """list of StepTrace, the kept steps (at most `history`), oldest first."""
+        return [s.trace for s in self._snapshots]
+
+    @property
+    def next_index(self):
+        """int, the index the next step will get."""
+        return self._index
+
+    def peek(self):
+        """The next batch, without stepping: `(x, y, sample_weight)` as arrays."""
+        item = self.feed.next()
+        self.feed.push_back([item])
+        return keras.utils.unpack_x_y_sample_weight(to_numpy(item.data))
+
+    def step(self, n=1):
+        """Runs `n` training steps; stops early at a step that raises.
+
+        Args:
+            n: int, steps to run.
+
+        Returns:
+            StepTrace, the last step's (its `error` is set when it failed; the
+            model is then as before that step, and the batch is next again).
+        """
+        if int(n) < 1:
+            raise ValueError(f"step(n) needs n >= 1, got {n}.")
+        trace = None
+        for _ in range(int(n)):
+            trace = self._step_once()
+            if trace.error is not None:
+                break
+        return trace
+
+    def run_until(self, condition, max_steps=1000):
+        """Steps until `condition` holds, a step fails, or `max_steps` ran.
+
+        Args:
+            condition: callable `condition(trace) -> bool`, or a
+                `lab.Breakpoint` (checked against the step's row).
+            max_steps: int, the most steps to run.
+
+        Returns:
+            StepTrace, the last step's; `stepper.hit` says whether the condition held.
+        """
+        check = _as_check(condition)
+        trace = None
+        self.hit = False
+        for _ in range(int(max_steps)):
+            trace = self._step_once()
+            if trace.error is not None:
+                break
+            if check(trace):
+                self.hit = True
+                if getattr(condition, "skips_update", False):
+                    self.rewind(1)
+                break
+        return trace
+
+    def rewind(self, n=1):
+        """Restores the model and data position to before the last `n` steps.
+
+        Weights, optimizer slots and iterations, metric state and random-seed
+        state are restored; the rewound batches come next again; their traces
+        are dropped.
+
+        Args:
+            n: int, steps to undo.
+
+        Raises:
+            ValueError: when fewer than `n` steps are kept.
+        """
+        n = int(n)
+        if n < 1:
+            raise ValueError(f"rewind(n) needs n >= 1, got {n}.")
+        if n > len(self._snapshots):
+            raise ValueError(
+                f"Cannot rewind {n} steps: only the last {len(self._snapshots)} are kept "
+                f"(history={self.history}). Create the Stepper with a larger history=... to go further back."
+            )
+        undone = [self._snapshots.pop() for _ in range(n)]
+        restore = {}
+        for snapshot in undone:  # newest first, so the oldest value wins
+            restore.update(snapshot.before)
+        self._refresh_state()
+        for key, array in restore.items():
+            variable = self._state[key][0]
+            variable.assign(array)
+            self._state[key] = (variable, array)
+        self.feed.push_back([s.fed for s in reversed(undone)])
+        self._index = undone[-1].trace.index
+        if self.run is not None:
+            self.run.add_event("rewind", f"to before step {self._index}", step=self._index)
+        self.last_trace = self._snapshots[-1].trace if self._snapshots else None
+        return self.last_trace
+
+    def sync(self):
+        """Re-reads the model's state after something else changed it; drops the history."""
+        self._snapshots.clear()
+        self._state = {}
+        self._refresh_state()
+
+    # ---- one step ----------------------------------------------------------
+
+    def _step_once(self):
+        fed = self.feed.next()
+        changed_outside = self._refresh_state()
+        if changed_outside:
+            # The model moved (a fit(), set_weights): older snapshots no longer apply.
+            self._snapshots.clear()
+        before_state = dict(self._state)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(to_numpy(fed.data))
+        trace = StepTrace(index=self._index, epoch=fed.epoch, batch=fed.batch, x=x, y=y,
+                          sample_weight=sample_weight)
+        trace.weights_before = self._trainable_arrays(before_state)
+        capture = _Capture(self)
+        start = time.perf_counter()
+        try:
+            if fed.batch == 0:
+                self.model.reset_metrics()  # fit() does this at every epoch start
+            outputs = self._run(fed.data, capture)
+            trace.seconds = time.perf_counter() - start
+        except Exception as error:  # noqa: BLE001 - the trace carries it
+            trace.seconds = time.perf_counter() - start
+            self._restore(before_state, capture)
+            self.feed.push_back([fed])
+            trace.error = error
+            trace.traceback = "".join(traceback_module.format_exception(error))
+            trace.no_gradient = capture.no_gradient
+            trace.hint = _hint(error, trace, capture)
+            if self.run is not None:
+                self.run.add_event("error", f"{type(error).__name__}: {error}", step=self._index)
+            self.last_trace = trace
+            return trace
+        self._absorb_created(capture)
+        after = self._read_all()
+        changed = {}
+        for key, (variable, array) in after.items():
+            old = before_state.get(key) or self._created.get(key)
+            if old is None:
+                continue
+            if _same(old[1], array):
+                after[key] = (variable, old[1])  # share the array: copy-on-step
+            else:
+                changed[key] = old[1]
+        self._state = after
+        trace.weights_after = self._trainable_arrays(after)
+        self._fill_outputs(trace, outputs, capture, before_state, after)
+        self._snapshots.append(_Snapshot(trace, fed, changed))
+        self._index += 1
+        if self.run is not None:
+            self._append_row(trace)
+        self.last_trace = trace
+        return trace
+
+    def _run(self, data, capture):
+        if self.mode == "eager":
+            return self._traced(data, capture)
+        if self.mode != "graph":
+            raise ValueError(f"Unknown stepper mode {self.mode!r}; use 'eager' or 'graph'.")
+        if self._graph_step is None:
+            self._build_for_graph(data)
+            self._graph_capture = capture
+            self._graph_step = tf.function(lambda d: self._traced(d, self._graph_capture), reduce_retracing=True)
+        self._graph_capture = capture
+        outputs = self._graph_step(data)
+        capture.no_gradient = capture.no_gradient or getattr(self, "_graph_no_gradient", [])
+        return outputs
+
+    def _build_for_graph(self, data):
+        """Creates the model's and optimizer's variables before tracing, as fit() does
+        under a strategy, so the first graph step can be rewound like any other."""
+        build = getattr(self.model, "_symbolic_build", None)
+        if build is None or self._step_function is not None:
+            return
+        try:
+            build(data_batch=data)
+        except Exception:  # noqa: BLE001 - a custom model may not build symbolically
+            self._graph_failed_build = True
+
+    def _traced(self, data, capture):
+        with capture:
+            if self._step_function is not None:
+                x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+                logs = self._step_function(x, y)
+            else:
+                logs = self.model.train_step(data)
+        if not isinstance(logs, dict):
+            logs = {} if logs is None else {"loss": logs}
+        if not tf.executing_eagerly():
+            self._graph_no_gradient = list(capture.no_gradient)
+        outputs = {"logs": {k: v for k, v in logs.items() if v is not None}}
+        for name in ("y_pred", "loss"):
+            value = getattr(capture, name)
+            if value is not None:
+                outputs[name] = value
+        outputs["gradients"] = dict(capture.gradients)
+        outputs["learning_rate"] = {k: tf.convert_to_tensor(v) for k, v in capture.learning_rates.items()}
+        return outputs
+
+    # ---- state ---------------------------------------------------------------
+
+    def _variables(self):
+        model = self.model
+        found = list(model.variables) + list(getattr(model, "metrics_variables", []))
+        for optimizer in self._optimizers().values():
+            found += list(optimizer.variables)
+        found += [v for v, _ in self._created.values()]
+        unique = {}
+        for variable in found:
+            unique.setdefault(id(_raw(variable)), _raw(variable))
+        return unique
+
+    def _optimizers(self):
+        found = dict(find_optimizers(self.model))
+        for i, optimizer in enumerate(getattr(self, "_extra_optimizers", [])):
+            if all(optimizer is not o for o in found.values()):
+                found[f"optimizer_{i}"] = optimizer
+        for name, optimizer in list(found.items()):
+            inner = getattr(optimizer, "inner_optimizer", None)
+            if inner is not None:
+                found[f"{name}.inner_optimizer"] = inner
+        return found
+
+    def _read_all(self):
+        return {key: (v, np.array(v.numpy(), copy=True)) for key, v in self._variables().items()}
+
+    def _refresh_state(self):
+        """Reads the model's state; True when it differs from the state last seen."""
+        current = self._read_all()
+        moved = False
+        for key, (variable, array) in current.items():
+            known = self._state.get(key)
+            if known is not None and _same(known[1], array):
+                current[key] = known
+            elif known is not None:
+                moved = True
+        self._state = current
+        return moved
+
+    def _restore(self, state, capture):
+        for key, (variable, array) in self._read_all().items():
+            if key in state and not _same(state[key][1], array):
+                variable.assign(state[key][1])
+        for variable, initial in capture.created:
+            variable.assign(initial)
+        self._absorb_created(capture)
+
+    def _absorb_created(self, capture):
+        for variable, initial in capture.created:
+            self._created[id(variable)] = (variable, initial)
+
+    def _trainable_arrays(self, state):
+        arrays = {}
+        for variable, key in zip(self.model.trainable_variables,
+                                 variable_keys(self.model.trainable_variables).values()):
+            entry = state.get(id(_raw(variable)))
+            if entry is not None:
+                arrays[key] = entry[1]
+        return arrays
+
+    # ---- outputs -------------------------------------------------------------
+
+    def _fill_outputs(self, trace, outputs, capture, before, after):
+        trace.logs = {k: _scalar_or_array(v) for k, v in outputs["logs"].items()}
+        trace.y_pred = to_numpy(outputs.get("y_pred"))
+        trace.gradients = {k: np.asarray(g) for k, g in outputs["gradients"].items()}
+        trace.no_gradient = list(capture.no_gradient)
+        row = {}
+        if "loss" in outputs:
+            row["loss"] = float(np.mean(np.asarray(outputs["loss"])))
+        metrics = leaf_metrics(self.model)
+        for name, value in trace.logs.items():
+            metric = metrics.get(name)
+            if metric is not None and _is_mean(metric):
+                total = [before.get(id(_raw(v))) for v in (metric.total, metric.count)]
+                new = [after.get(id(_raw(v))) for v in (metric.total, metric.count)]
+                reset = trace.batch == 0
+                if all(t is not None for t in total + new):
+                    dt = float(new[0][1]) - (0.0 if reset else float(total[0][1]))
+                    dc = float(new[1][1]) - (0.0 if reset else float(total[1][1]))
+                    value = dt / dc if dc else float("nan")
+            if name == "loss" and "loss" in row:
+                continue
+            if np.ndim(value) == 0:
+                row[name] = float(value)
+        rates = outputs["learning_rate"]
+        for name, rate in rates.items():
+            row["learning_rate" if len(rates) == 1 else f"learning_rate/{name}"] = float(np.asarray(rate))
+        squares = 0.0
+        for key, grad in trace.gradients.items():
+            square = float(np.sum(np.square(grad.astype(np.float64))))
+            squares += square
+            row[f"grad_norm/{key}"] = square ** 0.5
+        if trace.gradients:
+            row["grad_norm"] = squares ** 0.5
+        trace.row = row
+
+    def _append_row(self, trace):
+        columns = {"step": [trace.index], "epoch": [trace.epoch], "batch": [trace.batch],
+                   "seconds": [trace.seconds], "mode": [self.mode], "source": ["stepper"]}
+        columns.update({k: [v] for k, v in trace.row.items()})
+        self.run.append_batches(columns)
+
+
+class _Capture:
+    """Hooks installed for one step: what the step predicted, its loss, the
+    gradients each optimizer applied, variables it created. Patches are
+    instance attributes, removed when the step ends."""
+
+    def __init__(self, stepper):
+        self.stepper = stepper
+        self.y_pred = None
+        self.call_output = None
+        self.loss = None
+        self.gradients = {}
+        self.learning_rates = {}
+        self.no_gradient = []
+        self.created = []
+        self._patches = []
+        self._depth = 0
+        self._keys = {}
+
+    def __enter__(self):
+        model = self.stepper.model
+        self._keys = {id(v): k for v, k in zip(model.trainable_variables,
+                                               variable_keys(model.trainable_variables).values())}
+        self._creator = tf.variable_creator_scope(self._create)
+        self._creator.__enter__()
+        self._patch(model, "compute_loss", self._wrap_compute_loss(model.compute_loss))
+        self._patch(model, "call", self._wrap_call(model.call))
+        for name, optimizer in self.stepper._optimizers().items():
+            self._patch(optimizer, "apply", self._wrap_apply(optimizer.apply))
+            self._patch(optimizer, "_backend_update_step",
+                        self._wrap_update(name, optimizer._backend_update_step))
+        return self
+
+    def __exit__(self, *exc):
+        while self._patches:
+            target, name, previous = self._patches.pop()
+            if previous is _MISSING:
+                object.__delattr__(target, name)
+            else:
+                object.__setattr__(target, name, previous)
+        self._creator.__exit__(*exc)
+        if self.y_pred is None:
+            self.y_pred = self.call_output
+        return False
+
+    def _patch(self, target, name, replacement):
+        self._patches.append((target, name, target.__dict__.get(name, _MISSING)))
+        object.__setattr__(target, name, replacement)
+
+    def _create(self, next_creator, **kwargs):
+        variable = next_creator(**kwargs)
+        if tf.executing_eagerly():
+            self.created.append((variable, np.array(variable.numpy(), copy=True)))
+        return variable
+
+    def _key(self, variable):
+        key = self._keys.get(id(variable))
+        if key is None:
+            key = getattr(variable, "path", None) or variable.name
+        return key
+
+    def _wrap_compute_loss(self, original):
+        def compute_loss(*args, **kwargs):
+            arguments = dict(zip(_LOSS_ARGS, args), **kwargs)
+            loss = original(*args, **kwargs)
+            if arguments.get("y_pred") is not None:
+                self.y_pred = arguments["y_pred"]
+            if loss is not None:
+                self.loss = loss
+            return loss
+
+        return compute_loss
+
+    def _wrap_call(self, original):
+        def call(*args, **kwargs):
+            self._depth += 1
+            try:
+                output = original(*args, **kwargs)
+            finally:
+                self._depth -= 1
+            if self._depth == 0:
+                self.call_output = output
+            return output
+
+        call.__signature__ = inspect.signature(original)
+        return call
+
+    def _wrap_apply(self, original):
+        def apply(grads, trainable_variables=None):
+            variables = trainable_variables
+            if variables is None:
+                variables = getattr(original.__self__, "_trainable_variables", [])
+            grads = list(grads)
+            variables = list(variables)
+            self.no_gradient += [self._key(v) for g, v in zip(grads, variables) if g is None]
+            return original(grads, trainable_variables if trainable_variables is None else variables)
+
+        return apply
+
+    def _wrap_update(self, name, original):
+        def _backend_update_step(grads, trainable_variables, learning_rate):
+            result = original(grads, trainable_variables, learning_rate)
+            for grad, variable in zip(grads, trainable_variables):
+                self.gradients[self._key(variable)] = tf.convert_to_tensor(grad)
+            self.learning_rates[name] = learning_rate
+            return result
+
+        return _backend_update_step
+
+
+_MISSING = object()
+
+
+def _raw(variable):
+    """The tf.Variable behind a Keras variable (one identity for both)."""
+    inner = getattr(variable, "_value", None)
+    return inner if isinstance(inner, tf.Variable) else variable
+
+
+def _same(a, b):
+    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+def _scalar_or_array(value):
+    array = np.asarray(value)
+    return float(array) if array.ndim == 0 and array.dtype.kind in "fiub" else array
+
+
+def _as_check(condition):
+    if hasattr(condition, "hit") and callable(condition.hit):
+        return lambda trace: condition.hit(pd.Series({"step": trace.index, "epoch": trace.epoch,
+                                                       "batch": trace.batch, **trace.row}))
+    if callable(condition):
+        return lambda trace: bool(condition(trace))
+    raise TypeError(
+        f"run_until needs a callable condition(trace) -> bool or a lab.Breakpoint, got {type(condition).__name__}."
+    )
+
+
+def _hint(error, trace, capture):
+    """A line naming the usual fix for the common mistakes in a train_step."""
+    message = str(error)
+    if "No gradients provided" in message or (capture.no_gradient and isinstance(error, ValueError)):
+        missing = ", ".join(capture.no_gradient) or "all variables"
+        return (
+            f"No gradient reached: {missing}. Compute the forward pass and the loss inside "
+            "`with tf.GradientTape() as tape:`, then call `tape.gradient(loss, variables)` "
+            "for variables that the loss depends on (a `.numpy()` or `tf.stop_gradient` "
+            "on the way cuts the gradient)."
+        )
+    if "unpack" in message and isinstance(error, (ValueError, TypeError)):
+        return (
+            "fit() hands train_step `(x, y)`, `(x,)` when there are no targets, or "
+            "`(x, y, sample_weight)`; unpack it with "
+            "`x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)`."
+        )
+    if any(word in message.lower() for word in ("shape", "incompatible", "dimension", "rank")):
+        shapes = f"x {np.shape(trace.x)}"
+        if trace.y is not None:
+            shapes += f", y {np.shape(trace.y)}"
+        return (
+            f"A shape mismatch with this batch ({shapes}): check the model's input shape "
+            "against x, and the loss against y (sparse_categorical_crossentropy takes "
+            "integer labels, categorical_crossentropy one-hot rows)."
+        )
+    if "GradientTape" in message or "tape" in message.lower():
+        return "Open the tape with `with tf.GradientTape() as tape:` around the forward pass and loss."
+    return ""
