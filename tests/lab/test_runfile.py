@@ -1,0 +1,237 @@
+"""Run files: exact round trips, atomic writes, clear errors on bad files."""
+
+import os
+import pickle
+
+import h5py
+import keras
+import numpy as np
+import pytest
+from pandas.testing import assert_frame_equal
+
+import lab
+from lab import runfile
+from lab.runfile import RunFileError
+
+
+def assert_same_run(loaded, saved):
+    assert loaded.name == saved.name
+    assert loaded.metadata == saved.metadata
+    for table in ("batches", "epochs", "events"):
+        assert_frame_equal(getattr(loaded, table)(), getattr(saved, table)(), check_exact=True)
+
+
+def handmade_run():
+    run = lab.Run("lr=0.01 ü", metadata={"optimizer": {"name": "SGD", "lr": 0.01},
+                                          "tensorflow": "2.21.0", "steps": [1, 2]})
+    run.append_batches({
+        "epoch": [0, 0, 0], "batch": [0, 1, 2], "seconds": [0.1, np.nan, 0.3],
+        "mode": ["graph", "eager", "graph"],
+        "loss": np.array([1.5, np.nan, np.inf], np.float32),
+    })
+    # A column that appears later (earlier rows missing) and a row without mode.
+    run.append_batches({"epoch": [1], "batch": [0], "seconds": [0.2],
+                        "loss": [-np.inf], "grad_norm/dense/kernel": [0.5]})
+    run.append_epoch(0, {"loss": 1.0, "val_loss": 2.0})
+    run.append_epoch(1, {"loss": 0.5})
+    run.add_event("mode", "graph -> eager", step=1)
+    run.add_event("interrupt", "KeyboardInterrupt — ü")
+    return run
+
+
+def tiny_model():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", metrics=["mae"])
+    return model
+
+
+def data(n=32, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, 4)).astype("float32"), rng.normal(size=(n, 1)).astype("float32")
+
+
+def test_round_trip_keeps_values_dtypes_nans_strings_and_metadata(tmp_path):
+    run = handmade_run()
+    path = run.save(tmp_path / "run.h5")
+    loaded = lab.Run.load(path)
+    assert_same_run(loaded, run)
+    frame = loaded.batches()
+    assert frame["mode"].isna().tolist() == [False, False, False, True]
+    assert np.isnan(frame["grad_norm/dense/kernel"][:3]).all()
+    assert loaded.events()["detail"].iloc[-1] == "KeyboardInterrupt — ü"
+
+
+def test_round_trip_of_an_empty_run(tmp_path):
+    run = lab.Run("empty")
+    loaded = lab.Run.load(run.save(tmp_path / "empty.h5"))
+    assert_same_run(loaded, run)
+    assert len(loaded) == 0
+
+
+def test_round_trip_of_a_recorded_run_with_versions_and_start_time(tmp_path):
+    x, y = data()
+    recorder = lab.Recorder(gradients=True)
+    tiny_model().fit(x, y, batch_size=8, epochs=2, validation_split=0.25, verbose=0,
+                     callbacks=[recorder])
+    run = recorder.run
+    loaded = lab.Run.load(run.save(tmp_path / "recorded.h5"))
+    assert_same_run(loaded, run)
+    assert loaded.metadata["tensorflow"] and loaded.metadata["keras"] == keras.__version__
+    assert "created" in loaded.metadata
+    assert "val_loss" in loaded.epochs()
+    assert any(c.startswith("grad_norm/") for c in loaded.batches())
+
+
+def test_a_loaded_run_keeps_growing(tmp_path):
+    run = handmade_run()
+    loaded = lab.Run.load(run.save(tmp_path / "run.h5"))
+    loaded.append_batches({"epoch": [2], "batch": [0], "loss": [0.25]})
+    assert loaded.batches()["step"].tolist() == [0, 1, 2, 3, 4]
+    assert loaded.batches()["loss"].iloc[-1] == 0.25
+
+
+@pytest.mark.parametrize("failure", [OSError("disk full"), KeyboardInterrupt()])
+def test_a_crash_during_save_leaves_the_previous_file_intact(tmp_path, monkeypatch, failure):
+    path = tmp_path / "run.h5"
+    previous = handmade_run()
+    previous.save(path)
+    before = path.read_bytes()
+
+    def crash(*args, **kwargs):
+        # By now the temporary file exists and is half written.
+        assert [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+        raise failure
+
+    monkeypatch.setattr(runfile, "_write_table", crash)
+    bigger = handmade_run()
+    bigger.append_batches({"loss": [9.0]})
+    with pytest.raises(type(failure)):
+        bigger.save(path)
+
+    assert path.read_bytes() == before
+    assert_same_run(lab.Run.load(path), previous)
+    assert os.listdir(tmp_path) == ["run.h5"]
+
+
+def test_save_replaces_the_file_and_gives_it_ordinary_permissions(tmp_path):
+    path = tmp_path / "run.h5"
+    handmade_run().save(path)
+    newer = lab.Run("newer")
+    newer.save(path)
+    assert lab.Run.load(path).name == "newer"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(path).st_mode & 0o777 == 0o666 & ~umask
+
+
+@pytest.mark.parametrize("keep", [0.1, 0.5, 0.9, -16])
+def test_a_truncated_file_raises_a_clear_error(tmp_path, keep):
+    whole = handmade_run().save(tmp_path / "whole.h5")
+    content = open(whole, "rb").read()
+    cut = tmp_path / "cut.h5"
+    cut.write_bytes(content[: int(len(content) * keep)] if keep > 0 else content[:keep])
+    with pytest.raises(RunFileError, match="cut.h5") as caught:
+        lab.Run.load(cut)
+    assert "truncated" in str(caught.value) or "damaged" in str(caught.value)
+
+
+def test_a_foreign_hdf5_file_raises_a_clear_error(tmp_path):
+    path = tmp_path / "weights.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("kernel", data=np.ones((2, 2)))
+    with pytest.raises(RunFileError, match="weights.h5.*not a training-lab run record"):
+        lab.Run.load(path)
+
+
+@pytest.mark.parametrize("content", [b"", b"step,loss\n0,1.0\n", b"\x89HDF\r\n\x1a\n" + b"\0" * 8])
+def test_a_file_that_is_not_hdf5_raises_a_clear_error(tmp_path, content):
+    path = tmp_path / "run.h5"
+    path.write_bytes(content)
+    with pytest.raises(RunFileError, match=r"run\.h5.*not a readable HDF5 file"):
+        lab.Run.load(path)
+
+
+def test_a_missing_file_or_a_folder_raises_a_clear_error(tmp_path):
+    with pytest.raises(RunFileError, match="No run file at .*absent.h5"):
+        lab.Run.load(tmp_path / "absent.h5")
+    with pytest.raises(RunFileError, match="not a file"):
+        lab.Run.load(tmp_path)
+
+
+def test_a_run_file_with_a_missing_table_is_reported_damaged(tmp_path):
+    path = handmade_run().save(tmp_path / "run.h5")
+    with h5py.File(path, "a") as f:
+        del f["events"]
+    with pytest.raises(RunFileError, match="run.h5.*damaged"):
+        lab.Run.load(path)
+
+
+def test_a_column_of_the_wrong_length_is_reported_damaged(tmp_path):
+    path = handmade_run().save(tmp_path / "run.h5")
+    with h5py.File(path, "a") as f:
+        del f["batches/c5"]
+        f["batches"].create_dataset("c5", data=np.zeros(2, np.float32)).attrs["kind"] = "float"
+    with pytest.raises(RunFileError, match="column 'loss' of table 'batches'.*damaged"):
+        lab.Run.load(path)
+
+
+def test_a_file_from_a_newer_version_asks_for_an_upgrade(tmp_path):
+    path = handmade_run().save(tmp_path / "run.h5")
+    with h5py.File(path, "a") as f:
+        f.attrs["version"] = runfile.VERSION + 1
+    with pytest.raises(RunFileError, match="newer training-lab.*Upgrade"):
+        lab.Run.load(path)
+
+
+def test_a_dataset_that_needs_a_filter_plugin_is_refused_without_loading_plugins(tmp_path):
+    path = handmade_run().save(tmp_path / "run.h5")
+    with h5py.File(path, "a") as f:
+        del f["batches/c5"]
+        # A third-party filter id, as a plugin-compressed dataset would carry.
+        plist = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        plist.set_chunk((4,))
+        plist.set_filter(32001, h5py.h5z.FLAG_OPTIONAL, ())
+        space = h5py.h5s.create_simple((4,))
+        dataset = h5py.Dataset(h5py.h5d.create(f["batches"].id, b"c4", h5py.h5t.NATIVE_FLOAT,
+                                               space, dcpl=plist))
+        dataset[...] = np.zeros(4, np.float32)
+        dataset.attrs["kind"] = "float"
+    search_path = [h5py.h5pl.get(i) for i in range(h5py.h5pl.size())]
+    with pytest.raises(RunFileError, match="filter 32001.*plugin"):
+        lab.Run.load(path)
+    # The user's own HDF5 plugin path is back as it was.
+    assert [h5py.h5pl.get(i) for i in range(h5py.h5pl.size())] == search_path
+
+
+def test_loading_never_unpickles(tmp_path, monkeypatch):
+    run = handmade_run()
+    path = run.save(tmp_path / "run.h5")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a run file was unpickled")
+
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "Unpickler", refuse)
+    assert_same_run(lab.Run.load(path), run)
+
+
+def test_recorder_path_saves_a_loadable_file_after_the_first_epoch(tmp_path):
+    path = tmp_path / "live.h5"
+    seen = {}
+
+    class ReadDuringEpochTwo(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1:
+                seen["run"] = lab.Run.load(path)
+
+    x, y = data()
+    recorder = lab.Recorder(path=str(path))
+    tiny_model().fit(x, y, batch_size=8, epochs=3, verbose=0,
+                     callbacks=[recorder, ReadDuringEpochTwo()])
+    during = seen["run"]
+    assert len(during) == 4 and during.batches()["epoch"].tolist() == [0, 0, 0, 0]
+    assert during.epochs()["epoch"].tolist() == [0]
+    final = lab.Run.load(path)
+    assert len(final) == 12 and final.epochs()["epoch"].tolist() == [0, 1, 2]
+    assert_same_run(final, recorder.run)
