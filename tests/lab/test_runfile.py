@@ -192,7 +192,7 @@ def test_a_dataset_that_needs_a_filter_plugin_is_refused_without_loading_plugins
         plist.set_chunk((4,))
         plist.set_filter(32001, h5py.h5z.FLAG_OPTIONAL, ())
         space = h5py.h5s.create_simple((4,))
-        dataset = h5py.Dataset(h5py.h5d.create(f["batches"].id, b"c4", h5py.h5t.NATIVE_FLOAT,
+        dataset = h5py.Dataset(h5py.h5d.create(f["batches"].id, b"c5", h5py.h5t.NATIVE_FLOAT,
                                                space, dcpl=plist))
         dataset[...] = np.zeros(4, np.float32)
         dataset.attrs["kind"] = "float"
