@@ -46,10 +46,13 @@ class StepBuffer:
         index = tf.reshape(tf.math.floormod(self.count, self.capacity), [1, 1])
         if self._distributed:
             # Mirrored variables take plain assigns from replica context only.
-            self.values.assign(tf.tensor_scatter_nd_update(self.values, index, row))
+            written = self.values.assign(tf.tensor_scatter_nd_update(self.values, index, row))
         else:
-            self.values.scatter_nd_update(index, row)
-        self.count.assign_add(1)
+            written = self.values.scatter_nd_update(index, row)
+        # The count is another resource: without this dependency it may advance
+        # in a step that fails before its row is written.
+        with tf.control_dependencies([written]):
+            self.count.assign_add(1)
 
     def read_new(self):
         """Returns the rows written since the last read, oldest first, as a numpy array.

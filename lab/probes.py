@@ -94,6 +94,32 @@ def _all_reduce(value, op):
     return ctx.all_reduce(op, value)
 
 
+def _flat_logs(logs, prefix=""):
+    """(name, value) pairs of a step's returned logs; nested dicts flattened,
+    as a custom step returning `{m.name: m.result() for m in self.metrics}`
+    nests the compiled metrics."""
+    if not isinstance(logs, dict):
+        return []
+    pairs = []
+    for key, value in logs.items():
+        if isinstance(value, dict):
+            pairs += _flat_logs(value)
+        else:
+            pairs.append((prefix + str(key), value))
+    return pairs
+
+
+def _scalar_tensor(value):
+    value = getattr(value, "value", value) if isinstance(value, keras.Variable) else value
+    try:
+        tensor = tf.convert_to_tensor(value)
+    except (TypeError, ValueError):
+        return None
+    if tensor.shape.rank == 0 and (tensor.dtype.is_floating or tensor.dtype.is_integer or tensor.dtype.is_bool):
+        return tensor
+    return None
+
+
 class _StepState:
     """What one call of train_step produced, collected while it runs (or traces)."""
 
@@ -267,14 +293,14 @@ class Probe:
                 values["_tracker_loss"] = tracker_loss
         elif tracker_loss is not None:
             values["loss"] = tracker_loss
-        for key, value in (logs or {}).items() if isinstance(logs, dict) else ():
+        for key, value in _flat_logs(logs):
             if key in values:
                 continue
             if key in totals:
                 values[key] = self._metric_delta(metrics[key], totals[key])
             else:
-                tensor = tf.convert_to_tensor(value)
-                if tensor.shape.rank == 0 and (tensor.dtype.is_floating or tensor.dtype.is_integer):
+                tensor = _scalar_tensor(value)
+                if tensor is not None:
                     values[key] = _all_reduce(tf.cast(tensor, tf.float32), "MEAN")
         self._record_updates(state, values)
         self._write(values)

@@ -129,6 +129,7 @@ class Recorder(keras.callbacks.Callback):
         steps = max(1, batch - self._begin_step + 1)
         mode = modes.current_mode(self.model)
         if mode != self._mode:
+            self.run.add_event("mode", f"{self._mode} -> {mode}", step=len(self.run) + len(self._pending))
             self._mode = mode
         for i in range(steps):
             self._pending.append((self._epoch, self._begin_step + i, elapsed / steps, mode))
@@ -160,7 +161,7 @@ class Recorder(keras.callbacks.Callback):
 
     # ---- reading the device buffer ----------------------------------------
 
-    def flush(self):
+    def flush(self, failing=False):
         """Moves the rows recorded on the device into `run`; returns how many."""
         if self._probe is None:
             return 0
@@ -169,6 +170,21 @@ class Recorder(keras.callbacks.Callback):
         count = len(next(iter(rows.values()))) if rows else 0
         if count == 0:
             return 0
+        if count > len(self._pending) and not failing:
+            # Keras ran steps no callback saw: at the end of a generator of
+            # unknown length it runs one step on an empty batch (the optimizer
+            # counts it). It is no batch of the data: note it, keep it out.
+            extra = count - len(self._pending)
+            self.run.add_event(
+                "empty_step",
+                f"Keras ran {extra} train step(s) that no callback saw (end of data); "
+                "optimizer.iterations counts them",
+                step=len(self.run) + len(self._pending) - 1,
+            )
+            rows = {name: values[: len(self._pending)] for name, values in rows.items()}
+            count = len(self._pending)
+            if count == 0:
+                return 0
         meta = self._pending[:count]
         del self._pending[:count]
         while len(meta) < count:
@@ -237,7 +253,7 @@ class Recorder(keras.callbacks.Callback):
 
     def _on_failure(self, error):
         try:
-            self.flush()
+            self.flush(failing=True)
         except Exception:  # noqa: BLE001 - the user's error is the one to show
             pass
         if isinstance(error, KeyboardInterrupt):

@@ -1,0 +1,301 @@
+"""Recorder: one row per batch with the batch's own values, for any model shape."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import lab
+
+BATCH = 32
+
+
+def make_mlp(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [keras.Input((64,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(10)]
+    )
+
+
+def compile_(model, **kwargs):
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        **kwargs,
+    )
+    return model
+
+
+@pytest.fixture(scope="module")
+def digits():
+    (x, y), (xt, yt) = lab.datasets.digits()
+    return x[:256], y[:256], xt[:64], yt[:64]
+
+
+def batches_of(x, y):
+    return [(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, len(x), BATCH)]
+
+
+def test_rows_hold_each_batch_own_loss_not_the_running_mean(digits):
+    x, y, _, _ = digits
+    model = compile_(make_mlp())
+    twin = compile_(make_mlp())
+    twin.set_weights(model.get_weights())
+    rec = lab.Recorder()
+    history = model.fit(x, y, batch_size=BATCH, shuffle=False, epochs=1, callbacks=[rec], verbose=0)
+    expected = [twin.train_on_batch(bx, by, return_dict=True) for bx, by in batches_of(x, y)]
+    rows = rec.run.batches()
+    assert list(rows["step"]) == list(range(len(expected)))
+    np.testing.assert_allclose(rows["loss"], [e["loss"] for e in expected], rtol=1e-5)
+    np.testing.assert_allclose(rows["accuracy"], [e["accuracy"] for e in expected], rtol=1e-5)
+    # Keras' own figure is the running mean: the last row differs from it.
+    assert abs(rows["loss"].iloc[-1] - history.history["loss"][-1]) > 1e-4
+    np.testing.assert_allclose(rows["loss"].mean(), history.history["loss"][-1], rtol=1e-4)
+
+
+def test_columns_and_epochs_with_validation(digits):
+    x, y, xt, yt = digits
+    model = compile_(make_mlp())
+    rec = lab.Recorder()
+    model.fit(x, y, batch_size=BATCH, epochs=2, validation_data=(xt, yt), callbacks=[rec], verbose=0)
+    rows = rec.run.batches()
+    assert list(rows.columns[:6]) == ["step", "epoch", "batch", "seconds", "mode", "loss"]
+    assert {"accuracy", "learning_rate"} <= set(rows.columns)
+    assert len(rows) == 16 and list(rows["epoch"].unique()) == [0, 1]
+    assert list(rows["batch"][:8]) == list(range(8))
+    assert (rows["mode"] == "graph").all()
+    assert (rows["seconds"] > 0).all()
+    np.testing.assert_allclose(rows["learning_rate"], 0.1, rtol=1e-6)
+    epochs = rec.run.epochs()
+    assert list(epochs["epoch"]) == [0, 1]
+    assert {"loss", "accuracy", "val_loss", "val_accuracy"} <= set(epochs.columns)
+
+
+@pytest.mark.parametrize("steps_per_execution", [4, 5])
+def test_every_batch_has_its_row_at_steps_per_execution(digits, steps_per_execution):
+    x, y, _, _ = digits
+    model = compile_(make_mlp())
+    reference = compile_(make_mlp())
+    reference.set_weights(model.get_weights())
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        steps_per_execution=steps_per_execution,
+    )
+    rec, ref = lab.Recorder(), lab.Recorder()
+    model.fit(x, y, batch_size=BATCH, shuffle=False, callbacks=[rec], verbose=0)
+    reference.fit(x, y, batch_size=BATCH, shuffle=False, callbacks=[ref], verbose=0)
+    rows, expected = rec.run.batches(), ref.run.batches()
+    assert len(rows) == len(expected) == 8
+    assert list(rows["batch"]) == list(range(8))
+    np.testing.assert_allclose(rows["loss"], expected["loss"], rtol=1e-4)
+    assert len(set(np.round(rows["loss"], 6))) == 8
+
+
+def test_dataset_and_generator_inputs(digits):
+    x, y, _, _ = digits
+    model = compile_(make_mlp())
+    rec = lab.Recorder()
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH), callbacks=[rec], verbose=0)
+    assert len(rec.run) == 8
+
+    def generator():
+        for bx, by in batches_of(x, y):
+            yield bx, by
+
+    rec = lab.Recorder()
+    model.fit(generator(), callbacks=[rec], verbose=0)
+    assert len(rec.run) == 8
+    assert np.isfinite(rec.run.column("loss")).all()
+
+
+def test_functional_model_and_sample_weights(digits):
+    x, y, _, _ = digits
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((64,))
+    outputs = keras.layers.Dense(10)(keras.layers.Dense(8, activation="tanh")(inputs))
+    model = compile_(keras.Model(inputs, outputs))
+    weights = np.where(y == 3, 5.0, 1.0).astype("float32")
+    twin = compile_(keras.models.clone_model(model))
+    twin.set_weights(model.get_weights())
+    rec = lab.Recorder()
+    model.fit(x, y, sample_weight=weights, batch_size=BATCH, shuffle=False, callbacks=[rec], verbose=0)
+    expected = [
+        twin.train_on_batch(x[i : i + BATCH], y[i : i + BATCH], sample_weight=weights[i : i + BATCH], return_dict=True)["loss"]
+        for i in range(0, len(x), BATCH)
+    ]
+    np.testing.assert_allclose(rec.run.column("loss"), expected, rtol=1e-5)
+
+
+class Keras3Step(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(16, activation="relu")
+        self.out = keras.layers.Dense(10)
+        self.traces = 0
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+    def train_step(self, data):
+        self.traces += 1
+        x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+class OldStyleStep(Keras3Step):
+    def train_step(self, data):
+        x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compiled_loss(y, y_pred, regularization_losses=self.losses)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        self.compiled_metrics.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+def _built(cls, seed=2):
+    keras.utils.set_random_seed(seed)
+    model = cls()
+    model(np.zeros((1, 64), "float32"))
+    return compile_(model)
+
+
+def test_custom_train_step_rows_match_train_on_batch(digits):
+    x, y, _, _ = digits
+    model = _built(Keras3Step)
+    twin = _built(Keras3Step)
+    twin.set_weights(model.get_weights())
+    rec = lab.Recorder()
+    model.fit(x, y, batch_size=BATCH, shuffle=False, callbacks=[rec], verbose=0)
+    expected = [twin.train_on_batch(bx, by, return_dict=True)["loss"] for bx, by in batches_of(x, y)]
+    np.testing.assert_allclose(rec.run.column("loss"), expected, rtol=1e-5)
+
+
+def test_old_style_step_records_the_true_loss_and_warns_once(digits):
+    x, y, _, _ = digits
+    model = _built(OldStyleStep)
+    twin = _built(Keras3Step)
+    twin.set_weights(model.get_weights())
+    rec, ref = lab.Recorder(), lab.Recorder()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(x, y, batch_size=BATCH, shuffle=False, epochs=2, callbacks=[rec], verbose=0)
+        model.fit(x, y, batch_size=BATCH, shuffle=False, callbacks=[rec], verbose=0)
+    twin.fit(x, y, batch_size=BATCH, shuffle=False, epochs=2, callbacks=[ref], verbose=0)
+    true_loss = rec.run.column("loss")[:16]
+    np.testing.assert_allclose(true_loss, ref.run.column("loss"), rtol=1e-4)
+    # What Keras reports is the mean of the predictions, far from the loss.
+    assert abs(history.history["loss"][-1] - true_loss[8:].mean()) > 0.1
+    ours = [w for w in caught if "compiled_metrics.update_state" in str(w.message)]
+    assert len(ours) == 1
+    assert "self.compute_loss" in str(ours[0].message)
+    assert "warning" in set(rec.run.events()["kind"])
+
+
+def test_one_recorder_serves_several_fits_without_retracing(digits):
+    x, y, _, _ = digits
+    model = _built(Keras3Step)
+    rec = lab.Recorder()
+    model.fit(x, y, batch_size=BATCH, callbacks=[rec], verbose=0)
+    traces = model.traces
+    model.fit(x, y, batch_size=BATCH, epochs=2, callbacks=[rec], verbose=0)
+    assert model.traces == traces
+    rows = rec.run.batches()
+    assert list(rows["step"]) == list(range(24))
+    assert np.isfinite(rows["loss"]).all()
+
+
+def test_the_lab_leaves_no_trace_on_the_model(digits, tmp_path):
+    x, y, _, _ = digits
+    model = compile_(make_mlp())
+    before = [id(w) for w in model.weights]
+    model.fit(x, y, batch_size=BATCH, callbacks=[lab.Recorder(gradients=True, weights=True)], verbose=0)
+    assert [id(w) for w in model.weights] == before
+    for name in ("train_step", "compute_loss"):
+        assert name not in model.__dict__
+    assert "_backend_update_step" not in model.optimizer.__dict__
+    assert model.train_function is None  # a later fit() builds a clean function
+    path = str(tmp_path / "m.weights.h5")
+    model.save_weights(path)
+    fresh = compile_(make_mlp(seed=5))
+    fresh.load_weights(path)
+    for a, b in zip(fresh.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    history = model.fit(x, y, batch_size=BATCH, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+
+
+def test_uncompiled_model_shows_keras_own_error(digits):
+    x, y, _, _ = digits
+    rec = lab.Recorder()
+    with pytest.raises(ValueError, match=r"You must call `compile\(\)`"):
+        make_mlp().fit(x, y, callbacks=[rec], verbose=0)
+    assert len(rec.run) == 0
+
+
+def test_shape_mismatch_fails_with_keras_error_and_readable_run(digits):
+    x, y, _, _ = digits
+    model = compile_(make_mlp())
+    rec = lab.Recorder()
+    model.fit(x, y, batch_size=BATCH, callbacks=[rec], verbose=0)
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match="incompatible|expected|size"):
+        model.fit(x[:, :10], y, batch_size=BATCH, callbacks=[rec], verbose=0)
+    assert rec.status == "failed"
+    events = rec.run.events()
+    assert events["kind"].iloc[-1] == "error"
+    assert len(rec.run.batches()) == 8
+    assert "train_step" not in model.__dict__
+
+
+def test_a_loss_that_raises_stops_fit_with_its_own_message(digits):
+    x, y, _, _ = digits
+    calls = {"n": 0}
+
+    def bad_loss(y_true, y_pred):
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise ArithmeticError("my loss broke")
+        return keras.losses.sparse_categorical_crossentropy(y_true, y_pred, from_logits=True)
+
+    model = make_mlp()
+    model.compile(optimizer="sgd", loss=bad_loss, run_eagerly=True)
+    rec = lab.Recorder()
+    with pytest.raises(ArithmeticError, match="my loss broke"):
+        model.fit(x, y, batch_size=BATCH, callbacks=[rec], verbose=0)
+    assert len(rec.run) == 3
+    assert "my loss broke" in rec.status_detail
+    assert np.isfinite(rec.run.column("loss")).all()
+
+
+def test_python_breakpoint_stops_fit_after_its_batch(digits):
+    x, y, _, _ = digits
+    model = compile_(make_mlp())
+    point = lab.Breakpoint(lambda row: row["step"] >= 2, name="third step")
+    rec = lab.Recorder(breakpoints=[point])
+    model.fit(x, y, batch_size=BATCH, epochs=3, callbacks=[rec], verbose=0)
+    assert len(rec.run) == 3
+    events = rec.run.events()
+    assert list(events["kind"]) == ["breakpoint"]
+    assert "third step at step 2" in events["detail"].iloc[0]
+    assert int(model.optimizer.iterations.numpy()) == 3
+
+
+def test_breakpoint_needs_a_callable():
+    with pytest.raises(TypeError, match="callable condition"):
+        lab.Breakpoint(0.5)

@@ -1,0 +1,39 @@
+"""The supported TensorFlow/Keras range is declared once and checked at import."""
+
+import pytest
+
+from lab import _versions
+
+
+def test_versions_inside_the_range_pass():
+    _versions.check_versions("2.16.2", "3.5.0")
+    _versions.check_versions("2.21.0", "3.15.1")
+
+
+@pytest.mark.parametrize(
+    "tf_version, keras_version, named",
+    [("2.15.1", "3.15.1", "tensorflow 2.15.1"), ("2.21.0", "2.15.0", "keras 2.15.0"), ("2.22.0", "3.16.0", "tensorflow 2.22.0")],
+)
+def test_versions_outside_the_range_name_installed_and_supported(tf_version, keras_version, named):
+    with pytest.raises(ImportError) as error:
+        _versions.check_versions(tf_version, keras_version)
+    assert named in str(error.value)
+    assert "supported" in str(error.value)
+
+
+def test_another_backend_is_refused_with_the_fix():
+    with pytest.raises(ImportError, match="KERAS_BACKEND='jax'.*tensorflow"):
+        _versions.check_backend({"KERAS_BACKEND": "jax"})
+    _versions.check_backend({})
+
+
+def test_pyproject_declares_the_same_range():
+    import pathlib
+    import tomllib
+
+    project = tomllib.loads((pathlib.Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    deps = {d.split(">")[0].split("=")[0].strip(): d for d in project["dependencies"]}
+    lo, hi = _versions.TENSORFLOW_RANGE
+    assert deps["tensorflow"] == f"tensorflow>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}"
+    lo, hi = _versions.KERAS_RANGE
+    assert deps["keras"] == f"keras>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}"
