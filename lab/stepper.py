@@ -340,6 +340,8 @@ class Stepper:
             else:
                 changed[key] = old[1]
         self._state = after
+        # Variables built inside this step: their initial values are the "before".
+        trace.weights_before = self._trainable_arrays({**self._created, **before_state})
         trace.weights_after = self._trainable_arrays(after)
         self._fill_outputs(trace, outputs, capture, before_state, after)
         self._snapshots.append(_Snapshot(trace, fed, changed))

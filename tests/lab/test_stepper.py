@@ -1,0 +1,333 @@
+"""Stepper: train_step one batch at a time, rewind, errors inside a step."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import lab
+
+RNG = np.random.default_rng(0)
+X = RNG.random((40, 6), dtype=np.float32)
+Y = RNG.integers(0, 3, 40).astype(np.int32)
+
+
+def make_model(optimizer="adam", metrics=("accuracy",), seed=0):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(5, activation="relu"), keras.layers.Dense(3)])
+    model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=list(metrics))
+    return model
+
+
+class Recording(keras.Model):
+    """A subclassed model with its own train_step (Keras 3 form) that keeps what it was handed."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(3)
+        self.handed = []
+
+    def call(self, x):
+        return self.dense(x)
+
+    def train_step(self, data):
+        self.handed.append(data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        return self.compute_metrics(x, y, y_pred, sample_weight)
+
+
+def recording_model():
+    keras.utils.set_random_seed(0)
+    model = Recording()
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+# ---- data, shaped as fit() shapes it ------------------------------------------
+
+
+def test_train_step_gets_batches_shaped_as_fit_passes_them():
+    model = recording_model()
+    lab.Stepper(model, (X, Y), batch_size=8).step()
+    lab.Stepper(model, (X, Y, np.ones(40, np.float32)), batch_size=8).step()
+    assert [len(d) for d in model.handed] == [2, 3]  # (x, y), (x, y, sw): never (x, y, None)
+    assert all(isinstance(d, tuple) for d in model.handed)
+
+
+def test_arrays_without_shuffle_come_in_data_order_and_epochs_wrap():
+    stepper = lab.Stepper(make_model(), (X, Y), batch_size=16, shuffle=False)
+    traces = [stepper.step() for _ in range(4)]
+    assert [(t.index, t.epoch, t.batch) for t in traces] == [(0, 0, 0), (1, 0, 1), (2, 0, 2), (3, 1, 0)]
+    np.testing.assert_array_equal(traces[1].x, X[16:32])
+    np.testing.assert_array_equal(traces[2].y, Y[32:40])  # the short last batch, as in fit()
+    np.testing.assert_array_equal(traces[3].x, X[:16])
+
+
+def test_metrics_reset_at_each_epoch_start():
+    stepper = lab.Stepper(make_model(), (X, Y), batch_size=16, shuffle=False)
+    first_of_epoch_1 = stepper.step(4)
+    # Keras' running accuracy restarts with the epoch: it equals this batch's own.
+    assert first_of_epoch_1.logs["accuracy"] == pytest.approx(first_of_epoch_1.row["accuracy"])
+    assert first_of_epoch_1.logs["loss"] == pytest.approx(first_of_epoch_1.row["loss"], rel=1e-5)
+
+
+def test_a_seed_makes_the_shuffled_order_reproducible():
+    orders = []
+    for _ in range(2):
+        stepper = lab.Stepper(make_model(), (X, Y), batch_size=8, seed=3)
+        orders.append(np.concatenate([stepper.step().y for _ in range(5)]))
+    np.testing.assert_array_equal(orders[0], orders[1])
+    assert not np.array_equal(orders[0], Y)  # and it is shuffled
+
+
+def test_dataset_and_generator_batches_reach_train_step():
+    dataset = tf.data.Dataset.from_tensor_slices((X, Y)).batch(10)
+    stepper = lab.Stepper(make_model(), dataset)
+    traces = [stepper.step() for _ in range(5)]
+    assert [(t.epoch, t.batch) for t in traces][3:] == [(0, 3), (1, 0)]
+    np.testing.assert_array_equal(traces[4].x, X[:10])
+
+    generator = ((X[i:i + 10], Y[i:i + 10]) for i in range(0, 40, 10))
+    stepper = lab.Stepper(make_model(), generator)
+    stepper.step(4)
+    with pytest.raises(ValueError, match="steps_per_epoch"):
+        stepper.step()  # a generator runs once; the error says how to get epochs
+
+
+def test_x_alone_is_handed_as_a_one_tuple():
+    model = recording_model()
+    stepper = lab.Stepper(model, X, batch_size=8)
+    trace = stepper.step()  # no targets: the step's compute_loss fails, as it would in fit()
+    assert len(model.handed[0]) == 1
+    assert trace.y is None
+
+
+# ---- what a trace holds ----------------------------------------------------------
+
+
+def test_trace_holds_predictions_and_the_gradients_the_optimizer_applied():
+    model = make_model(keras.optimizers.SGD(learning_rate=0.5))
+    trace = lab.Stepper(model, (X, Y), batch_size=8, shuffle=False).step()
+    w = [trace.weights_before[v.path] for v in model.trainable_variables]
+    expected = np.maximum(X[:8] @ w[0] + w[1], 0) @ w[2] + w[3]  # the step's forward pass
+    np.testing.assert_allclose(trace.y_pred, expected, rtol=1e-5, atol=1e-6)
+    assert set(trace.gradients) == set(trace.weights_before) == {
+        v.path for v in model.trainable_variables
+    }
+    for key, grad in trace.gradients.items():
+        # Plain SGD: the change of each weight is -lr * the gradient it received.
+        np.testing.assert_allclose(trace.weights_after[key] - trace.weights_before[key], -0.5 * grad, atol=1e-6)
+    assert trace.row["learning_rate"] == pytest.approx(0.5)
+    assert trace.seconds > 0 and trace.error is None
+
+
+def test_predictions_are_captured_from_a_custom_step():
+    model = recording_model()
+    trace = lab.Stepper(model, (X, Y), batch_size=8, shuffle=False).step()
+    # The model was built inside the step: its initial weights are the "before".
+    kernel, bias = (trace.weights_before[v.path] for v in (model.dense.kernel, model.dense.bias))
+    expected = X[:8] @ kernel + bias
+    np.testing.assert_allclose(trace.y_pred, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_graph_mode_gives_the_eager_values():
+    eager = lab.Stepper(make_model(), (X, Y), batch_size=8, shuffle=False).step(2)
+    graph = lab.Stepper(make_model(), (X, Y), batch_size=8, shuffle=False, mode="graph").step(2)
+    assert graph.loss == pytest.approx(eager.loss, rel=1e-5)
+    assert graph.y_pred.shape == (8, 3)
+    assert len(graph.gradients) == len(eager.gradients) == 4
+    for a, b in zip(graph.gradients.values(), eager.gradients.values()):  # twins: by position
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_stepping_leaves_no_trace_on_the_model():
+    model = make_model()
+    lab.Stepper(model, (X, Y), batch_size=8).step(2)
+    patched = {"compute_loss", "call", "train_step"} & set(vars(model))
+    assert not patched
+    assert not {"apply", "_backend_update_step"} & set(vars(model.optimizer))
+    model.fit(X, Y, epochs=1, verbose=0)  # a later fit() without the lab still trains
+
+
+# ---- rewind ------------------------------------------------------------------------
+
+
+def test_rewind_then_step_reproduces_the_same_steps_bit_for_bit():
+    model = make_model()
+    stepper = lab.Stepper(model, (X, Y), batch_size=8, seed=0)
+    stepper.step()
+    weights = [v.numpy().copy() for v in model.weights]
+    optimizer_state = [v.numpy().copy() for v in model.optimizer.variables]
+    first = [stepper.step() for _ in range(3)]
+    stepper.rewind(3)
+    assert [t.index for t in stepper.traces] == [0]
+    for variable, saved in zip(model.weights, weights):
+        np.testing.assert_array_equal(variable.numpy(), saved)
+    for variable, saved in zip(model.optimizer.variables, optimizer_state):
+        np.testing.assert_array_equal(variable.numpy(), saved)  # slots and iterations
+    again = [stepper.step() for _ in range(3)]
+    for a, b in zip(first, again):
+        assert (a.index, a.epoch, a.batch) == (b.index, b.epoch, b.batch)
+        np.testing.assert_array_equal(a.x, b.x)
+        assert a.row["loss"] == b.row["loss"]
+        for key in a.gradients:
+            np.testing.assert_array_equal(a.gradients[key], b.gradients[key])
+        assert a.logs == b.logs  # metric state was restored too
+
+
+def test_rewind_across_an_epoch_boundary_restores_metrics():
+    stepper = lab.Stepper(make_model(), (X, Y), batch_size=16, shuffle=False)
+    last_of_epoch_0 = stepper.step(3)
+    stepper.step()
+    stepper.rewind(1)
+    assert stepper.last_trace.logs == last_of_epoch_0.logs
+    assert stepper.step().batch == 0
+
+
+def test_rewinding_past_the_kept_history_raises():
+    stepper = lab.Stepper(make_model(), (X, Y), batch_size=8, history=2)
+    stepper.step(3)
+    assert len(stepper.traces) == 2
+    with pytest.raises(ValueError, match="history"):
+        stepper.rewind(3)
+
+
+def test_unchanged_weights_are_shared_not_copied():
+    model = make_model()
+    model.layers[0].trainable = False
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    stepper = lab.Stepper(model, (X, Y), batch_size=8)
+    a, b = stepper.step(), stepper.step()
+    frozen = model.layers[0].kernel.path
+    assert frozen not in a.weights_after  # only trainable weights are listed
+    kernel = model.layers[1].kernel.path
+    assert a.weights_after[kernel] is b.weights_before[kernel]
+
+
+# ---- run_until --------------------------------------------------------------------
+
+
+def test_run_until_a_callable_or_a_breakpoint():
+    stepper = lab.Stepper(make_model(), (X, Y), batch_size=8)
+    trace = stepper.run_until(lambda t: t.index == 3, max_steps=10)
+    assert trace.index == 3 and stepper.hit
+    trace = stepper.run_until(lab.Breakpoint(lambda row: row["step"] >= 6), max_steps=10)
+    assert trace.index == 6 and stepper.hit
+    trace = stepper.run_until(lambda t: False, max_steps=2)
+    assert trace.index == 8 and not stepper.hit
+
+
+def test_steps_are_rows_of_a_run():
+    run = lab.Run()
+    stepper = lab.Stepper(make_model(), (X, Y), batch_size=8, run=run)
+    stepper.step(2)
+    stepper.rewind()
+    stepper.step()
+    frame = run.batches()
+    assert list(frame["step"]) == [0, 1, 1]
+    assert list(frame["source"]) == ["stepper"] * 3
+    assert "rewind" in set(run.events()["kind"])
+
+
+# ---- errors inside a step ----------------------------------------------------------
+
+
+class Broken(Recording):
+    def __init__(self, mistake):
+        super().__init__()
+        self.mistake = mistake
+
+    def train_step(self, data):
+        x, y = data
+        if self.mistake == "shape":
+            x = tf.reshape(x, (-1, 3))  # wrong feature count for the Dense layer
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            if self.mistake != "no_tape":
+                loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+        if self.mistake == "no_tape":
+            loss = self.compute_loss(x=x, y=y, y_pred=y_pred)  # outside the tape: no gradients
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return {"loss": loss}
+
+
+def broken(mistake):
+    keras.utils.set_random_seed(0)
+    model = Broken(mistake)
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model(X[:1])
+    return model
+
+
+@pytest.mark.parametrize("mistake", ["shape", "no_tape"])
+def test_an_error_in_the_step_leaves_the_model_as_before(mistake):
+    model = broken(mistake)
+    before = [v.numpy().copy() for v in model.weights]
+    stepper = lab.Stepper(model, (X, Y), batch_size=8, shuffle=False)
+    trace = stepper.step(3)
+    assert trace.error is not None and trace.index == 0
+    assert "Traceback" in trace.traceback
+    for variable, saved in zip(model.weights, before):
+        np.testing.assert_array_equal(variable.numpy(), saved)
+    assert int(model.optimizer.iterations.numpy()) == 0
+    assert stepper.traces == []
+    model.mistake = None  # the user fixes the step; the same batch runs next
+    fixed = stepper.step()
+    assert fixed.error is None and fixed.index == 0
+    np.testing.assert_array_equal(fixed.x, X[:8])
+
+
+def test_a_none_gradient_hint_names_the_variables_that_got_none():
+    model = broken("no_tape")
+    trace = lab.Stepper(model, (X, Y), batch_size=8).step()
+    assert str(trace.error) == "No gradients provided for any variable."  # the user's own message
+    kernel, bias = model.dense.kernel.path, model.dense.bias.path
+    assert kernel in trace.hint and "GradientTape" in trace.hint
+    assert set(trace.no_gradient) == {kernel, bias}
+
+
+def test_a_shape_error_hint_shows_the_batch_shapes():
+    trace = lab.Stepper(broken("shape"), (X, Y), batch_size=8).step()
+    assert "(8, 6)" in trace.hint
+
+
+def test_bad_input_gets_a_clear_error():
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    with pytest.raises(ValueError, match="compile"):
+        lab.Stepper(model, (X, Y))
+    with pytest.raises(ValueError, match="same first dimension"):
+        lab.Stepper(make_model(), (X, Y[:30]))
+    with pytest.raises(TypeError, match="tf.data.Dataset"):
+        lab.Stepper(make_model(), 42)
+    with pytest.raises(ValueError, match="history"):
+        lab.Stepper(make_model(), (X, Y)).rewind()
+
+
+# ---- a step function of the user's own -------------------------------------------------
+
+
+def test_from_step_steps_a_hand_written_step_and_rewinds_it():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    optimizer = keras.optimizers.Adam(0.01)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+        return {"loss": loss}
+
+    stepper = lab.Stepper.from_step(step, model, (X, Y), optimizers=[optimizer], batch_size=8, seed=0)
+    first = stepper.step(2)
+    assert set(first.gradients) == {v.path for v in model.trainable_variables}
+    stepper.rewind(2)
+    assert int(optimizer.iterations.numpy()) == 0
+    again = stepper.step(2)
+    assert again.row["loss"] == first.row["loss"]
