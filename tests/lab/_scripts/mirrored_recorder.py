@@ -1,0 +1,78 @@
+"""Two virtual CPUs: strategy specs, and a Recorder under MirroredStrategy
+against the same training on one device. Prints one JSON line."""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import lab  # noqa: E402
+
+lab.virtual_cpus(2)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def errors(call):
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 - the message is what is checked
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def make_model():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([
+        keras.Input((8,)),
+        keras.layers.Dense(6, activation="relu"),
+        keras.layers.Dense(3),
+    ])
+    model.compile(optimizer=keras.optimizers.SGD(0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+def record(strategy, x, y):
+    with strategy.scope():
+        model = make_model()
+    recorder = lab.Recorder(gradients=True)
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[recorder])
+    frame = recorder.run.batches()
+    columns = [c for c in frame.columns if c in ("loss", "accuracy") or c.startswith("grad_norm")]
+    return {
+        "columns": {c: frame[c].astype(float).tolist() for c in columns},
+        "weights": [w.tolist() for w in model.get_weights()],
+    }
+
+
+def main():
+    out = {}
+    frame = lab.devices()
+    out["devices"] = frame[["name", "type"]].values.tolist()
+    mirrored = lab.strategy("mirrored")
+    out["replicas"] = mirrored.num_replicas_in_sync
+    out["mirrored_type"] = type(mirrored).__name__
+    out["same_object"] = lab.strategy("mirrored") is mirrored and lab.strategy("cpu:0,1") is mirrored
+    out["cpu1"] = type(lab.strategy("cpu:1")).__name__
+    out["gpu_error"] = errors(lambda: lab.strategy("gpu"))
+    out["cpu2_error"] = errors(lambda: lab.strategy("cpu:2"))
+    out["virtual_again"] = errors(lambda: lab.virtual_cpus(2))
+    out["virtual_other"] = errors(lambda: lab.virtual_cpus(3))
+    if "--no-fit" not in sys.argv:
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(64, 8)).astype("float32")
+        y = rng.integers(0, 3, 64).astype("int32")
+        try:
+            out["one"] = record(lab.strategy("cpu"), x, y)
+            out["mirrored"] = record(mirrored, x, y)
+        except Exception as error:  # noqa: BLE001 - reported, so the other checks still run
+            out["fit_error"] = f"{type(error).__name__}: {error}"
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

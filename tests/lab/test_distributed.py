@@ -1,0 +1,128 @@
+"""Multi-replica and multi-worker training, each in fresh processes.
+
+TensorFlow fixes its devices when it first uses them and the test process has
+already done so, so every check that needs virtual CPUs or a cluster runs a
+script from `_scripts/` in a subprocess and reads the JSON line it prints.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import lab
+
+SCRIPTS = Path(__file__).parent / "_scripts"
+PENDING_PROBE_FIX = pytest.mark.xfail(
+    strict=True,
+    reason="Probe._write creates its StepBuffer under tf.init_scope, which keeps the "
+    "replica context: 'Method requires being in cross-replica context' under any strategy "
+    "(fix: create the buffer through replica_context.merge_call)",
+)
+
+
+def _env(**extra):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    env.pop("TF_CONFIG", None)
+    env.update(extra)
+    return env
+
+
+def _result(stdout, stderr, returncode):
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    assert returncode == 0 and lines, f"script failed ({returncode}):\n{stderr[-3000:]}"
+    return json.loads(lines[-1])
+
+
+def run_script(name, *args, timeout=150):
+    """Runs `_scripts/<name>` in a fresh Python and returns its JSON output."""
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / name), *args],
+        capture_output=True, text=True, timeout=timeout, env=_env(),
+    )
+    return _result(done.stdout, done.stderr, done.returncode)
+
+
+def _free_ports(count):
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+@pytest.fixture(scope="module")
+def mirrored():
+    return run_script("mirrored_recorder.py")
+
+
+def test_virtual_cpus_give_a_two_replica_mirrored_strategy(mirrored):
+    assert mirrored["devices"] == [["/device:CPU:0", "CPU"], ["/device:CPU:1", "CPU"]]
+    assert mirrored["mirrored_type"] == "MirroredStrategy"
+    assert mirrored["replicas"] == 2
+    assert mirrored["same_object"], "lab.strategy made a second strategy for the same devices"
+    assert mirrored["cpu1"] == "OneDeviceStrategy"
+
+
+def test_unavailable_devices_are_named_in_the_error(mirrored):
+    assert "GPU:0" in mirrored["gpu_error"] and "CPU:0, CPU:1" in mirrored["gpu_error"]
+    assert "CPU:2" in mirrored["cpu2_error"] and "virtual_cpus" in mirrored["cpu2_error"]
+
+
+def test_virtual_cpus_after_initialisation(mirrored):
+    assert mirrored["virtual_again"] is None, "repeating the same split must be allowed"
+    assert "Restart the kernel" in mirrored["virtual_other"]
+    assert "2 logical CPUs" in mirrored["virtual_other"]
+
+
+@PENDING_PROBE_FIX
+def test_mirrored_recording_equals_one_device(mirrored):
+    assert "fit_error" not in mirrored, mirrored["fit_error"]
+    one, two = mirrored["one"], mirrored["mirrored"]
+    assert set(one["columns"]) == set(two["columns"])
+    assert {"loss", "accuracy", "grad_norm"} <= set(two["columns"])
+    assert len(two["columns"]["loss"]) == 4
+    for column, values in one["columns"].items():
+        np.testing.assert_allclose(two["columns"][column], values, rtol=1e-4, atol=1e-6,
+                                   err_msg=column)
+    for w1, w2 in zip(one["weights"], two["weights"]):
+        np.testing.assert_allclose(w2, w1, rtol=1e-4, atol=1e-6)
+
+
+@PENDING_PROBE_FIX
+def test_two_workers_on_localhost(tmp_path):
+    ports = _free_ports(2)
+    cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
+    run_path = tmp_path / "chief.h5"
+    workers = []
+    try:
+        for index in range(2):
+            config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
+            workers.append(subprocess.Popen(
+                [sys.executable, str(SCRIPTS / "multiworker_worker.py"), str(run_path)],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                env=_env(TF_CONFIG=config),
+            ))
+        outputs = [worker.communicate(timeout=150) for worker in workers]
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+                worker.communicate()
+    chief, other = (_result(out, err, w.returncode) for (out, err), w in zip(outputs, workers))
+    assert chief["replicas"] == 2
+    for w1, w2 in zip(chief["weights"], other["weights"]):
+        np.testing.assert_allclose(w2, w1, rtol=1e-5, atol=1e-6)
+    run = lab.Run.load(run_path)
+    batches = run.batches()
+    assert len(batches) == 8 and list(batches["step"]) == list(range(8))
+    assert np.isfinite(batches["loss"]).all() and np.isfinite(batches["grad_norm"]).all()
+    assert len(run.epochs()) == 2
