@@ -1,0 +1,143 @@
+"""Exports of a Run for other tools: CSV files and TensorBoard event files.
+
+TensorBoard files are written with TensorFlow's own summary op
+(`tf.summary.write`, tagged for TensorBoard's scalar plugin), so they need no
+`tensorboard` package to write; TensorBoard, `tf.data.TFRecordDataset` or
+`tf.compat.v1.train.summary_iterator` read them.
+"""
+
+import glob
+import os
+
+import numpy as np
+import pandas as pd
+import tensorflow as tf
+from tensorflow.core.framework import summary_pb2
+
+from lab.run import Run
+
+_TABLES = ("batches", "epochs", "events")
+_INDEX = ("step", "epoch", "batch")
+_SCALAR = summary_pb2.SummaryMetadata(
+    plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"),
+    data_class=summary_pb2.DATA_CLASS_SCALAR,
+).SerializeToString()
+_TEXT = summary_pb2.SummaryMetadata(
+    plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="text"),
+    data_class=summary_pb2.DATA_CLASS_TENSOR,
+).SerializeToString()
+
+
+def to_csv(run, path, table="batches"):
+    """Writes one table of a run to a CSV file (no index column; NaN as empty).
+
+    Args:
+        run: `lab.Run`, the record to export.
+        path: str or os.PathLike, the CSV file to write.
+        table: str, `"batches"`, `"epochs"` or `"events"`.
+
+    Returns:
+        str, the path written. `pandas.read_csv(path)` reads it back.
+
+    Example:
+
+    ```python
+    lab.export.to_csv(recorder.run, "lr-0.01.csv")
+    ```
+    """
+    _check_run(run)
+    if table not in _TABLES:
+        raise ValueError(f"table must be one of {_TABLES}; got {table!r}.")
+    path = os.fspath(path)
+    getattr(run, table)().to_csv(path, index=False)
+    return path
+
+
+def to_tensorboard(run, logdir, overwrite=False):
+    """Writes a run as TensorBoard event files: scalars per step, events as text.
+
+    Batch columns become tags `batch/<column>` at their `step`, epoch columns
+    `epoch/<column>` at the step that ended the epoch (so both overlay on one
+    step axis), and the run's events a text summary `events`. The event wall
+    times are those of the export, not of training.
+
+    Args:
+        run: `lab.Run`, the record to export.
+        logdir: str or os.PathLike, the folder for this run's event file
+            (TensorBoard shows each folder under its `--logdir` as one run).
+        overwrite: bool, delete event files already in `logdir` first;
+            otherwise a folder that has some raises `FileExistsError`
+            (TensorBoard would mix both).
+
+    Returns:
+        str, the path of the event file written.
+
+    Example:
+
+    ```python
+    lab.export.to_tensorboard(recorder.run, "logs/lr-0.01")
+    # then: tensorboard --logdir logs
+    ```
+    """
+    _check_run(run)
+    logdir = os.fspath(logdir)
+    existing = glob.glob(os.path.join(logdir, "events.out.tfevents.*"))
+    if existing and not overwrite:
+        raise FileExistsError(
+            f"{logdir!r} already holds TensorBoard event files ({len(existing)}); TensorBoard "
+            "would show them mixed with this run. Export into an empty folder, or pass "
+            "overwrite=True to delete them first."
+        )
+    for old in existing:
+        os.remove(old)
+    os.makedirs(logdir, exist_ok=True)
+    writer = tf.summary.create_file_writer(logdir)
+    # A traced summary op keeps the writer it saw at trace time: one function
+    # per export, traced under this writer.
+    write_series = tf.function(_write_series, autograph=False, reduce_retracing=True)
+    try:
+        with writer.as_default():
+            _write_scalars(write_series, "batch", run.batches())
+            _write_scalars(write_series, "epoch", run.epochs())
+            events = run.events()
+            if len(events):
+                lines = [f"{kind}: {detail}" if detail else kind
+                         for kind, detail in zip(events["kind"], events["detail"])]
+                write_series(tf.constant("events"), tf.constant(lines),
+                             tf.constant(events["step"].to_numpy(np.int64)), tf.constant(_TEXT))
+        writer.flush()
+    finally:
+        writer.close()
+    written = sorted(set(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))))
+    return written[-1]
+
+
+def _write_scalars(write_series, prefix, frame):
+    if "step" not in frame or not len(frame):
+        return
+    steps = tf.constant(frame["step"].to_numpy(np.int64))
+    for column in frame.columns:
+        values = frame[column]
+        if column in _INDEX or not pd.api.types.is_numeric_dtype(values.dtype):
+            continue
+        write_series(tf.constant(f"{prefix}/{column}"),
+                     tf.constant(values.to_numpy(np.float32)), steps, tf.constant(_SCALAR))
+
+
+def _write_series(tag, values, steps, metadata):
+    # One graph loop per tag: an eager tf.summary call per value is several
+    # times slower on long runs.
+    def body(i):
+        written = tf.summary.write(tag, values[i], step=steps[i], metadata=metadata)
+        with tf.control_dependencies([written]):
+            return i + 1
+
+    tf.while_loop(lambda i: i < tf.shape(steps)[0], body, [tf.constant(0)])
+
+
+def _check_run(run):
+    if not isinstance(run, Run):
+        raise TypeError(
+            f"Expected a lab.Run; got {type(run).__name__}. Pass `recorder.run` "
+            "(or `lab.Run.load(path)` for a saved run)."
+        )

@@ -1,0 +1,125 @@
+"""lab.compare and the CSV / TensorBoard exports."""
+
+import numpy as np
+import pandas as pd
+import pytest
+import tensorflow as tf
+from tensorflow.core.util import event_pb2
+
+import lab
+from lab import export
+
+
+def made_run(name, losses, grad=False, epochs=()):
+    run = lab.Run(name)
+    columns = {"epoch": [0] * len(losses), "batch": list(range(len(losses))),
+               "seconds": [0.01] * len(losses), "mode": ["graph"] * len(losses),
+               "loss": np.array(losses, np.float32)}
+    if grad:
+        columns["grad_norm"] = np.array(losses, np.float32) * 10
+    run.append_batches(columns)
+    for epoch, logs in epochs:
+        run.append_epoch(epoch, logs)
+    return run
+
+
+def read_events(path):
+    """(tag, step, value) for every summary in a TensorBoard event file."""
+    found = []
+    for record in tf.data.TFRecordDataset(path):
+        event = event_pb2.Event.FromString(record.numpy())
+        for value in event.summary.value:
+            array = tf.make_ndarray(value.tensor)
+            found.append((value.tag, event.step, array.item() if array.dtype != object
+                          else array.item().decode()))
+    return found
+
+
+def test_compare_aligns_runs_by_step_in_one_long_table():
+    a = made_run("a", [1.0, 0.5, 0.25], grad=True)
+    b = made_run("b", [2.0, 1.0])
+    long = lab.compare([a, b])
+    assert list(long.columns[:2]) == ["run", "step"]
+    assert list(zip(long["run"], long["step"])) == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("a", 2)]
+    assert long["loss"].tolist() == [1.0, 2.0, 0.5, 1.0, 0.25]
+    # b recorded no gradients: NaN in its rows, values in a's.
+    assert long.loc[long["run"] == "b", "grad_norm"].isna().all()
+    assert long.loc[long["run"] == "a", "grad_norm"].tolist() == [10.0, 5.0, 2.5]
+    wide = long.pivot(index="step", columns="run", values="loss")
+    assert wide.loc[1].tolist() == [0.5, 1.0]
+
+
+def test_compare_takes_a_dict_of_names_and_repeated_names_get_numbers():
+    a, b = made_run("run", [1.0]), made_run("run", [2.0])
+    assert lab.compare([a, b])["run"].tolist() == ["run", "run#2"]
+    by_name = lab.compare({"lr=0.1": a, "lr=0.01": b})
+    assert by_name["run"].tolist() == ["lr=0.1", "lr=0.01"]
+
+
+def test_compare_reads_run_files_and_recorders(tmp_path):
+    a = made_run("saved", [1.0, 2.0])
+    path = a.save(tmp_path / "a.h5")
+    recorder = lab.Recorder(run=made_run("live", [3.0]))
+    long = lab.compare([path, recorder])
+    assert sorted(set(long["run"])) == ["live", "saved"]
+
+
+def test_compare_epochs_and_chosen_columns():
+    a = made_run("a", [1.0, 0.5], epochs=[(0, {"loss": 0.75, "val_loss": 0.9})])
+    b = made_run("b", [2.0], epochs=[(0, {"loss": 2.0})])
+    long = lab.compare([a, b], table="epochs", columns=["val_loss"])
+    assert list(long.columns) == ["run", "step", "val_loss"]
+    assert long["step"].tolist() == [0, 1]  # b's epoch ended at step 0, a's at 1
+    assert long["run"].tolist() == ["b", "a"]
+    with pytest.raises(KeyError, match="accuracy.*available"):
+        lab.compare([a, b], columns=["accuracy"])
+
+
+def test_compare_rejects_bad_input_with_the_fix():
+    run = made_run("a", [1.0])
+    with pytest.raises(TypeError, match="list"):
+        lab.compare(run)
+    with pytest.raises(ValueError, match="at least one run"):
+        lab.compare([])
+    with pytest.raises(TypeError, match="got DataFrame"):
+        lab.compare([run.batches()])
+    with pytest.raises(ValueError, match="table"):
+        lab.compare([run], table="steps")
+
+
+def test_to_csv_writes_a_table_pandas_reads_back(tmp_path):
+    run = made_run("a", [1.0, np.nan, 0.1], epochs=[(0, {"loss": 0.5})])
+    run.add_event("interrupt", "KeyboardInterrupt")
+    path = export.to_csv(run, tmp_path / "a.csv")
+    back = pd.read_csv(path)
+    assert list(back.columns) == list(run.batches().columns)
+    np.testing.assert_array_equal(back["loss"].to_numpy(np.float32), run.batches()["loss"].to_numpy())
+    assert back["mode"].tolist() == ["graph"] * 3
+    events = pd.read_csv(export.to_csv(run, tmp_path / "events.csv", table="events"))
+    assert events["kind"].tolist() == ["interrupt"]
+    with pytest.raises(TypeError, match="recorder.run"):
+        export.to_csv(lab.Recorder(), tmp_path / "x.csv")
+
+
+def test_to_tensorboard_writes_scalars_per_step_that_read_back(tmp_path):
+    run = made_run("a", [1.0, 0.5, 0.25], grad=True, epochs=[(0, {"loss": 0.6, "val_loss": 0.7})])
+    run.add_event("breakpoint", "loss > 0.9", step=0)
+    path = export.to_tensorboard(run, tmp_path / "logs")
+    found = read_events(path)
+    loss = [(step, value) for tag, step, value in found if tag == "batch/loss"]
+    assert loss == [(0, 1.0), (1, 0.5), (2, 0.25)]
+    assert [(s, v) for t, s, v in found if t == "batch/grad_norm"] == [(0, 10.0), (1, 5.0), (2, 2.5)]
+    assert [(s, round(v, 6)) for t, s, v in found if t == "epoch/val_loss"] == [(2, 0.7)]
+    assert ("events", 0, "breakpoint: loss > 0.9") in found
+    tags = {tag for tag, _, _ in found}
+    assert not tags & {"batch/step", "batch/epoch", "batch/batch", "batch/mode"}
+
+
+def test_to_tensorboard_refuses_to_mix_with_an_earlier_export(tmp_path):
+    logdir = tmp_path / "logs"
+    export.to_tensorboard(made_run("a", [1.0]), logdir)
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        export.to_tensorboard(made_run("b", [2.0]), logdir)
+    path = export.to_tensorboard(made_run("b", [2.0]), logdir, overwrite=True)
+    assert len(list(logdir.iterdir())) == 1
+    assert [v for t, s, v in read_events(path) if t == "batch/loss"] == [2.0]
