@@ -1,6 +1,48 @@
-"""Execution modes: eager, graph (tf.function) and XLA."""
+"""Execution modes: eager, graph (tf.function) and XLA; switching and comparing them.
+
+Keras caches the compiled train, test and predict functions, and its
+`run_eagerly` / `jit_compile` setters do not drop them: flipping an attribute
+alone changes nothing until the next `compile()`. `set_mode` sets the
+attributes and rebuilds the functions, so the next batch runs in the new mode.
+It builds a function rather than leaving `None`, because a running `fit()`
+calls `model.train_function(iterator)` on every batch without rebuilding it.
+
+A switch asked for while another thread trains the model (the ModeSwitch
+widget with training on a background thread) is not applied from the asking
+thread: `request_mode` leaves it pending and the training thread applies it at
+the next batch boundary, through `apply_pending_mode`, called at batch begin by
+a `ModeSwitcher` callback (or by a Recorder or Dashboard).
+"""
+
+import math
+import statistics
+import threading
+import time
+import weakref
+
+import keras
+import numpy as np
+import pandas as pd
+import tensorflow as tf
+from tensorflow.python.framework import config as tf_config
+
+from lab.probes import find_optimizers
 
 MODES = ("eager", "graph", "xla")
+_END_OF_DATA = (StopIteration, tf.errors.OutOfRangeError)
+_XLA_COMPILE_HINT = (
+    "XLA cannot compile an op of this model (tf.py_function, tf.numpy_function "
+    "and most tf.strings ops have no XLA kernel). Keep 'graph', or move that op "
+    "into the input pipeline."
+)
+
+_lock = threading.Lock()
+_pending = weakref.WeakKeyDictionary()  # model -> mode asked for while it trains
+_training = weakref.WeakKeyDictionary()  # model -> the thread running its fit()
+
+
+class ModeError(RuntimeError):
+    """A mode cannot run this model; the model stays in its previous mode."""
 
 
 def current_mode(model):
@@ -12,26 +54,570 @@ def current_mode(model):
     return "graph"
 
 
-def set_mode(model, mode):
-    """Switches how the model's steps run, keeping weights and optimizer state.
+# ---- switching -------------------------------------------------------------
 
-    Sets `run_eagerly` / `jit_compile` and drops the cached train, test and
-    predict functions (Keras' setters do not), so the next batch runs in the
-    new mode. Allowed between batches of a running `fit()`.
+
+def set_mode(model, mode, steps_per_execution=None):
+    """Switches how the model's steps run, keeping weights, optimizer and metric state.
+
+    Sets `run_eagerly` / `jit_compile` and rebuilds the train, test and predict
+    functions, so the next batch runs in the new mode. Allowed between batches
+    of a running `fit()` (from a callback on the training thread). What can be
+    known at the switch is checked there (XLA with op determinism on, under a
+    multi-replica MirroredStrategy, or with a layer that does not support XLA);
+    an op XLA cannot compile shows at the first step, which then raises
+    `ModeError` and puts the previous mode back.
+
+    Args:
+        model: keras.Model, compiled.
+        mode: str, one of "eager", "graph", "xla".
+        steps_per_execution: int or None, also change how many steps one call
+            of the train function runs (only between `fit()` calls: `fit()`
+            cuts its epoch into executions when it starts).
+
+    Returns:
+        str, the previous mode.
+
+    Raises:
+        ValueError: an unknown mode, an uncompiled model, or a
+            `steps_per_execution` change while `fit()` runs.
+        ModeError: the mode cannot run this model; nothing was changed.
+
+    Example:
+
+    ```python
+    lab.set_mode(model, "eager")   # the next batch runs Python: print() works
+    lab.set_mode(model, "graph", steps_per_execution=8)
+    ```
+    """
+    _check_mode(mode)
+    _check_compiled(model)
+    if steps_per_execution is not None:
+        steps_per_execution = _check_steps_per_execution(steps_per_execution)
+        if steps_per_execution != model.steps_per_execution and is_training(model):
+            raise ValueError(
+                "steps_per_execution cannot change while fit() runs: fit() cut "
+                "its epoch into executions of "
+                f"{model.steps_per_execution} steps when it started. Change it "
+                "between fit() calls."
+            )
+    if mode == "xla":
+        _check_xla(model)
+    previous = current_mode(model)
+    saved = _Settings(model)
+    _set_attributes(model, mode, steps_per_execution)
+    if current_mode(model) != mode:
+        saved.restore(model)
+        raise ModeError(f"Keras refused to run this model in {mode!r} mode; it stays in {previous!r}.")
+    model.make_train_function(force=True)
+    model.make_test_function(force=True)
+    model.make_predict_function(force=True)
+    model.train_function = _first_step_checked(model, model.train_function, saved, mode, previous)
+    return previous
+
+
+def _set_attributes(model, mode, steps_per_execution=None):
+    # Order matters: Keras refuses run_eagerly and jit_compile both True.
+    if mode == "eager":
+        model.jit_compile = False
+        model.run_eagerly = True
+    else:
+        model.run_eagerly = False
+        model.jit_compile = mode == "xla"
+    if steps_per_execution is not None:
+        model.steps_per_execution = steps_per_execution
+
+
+class _Settings:
+    """A model's mode attributes and compiled functions, to put back on failure."""
+
+    def __init__(self, model):
+        self.run_eagerly = model.run_eagerly
+        self.jit_compile = model.jit_compile
+        self.steps_per_execution = model.steps_per_execution
+        self.functions = (model.train_function, model.test_function, model.predict_function)
+
+    def restore(self, model):
+        model.jit_compile = self.jit_compile
+        model.run_eagerly = self.run_eagerly
+        model.steps_per_execution = self.steps_per_execution
+        model.train_function, model.test_function, model.predict_function = self.functions
+
+
+def _first_step_checked(model, function, saved, mode, previous):
+    """Wraps a new train function: if its first step fails, the previous mode
+    (and its already-traced functions) come back and `ModeError` says why."""
+    checked = False
+
+    def first_step(iterator):
+        nonlocal checked
+        if checked:
+            return function(iterator)
+        try:
+            outputs = function(iterator)
+        except _END_OF_DATA:
+            raise
+        except Exception as error:
+            saved.restore(model)
+            raise ModeError(_first_step_message(mode, previous, error)) from error
+        checked = True
+        if model.train_function is first_step:
+            model.train_function = function  # nothing left to check: no wrapper
+        return outputs
+
+    first_step._lab_mode = mode
+    return first_step
+
+
+def _first_step_message(mode, previous, error):
+    text = f"{type(error).__name__}: {error}".strip()
+    first_line = text.splitlines()[0] if text else type(error).__name__
+    message = f"The first step in {mode!r} mode failed, so the model is back in {previous!r} mode. {first_line}"
+    if mode == "xla" and ("XLA" in text or "unsupported op" in text.lower()):
+        message += "\n" + _XLA_COMPILE_HINT
+    return message
+
+
+def _check_mode(mode):
+    if mode not in MODES:
+        raise ValueError(f"Unknown mode {mode!r}; use one of {', '.join(repr(m) for m in MODES)}.")
+
+
+def _check_compiled(model):
+    if not getattr(model, "compiled", False):
+        raise ValueError(
+            "The model is not compiled: call model.compile(optimizer=..., loss=...) "
+            "first; execution modes apply to compiled steps."
+        )
+
+
+def _check_steps_per_execution(value):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"steps_per_execution must be a positive int, got {value!r}.")
+    return int(value)
+
+
+def _check_xla(model):
+    """Raises ModeError for what is known to stop XLA before any step runs."""
+    if tf_config.is_op_determinism_enabled():
+        raise ModeError(
+            "XLA is unavailable while op determinism is on "
+            "(tf.config.experimental.enable_op_determinism()): Keras turns "
+            "jit_compile off with only a warning, because not every XLA op is "
+            "deterministic. Use 'graph' here, or run XLA in a process that does "
+            "not enable op determinism."
+        )
+    strategy = model.distribute_strategy
+    if strategy.num_replicas_in_sync > 1 and not isinstance(strategy, tf.distribute.TPUStrategy):
+        raise ModeError(
+            f"XLA under {type(strategy).__name__} with {strategy.num_replicas_in_sync} "
+            "replicas fails in Keras 3 on TensorFlow at the first step (a replica's "
+            "variables are read from another device). Use 'graph' under this "
+            "strategy, or train on one device to use XLA."
+        )
+    unsupported = [layer.name for layer in model._flatten_layers() if not layer.supports_jit]
+    if unsupported:
+        raise ModeError(
+            f"These layers do not support XLA: {', '.join(unsupported)}. Use 'graph', "
+            "or move them out of the model (e.g. into the input pipeline)."
+        )
+
+
+# ---- switching while another thread trains ---------------------------------
+
+
+def request_mode(model, mode):
+    """Asks for a mode switch that is safe to ask for from any thread.
+
+    When no other thread is training the model, the switch happens now. When
+    one is (the ModeSwitch widget while training runs on a background thread),
+    it stays pending until the training thread reaches the next batch boundary
+    and calls `apply_pending_mode`: no model op runs on the asking thread.
 
     Args:
         model: keras.Model, compiled.
         mode: str, one of "eager", "graph", "xla".
 
     Returns:
-        str, the previous mode.
+        str, "applied" or "pending".
+
+    Raises:
+        ValueError: an unknown mode or an uncompiled model.
+        ModeError: the mode cannot run this model (checked now, on any thread).
+
+    Example:
+
+    ```python
+    lab.modes.request_mode(model, "eager")  # "pending" while fit() trains it
+    ```
     """
-    if mode not in MODES:
-        raise ValueError(f"Unknown mode {mode!r}; use one of {', '.join(MODES)}.")
-    previous = current_mode(model)
-    model.run_eagerly = mode == "eager"
-    model.jit_compile = mode == "xla"
-    model.train_function = None
-    model.test_function = None
-    model.predict_function = None
-    return previous
+    _check_mode(mode)
+    _check_compiled(model)
+    if mode == "xla":
+        _check_xla(model)
+    with _lock:
+        thread = _training.get(model)
+        elsewhere = thread is not None and thread is not threading.current_thread() and thread.is_alive()
+        if elsewhere:
+            _pending[model] = mode
+            return "pending"
+        _pending.pop(model, None)
+    if mode != current_mode(model):
+        set_mode(model, mode)
+    return "applied"
+
+
+def pending_mode(model):
+    """The mode asked for and not applied yet, or None."""
+    with _lock:
+        return _pending.get(model)
+
+
+def apply_pending_mode(model):
+    """Applies a pending switch; call it on the training thread at batch begin.
+
+    Args:
+        model: keras.Model.
+
+    Returns:
+        str or None, the mode switched to, or None when nothing was pending.
+    """
+    with _lock:
+        mode = _pending.pop(model, None)
+    if mode is None or mode == current_mode(model):
+        return None
+    set_mode(model, mode)
+    return mode
+
+
+def training_began(model):
+    """Marks the calling thread as training `model` (call at on_train_begin)."""
+    with _lock:
+        _training[model] = threading.current_thread()
+
+
+def training_ended(model):
+    """Unmarks `model` as training and applies a switch asked for too late to
+    reach a batch (call at on_train_end)."""
+    with _lock:
+        _training.pop(model, None)
+    apply_pending_mode(model)
+
+
+def is_training(model):
+    """Whether a thread marked by `training_began` is still training `model`."""
+    with _lock:
+        thread = _training.get(model)
+    return thread is not None and thread.is_alive()
+
+
+class ModeSwitcher(keras.callbacks.Callback):
+    """Keras callback that switches modes between batches of `fit()`.
+
+    It applies the switches asked for with `lab.modes.request_mode` (the
+    ModeSwitch widget) at the next batch, and, with `schedule`, switches at
+    fixed steps. A Recorder or Dashboard sees each switch in its rows' `mode`.
+
+    Args:
+        schedule: dict or None, step -> mode; step counts the batches this
+            callback has seen, from 0, across the `fit()` calls it serves.
+
+    Example:
+
+    ```python
+    model.fit(x, y, callbacks=[lab.Recorder(), lab.ModeSwitcher({100: "eager", 101: "graph"})])
+    ```
+    """
+
+    def __init__(self, schedule=None):
+        super().__init__()
+        self.schedule = dict(schedule or {})
+        for step, mode in self.schedule.items():
+            _check_mode(mode)
+            if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+                raise ValueError(f"Schedule steps must be ints >= 0, got {step!r}.")
+        self.step = 0
+        self._due = sorted(self.schedule)
+
+    def on_train_begin(self, logs=None):
+        training_began(self.model)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        apply_pending_mode(self.model)
+        mode = None
+        while self._due and self._due[0] <= self.step:
+            mode = self.schedule[self._due.pop(0)]
+        if mode is not None and mode != current_mode(self.model):
+            set_mode(self.model, mode)
+        self._begin = batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.step += batch - self._begin + 1
+
+    def on_train_end(self, logs=None):
+        training_ended(self.model)
+
+
+# ---- comparing -------------------------------------------------------------
+
+
+def compare_modes(model, data, steps=32, batch_size=None, modes=MODES, steps_per_execution=(1, 8)):
+    """Times the same training steps in each mode, each from the same starting state.
+
+    Every (mode, steps_per_execution) pair trains `steps` batches, the same
+    batches, starting from a copy of the model's weights, optimizer and metric
+    state. The first call of the train function (tracing, XLA compiling) is
+    timed apart from the steps after it. The input is timed alone too: the
+    batches per second `data` yields without training, so the result says
+    whether the input or the model bounds the run. Afterwards the model is as it
+    was: weights, optimizer and metric state, mode, `steps_per_execution` and
+    compiled functions (an unbuilt model or optimizer is left built).
+
+    Args:
+        model: keras.Model, compiled.
+        data: tuple `(x, y)` or `(x, y, sample_weight)` of arrays, or a
+            `tf.data.Dataset` of batches (repeated if shorter than `steps`).
+        steps: int, training steps per run; at least twice the largest
+            `steps_per_execution`, so each run has a timed call after the first.
+        batch_size: int or None, for arrays (default 32); None for a Dataset.
+        modes: sequence of str, among "eager", "graph", "xla".
+        steps_per_execution: sequence of int, the second axis.
+
+    Returns:
+        pandas.DataFrame, one row per (mode, steps_per_execution): `mode`,
+        `steps_per_execution`, `trace_seconds` (the first call),
+        `step_ms` (median per step over the later full calls),
+        `steps_per_second`, `speedup_vs_eager` (against eager at the smallest
+        steps_per_execution), `max_loss_diff` (largest gap to the eager
+        run's reported loss at the same step), `traces` (times train_step was
+        traced; 0 in eager, which runs it as Python every step), `bound_by`
+        ("model" or "data": the slower of the training steps and the input) and
+        `error` (why a mode could not run, else None).
+        `frame.attrs["data_batches_per_second"]` is the input's rate alone and
+        `frame.attrs["bottleneck"]` a one-line verdict.
+
+    Example:
+
+    ```python
+    frame = lab.compare_modes(model, (x, y), steps=32, batch_size=64)
+    frame[["mode", "steps_per_execution", "step_ms", "speedup_vs_eager"]]
+    frame.attrs["bottleneck"]
+    ```
+    """
+    _check_compiled(model)
+    modes = list(modes)
+    for mode in modes:
+        _check_mode(mode)
+    spes = [_check_steps_per_execution(n) for n in steps_per_execution]
+    if not modes or not spes:
+        raise ValueError("Give at least one mode and one steps_per_execution.")
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 2 * max(spes):
+        raise ValueError(
+            f"steps={steps!r} is too few: use at least {2 * max(spes)} (twice the largest "
+            "steps_per_execution) so each run has a timed call after its first."
+        )
+    if is_training(model):
+        raise RuntimeError("compare_modes cannot run while fit() trains this model; call it when training is done.")
+    batches, data_rate = _batches_and_rate(data, batch_size, steps)
+    # fit() builds an unbuilt model, its metrics and optimizer from the first
+    # batch the same way; the train function cannot create variables later.
+    model._symbolic_build(data_batch=next(iter(batches)))
+    state = _State(model)
+    rows, losses = [], []
+    try:
+        for mode in modes:
+            for spe in spes:
+                state.restore_values()
+                row, run_losses = _time_run(model, mode, spe, batches, steps)
+                rows.append(row)
+                losses.append(run_losses)
+    finally:
+        state.restore()
+    return _comparison_frame(rows, losses, data_rate)
+
+
+def _batches_and_rate(data, batch_size, steps):
+    """The first `steps` batches of `data`, cached, and the input's batches/s."""
+    if isinstance(data, tf.data.Dataset):
+        if batch_size is not None:
+            raise ValueError("batch_size is for arrays; a Dataset is already batched: pass batch_size=None.")
+        dataset = data
+    elif isinstance(data, (tuple, list)) and 1 <= len(data) <= 3:
+        arrays = tuple(data)
+        dataset = tf.data.Dataset.from_tensor_slices(arrays).batch(batch_size or 32)
+    else:
+        raise ValueError(
+            f"data must be a tuple (x, y) of arrays or a tf.data.Dataset, got {type(data).__name__}."
+        )
+    source = dataset.repeat().take(steps)
+    # The input alone, consumed in C++ as the train function consumes it (a
+    # Python loop over the dataset would add its own per-batch overhead).
+    # Timing n and 2n batches and taking the difference cancels the fixed cost
+    # of starting the pipeline.
+    count_batches = tf.function(lambda ds: ds.reduce(np.int64(0), lambda n, _: n + 1))
+    if int(count_batches(source)) == 0:  # also traces, outside the timing
+        raise ValueError("data yielded no batches.")
+    seconds = []
+    for repeats in (1, 2):
+        start = time.perf_counter()
+        count_batches(dataset.repeat().take(repeats * steps))
+        seconds.append(time.perf_counter() - start)
+    extra = seconds[1] - seconds[0]
+    rate = steps / extra if extra > 0 else 2 * steps / seconds[1]
+    batches = source.cache()
+    for _ in batches:  # fill the cache: every run then reads the same batches from memory
+        pass
+    return batches, rate
+
+
+def _time_run(model, mode, spe, batches, steps):
+    row = {"mode": mode, "steps_per_execution": spe, "trace_seconds": float("nan"), "step_ms": float("nan"),
+           "traces": 0, "error": None}
+    losses = {}
+    try:
+        if mode == "xla":
+            _check_xla(model)
+        _set_attributes(model, mode, spe)
+        function, traces = _counted_train_function(model)
+        iterator = iter(_distributed(model, batches))
+        start = time.perf_counter()
+        logs = function(iterator)
+        done = min(spe, steps)
+        losses[done] = _loss(logs)
+        row["trace_seconds"] = time.perf_counter() - start
+        per_step = []
+        while done < steps:
+            start = time.perf_counter()
+            logs = function(iterator)
+            loss = _loss(logs)
+            elapsed = time.perf_counter() - start
+            count = min(spe, steps - done)
+            done += count
+            losses[done] = loss
+            if count == spe:
+                per_step.append(elapsed / spe)
+        row["step_ms"] = 1000.0 * statistics.median(per_step)
+        row["traces"] = 0 if mode == "eager" else traces[0]
+    except ModeError as error:
+        row["error"] = str(error)
+    except _END_OF_DATA:
+        raise
+    except Exception as error:  # noqa: BLE001 - one mode failing must not hide the others
+        text = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        if mode == "xla":
+            text += " " + _XLA_COMPILE_HINT
+        row["error"] = text
+        losses = {}
+    return row, losses
+
+
+def _counted_train_function(model):
+    """A fresh train function whose train_step counts its Python runs (traces)."""
+    traces = [0]
+    step = model.train_step
+    previous = model.__dict__.get("train_step", _MISSING)
+
+    def counted(data):
+        traces[0] += 1
+        return step(data)
+
+    # The counter goes on the instance only while the function is built:
+    # make_train_function reads model.train_step once, at build time.
+    object.__setattr__(model, "train_step", counted)
+    try:
+        model.make_train_function(force=True)
+    finally:
+        if previous is _MISSING:
+            object.__delattr__(model, "train_step")
+        else:
+            object.__setattr__(model, "train_step", previous)
+    return model.train_function, traces
+
+
+_MISSING = object()
+
+
+def _distributed(model, batches):
+    strategy = model.distribute_strategy
+    if strategy.num_replicas_in_sync > 1:
+        return strategy.experimental_distribute_dataset(batches)
+    return batches
+
+
+def _loss(logs):
+    value = logs.get("loss") if isinstance(logs, dict) else None
+    return float(value) if value is not None else float("nan")  # float() waits for the device
+
+
+class _State:
+    """Copies of a model's variables and settings, restored after comparing."""
+
+    def __init__(self, model):
+        self.model = model
+        variables, seen = [], set()
+        optimizers = find_optimizers(model).values()
+        groups = [model.variables, model.metrics_variables] + [o.variables for o in optimizers]
+        for group in groups:
+            for variable in group:
+                if id(variable) not in seen:
+                    seen.add(id(variable))
+                    variables.append(variable)
+        self.variables = variables
+        self.values = [np.array(v.numpy(), copy=True) for v in variables]
+        self.settings = _Settings(model)
+
+    def restore_values(self):
+        for variable, value in zip(self.variables, self.values):
+            variable.assign(value)
+
+    def restore(self):
+        self.restore_values()
+        self.settings.restore(self.model)
+
+
+def _comparison_frame(rows, losses, data_rate):
+    frame = pd.DataFrame(rows, columns=["mode", "steps_per_execution", "trace_seconds", "step_ms", "traces", "error"])
+    frame["steps_per_second"] = 1000.0 / frame["step_ms"]
+    reference = _reference_index(frame)
+    if reference is None:
+        frame["speedup_vs_eager"] = float("nan")
+        frame["max_loss_diff"] = float("nan")
+    else:
+        frame["speedup_vs_eager"] = frame.loc[reference, "step_ms"] / frame["step_ms"]
+        base = losses[reference]
+        frame["max_loss_diff"] = [_max_gap(base, run) for run in losses]
+    frame["bound_by"] = np.where(data_rate < frame["steps_per_second"], "data", "model")
+    frame["error"] = frame["error"].astype(object).where(frame["error"].notna(), None)
+    frame.loc[frame["error"].notna(), "bound_by"] = None
+    frame = frame[["mode", "steps_per_execution", "trace_seconds", "step_ms", "steps_per_second",
+                   "speedup_vs_eager", "max_loss_diff", "traces", "bound_by", "error"]]
+    frame.attrs["data_batches_per_second"] = data_rate
+    frame.attrs["bottleneck"] = _verdict(frame, data_rate)
+    return frame
+
+
+def _reference_index(frame):
+    eager = frame[(frame["mode"] == "eager") & frame["error"].isna()]
+    if eager.empty:
+        return None
+    return eager["steps_per_execution"].idxmin()
+
+
+def _max_gap(base, run):
+    common = sorted(set(base) & set(run))
+    if not common:
+        return float("nan")
+    return max(abs(run[k] - base[k]) for k in common)
+
+
+def _verdict(frame, data_rate):
+    ok = frame[frame["error"].isna()]
+    if ok.empty or math.isnan(data_rate):
+        return "unknown: no mode ran"
+    best = ok.loc[ok["steps_per_second"].idxmax()]
+    where = f"{best['mode']} at steps_per_execution={best['steps_per_execution']}"
+    if data_rate < best["steps_per_second"]:
+        return (f"data: the input yields {data_rate:,.0f} batches/s, fewer than the "
+                f"{best['steps_per_second']:,.0f} steps/s the model trains in {where}")
+    return (f"model: the fastest mode ({where}) trains {best['steps_per_second']:,.0f} steps/s; "
+            f"the input yields {data_rate:,.0f} batches/s")

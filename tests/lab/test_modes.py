@@ -1,0 +1,242 @@
+"""Execution modes: switching keeps training continuous; comparing leaves the model as it was."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.python.framework import config as tf_config
+
+import lab
+from lab import modes
+from lab.modes import ModeError
+
+
+class CountingModel(keras.Sequential):
+    """Counts how often train_step runs as Python: every step in eager, once per trace otherwise."""
+
+    python_steps = 0
+
+    def train_step(self, data):
+        CountingModel.python_steps += 1
+        return super().train_step(data)
+
+
+def make_model(cls=keras.Sequential, extra=(), steps_per_execution=1, seed=0):
+    keras.utils.set_random_seed(seed)
+    model = cls([keras.Input((64,)), keras.layers.Dense(8, activation="relu"), *extra, keras.layers.Dense(10)])
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        steps_per_execution=steps_per_execution,
+    )
+    return model
+
+
+@pytest.fixture(scope="module")
+def data():
+    (x, y), _ = lab.datasets.digits()
+    return x[:80], y[:80]  # 10 batches of 8
+
+
+@pytest.fixture
+def deterministic():
+    tf_config.enable_op_determinism()
+    yield
+    tf_config.disable_op_determinism()
+
+
+class NumpyIdentity(keras.layers.Layer):
+    """An op XLA has no kernel for: tf.py_function."""
+
+    def call(self, x):
+        y = tf.py_function(lambda a: a, [x], tf.float32)
+        y.set_shape(x.shape)
+        return y
+
+
+def state(model):
+    return [v.numpy().copy() for v in model.weights + model.optimizer.variables]
+
+
+# ---- set_mode ---------------------------------------------------------------
+
+
+def test_switch_runs_the_new_mode_at_the_next_fit_and_keeps_the_state(data):
+    x, y = data
+    model = make_model(CountingModel)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    before = state(model)
+
+    assert lab.set_mode(model, "eager") == "graph"
+    assert model.run_eagerly and modes.current_mode(model) == "eager"
+    after_switch = state(model)
+    assert all(np.array_equal(a, b) for a, b in zip(before, after_switch))
+
+    CountingModel.python_steps = 0
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert CountingModel.python_steps == 10  # Python on every step: really eager
+    assert int(model.optimizer.iterations) == 20  # the optimizer state carried on
+
+    lab.set_mode(model, "graph")
+    CountingModel.python_steps = 0
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert 1 <= CountingModel.python_steps <= 2  # traced, not run as Python per step
+
+
+def test_switch_inside_fit_continues_the_same_trajectory(data, deterministic):
+    x, y = data
+    reference = make_model()
+    reference.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+
+    model = make_model()
+    recorder = lab.Recorder()
+    switcher = lab.ModeSwitcher({3: "eager", 6: "graph"})
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[recorder, switcher])
+
+    for got, want in zip(model.weights, reference.weights):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
+    assert int(model.optimizer.iterations) == 10
+    rows = recorder.run.batches()
+    assert list(rows["mode"]) == ["graph"] * 3 + ["eager"] * 3 + ["graph"] * 4
+    assert modes.current_mode(model) == "graph"
+
+
+def test_changing_steps_per_execution_skips_no_optimizer_step(data):
+    x, y = data
+    model = make_model()
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)  # builds and caches a 1-step function
+    lab.set_mode(model, "graph", steps_per_execution=5)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert model.steps_per_execution == 5
+    assert int(model.optimizer.iterations) == 20  # 10 batches, 10 updates
+
+
+def test_xla_with_an_op_it_cannot_compile_fails_at_the_first_step_and_reverts(data):
+    x, y = data
+    model = make_model(extra=[NumpyIdentity()])
+    model.fit(x[:16], y[:16], batch_size=8, verbose=0)
+    before = state(model)
+
+    lab.set_mode(model, "xla")
+    with pytest.raises(ModeError, match="back in 'graph' mode") as failure:
+        model.fit(x[:16], y[:16], batch_size=8, verbose=0)
+    assert "XLA cannot compile" in str(failure.value)
+    assert modes.current_mode(model) == "graph"
+    assert all(np.array_equal(a, b) for a, b in zip(before, state(model)))
+
+    model.fit(x[:16], y[:16], batch_size=8, verbose=0)  # the previous mode still trains
+    assert int(model.optimizer.iterations) == 4
+
+
+def test_xla_with_op_determinism_is_refused_at_the_switch(deterministic):
+    model = make_model()
+    model.make_train_function()
+    function = model.train_function
+    with pytest.raises(ModeError, match="determinism"):
+        lab.set_mode(model, "xla")
+    assert modes.current_mode(model) == "graph"
+    assert model.train_function is function
+
+
+def test_bad_input_names_the_fix():
+    with pytest.raises(ValueError, match="'eager', 'graph', 'xla'"):
+        lab.set_mode(make_model(), "jit")
+    uncompiled = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    with pytest.raises(ValueError, match=r"model.compile"):
+        lab.set_mode(uncompiled, "eager")
+    with pytest.raises(ValueError, match="positive int"):
+        lab.set_mode(make_model(), "graph", steps_per_execution=0)
+
+
+def test_request_mode_applies_at_once_when_no_other_thread_trains():
+    model = make_model()
+    assert modes.request_mode(model, "eager") == "applied"
+    assert modes.current_mode(model) == "eager"
+    assert modes.pending_mode(model) is None
+
+
+def test_xla_under_a_mirrored_strategy_is_refused_at_the_switch():
+    # Devices must be split before TensorFlow starts: a fresh process.
+    script = textwrap.dedent(
+        """
+        import tensorflow as tf
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+        import keras, lab
+        from lab.modes import ModeError, current_mode
+        with tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+            model.compile("sgd", "mse")
+        try:
+            lab.set_mode(model, "xla")
+        except ModeError as error:
+            assert "MirroredStrategy" in str(error), error
+            print("refused", current_mode(model))
+        """
+    )
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("refused graph")
+
+
+# ---- compare_modes ------------------------------------------------------------
+
+
+def test_compare_modes_times_each_mode_and_leaves_the_model_as_it_was(data):
+    x, y = data
+    model = make_model()
+    model.fit(x[:16], y[:16], batch_size=8, verbose=0)
+    lab.set_mode(model, "eager")
+    function = model.train_function
+    before = state(model)
+
+    frame = lab.compare_modes(model, (x, y), steps=4, batch_size=8, modes=("eager", "graph"),
+                              steps_per_execution=(1, 2))
+
+    assert list(frame.columns) == ["mode", "steps_per_execution", "trace_seconds", "step_ms", "steps_per_second",
+                                   "speedup_vs_eager", "max_loss_diff", "traces", "bound_by", "error"]
+    assert list(zip(frame["mode"], frame["steps_per_execution"])) == [
+        ("eager", 1), ("eager", 2), ("graph", 1), ("graph", 2)]
+    assert frame["error"].isna().all()
+    assert (frame["step_ms"] > 0).all() and (frame["trace_seconds"] > 0).all()
+    assert list(frame["traces"][frame["mode"] == "eager"]) == [0, 0]
+    assert (frame["traces"][frame["mode"] == "graph"] >= 1).all()
+    assert frame["speedup_vs_eager"].iloc[0] == 1.0
+    assert (frame["max_loss_diff"] < 1e-4).all()  # same batches, same start, same losses
+    assert set(frame["bound_by"]) <= {"model", "data"}
+    assert frame.attrs["data_batches_per_second"] > 0
+    assert frame.attrs["bottleneck"].split(":")[0] in ("model", "data")
+
+    assert modes.current_mode(model) == "eager"
+    assert model.train_function is function
+    assert model.steps_per_execution == 1
+    assert all(np.array_equal(a, b) for a, b in zip(before, state(model)))
+
+
+def test_compare_modes_reports_a_mode_that_cannot_run_and_times_the_others(data):
+    x, y = data
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+    model = make_model(extra=[NumpyIdentity()])
+    frame = lab.compare_modes(model, dataset, steps=2, modes=("graph", "xla"), steps_per_execution=(1,))
+    graph, xla = frame.iloc[0], frame.iloc[1]
+    assert graph["error"] is None and graph["step_ms"] > 0
+    assert "XLA cannot compile" in xla["error"] and np.isnan(xla["step_ms"])
+    assert modes.current_mode(model) == "graph"
+
+
+def test_compare_modes_bad_input_names_the_fix(data):
+    x, y = data
+    model = make_model()
+    with pytest.raises(ValueError, match="at least 16"):
+        lab.compare_modes(model, (x, y), steps=4, steps_per_execution=(1, 8))
+    with pytest.raises(ValueError, match="already batched"):
+        lab.compare_modes(model, tf.data.Dataset.from_tensor_slices((x, y)).batch(8), steps=16, batch_size=8)
+    with pytest.raises(ValueError, match="tuple"):
+        lab.compare_modes(model, x, steps=16)
