@@ -304,7 +304,8 @@ class LiveFigure:
             import plotly.graph_objects as go
 
             empty = np.zeros(0, np.float32)
-            kwargs = dict(name=name, x=empty, y=empty, legendgroup=panel)
+            label = f"{name} (update ratio)" if panel == "update_ratios" else name
+            kwargs = dict(name=label, x=empty, y=empty, legendgroup=panel)
             if name == "events":
                 kwargs.update(mode="markers", marker=dict(symbol="x", size=11, color="crimson"),
                               hoverinfo="text+x")

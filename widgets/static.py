@@ -20,7 +20,7 @@ SANITIZE_SVG = r"<svg[\s\S]*?</svg>"
 POINTS = 400
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
            "#7f7f7f", "#bcbd22", "#17becf")
-_MARGIN = dict(left=56, right=12, top=24, bottom=30)
+_MARGIN = dict(left=56, right=12, top=40, bottom=30)
 
 
 def _fmt(value):
@@ -77,8 +77,9 @@ def line_chart(series, title, width=640, height=200, log_y=False, right=()):
     ```
     """
     series = [s for s in series if len(s.x)]
+    legend_rows = -(-len(series) // 4)
     x0, x1 = _MARGIN["left"], width - _MARGIN["right"] - (40 if right else 0)
-    y0, y1 = height - _MARGIN["bottom"], _MARGIN["top"]
+    y0, y1 = height - _MARGIN["bottom"], 26 + 12 * max(legend_rows, 1)
     parts = [_open(width, height, title)]
     if not series:
         parts.append(f'<text x="{width / 2:.0f}" y="{height / 2:.0f}" text-anchor="middle" fill="#888">no data yet</text>')
@@ -182,7 +183,7 @@ def _frame(x0, x1, y0, y1, xs, ys, ys_right):
 
 def _legend(i, name, color, x0):
     x = x0 + 8 + (i % 4) * 130
-    y = _MARGIN["top"] + 12 + (i // 4) * 12
+    y = 30 + (i // 4) * 12
     return (f'<rect x="{x}" y="{y - 7}" width="8" height="8" fill="{color}"/>'
             f'<text x="{x + 11}" y="{y}" font-size="10">{html.escape(name[:20])}</text>')
 

@@ -1,0 +1,92 @@
+"""widgets.charts: bounded, min/max-preserving series and a figure updated in one message."""
+
+import numpy as np
+import pytest
+
+from widgets import charts
+
+
+def test_downsample_bounds_100k_steps_and_keeps_extremes():
+    rng = np.random.default_rng(1)
+    steps = np.arange(100_000)
+    loss = rng.random(100_000).astype(np.float32)
+    loss[31_337] = 50.0  # a spike a user must not miss
+    loss[77_001] = -3.0
+    x, y = charts.downsample(steps, loss, n_out=2000)
+    assert len(x) == len(y) <= 2000
+    assert x.dtype == y.dtype == np.float32
+    assert y.max() == 50.0 and y.min() == -3.0
+    assert 31_337 in x and 77_001 in x
+    assert np.all(np.diff(x) > 0)
+
+
+def test_downsample_keeps_short_series_whole_and_drops_nonfinite():
+    x, y = charts.downsample(np.arange(5), np.array([1.0, np.nan, 3.0, np.inf, 5.0]))
+    assert x.tolist() == [0, 2, 4] and y.tolist() == [1, 3, 5]
+
+
+def test_downsample_bad_input_names_the_problem():
+    with pytest.raises(ValueError, match="n_out must be at least 4"):
+        charts.downsample(np.arange(10), np.arange(10), n_out=2)
+    with pytest.raises(ValueError, match="one length"):
+        charts.downsample(np.arange(10), np.arange(9))
+
+
+def test_layer_norm_combines_a_layers_variables_and_keeps_missing_as_nan(make_run):
+    import lab
+
+    run = lab.Run()
+    run.append_batches({"loss": [1.0, 1.0], "grad_norm/m/d/kernel": [3.0, np.nan],
+                        "grad_norm/m/d/bias": [4.0, np.nan], "grad_norm/m/o/kernel": [1.0, 2.0]})
+    norms = charts.layer_norms(run, "grad_norm/")
+    assert norms["m/d"][0] == pytest.approx(5.0)
+    assert np.isnan(norms["m/d"][1])  # no gradient is missing, not zero
+    assert norms["m/o"].tolist() == [1.0, 2.0]
+
+
+def test_heatmap_shows_a_vanishing_layer_darker_and_stays_bounded(make_run):
+    run = make_run(50_000)
+    norms = charts.layer_norms(run, "grad_norm/")
+    heat = charts.heatmap(norms, run.column("step"), bins=100)
+    assert heat.layers == ("m/dense", "m/out")
+    assert len(heat.z) == 2 * 100
+    for column in (heat.x, heat.y, heat.z):
+        assert column.ndim == 1 and column.dtype == np.float32
+    dense, out = heat.z[heat.y == 0], heat.z[heat.y == 1]
+    assert np.all(out < dense - 1.5)  # two decades lower, on a log10 scale
+
+
+def test_chart_data_is_bounded_whatever_the_run_length(make_run):
+    run = make_run(100_000)
+    run.append_epoch(0, {"loss": 1.0, "val_loss": 1.2, "val_accuracy": 0.5})
+    run.add_event("nonfinite", "loss is nan", step=500)
+    data = charts.chart_data(run, max_points=1000, heatmap_bins=50)
+    lines = data.loss + data.metrics + data.gradients
+    assert [s.name for s in data.loss] == ["loss", "val_loss", "events"]
+    assert [s.name for s in data.metrics] == ["accuracy", "val_accuracy"]
+    assert all(len(s.x) <= 1000 for s in lines)
+    assert data.loss[2].x.tolist() == [500.0] and "loss is nan" in data.loss[2].text[0]
+    assert len(data.heatmap.z) == 2 * 50
+
+
+def test_live_figure_refresh_is_one_update_with_binary_arrays(comm_log, make_run):
+    run = make_run(20_000)
+    live = charts.LiveFigure(gradients=True, weights=False)
+    live.figure.comm  # opened on creation, through the recording comm
+    live.update(charts.chart_data(run))  # adds the traces first seen here
+    comm_log.clear()
+    run.append_batches({name: np.full(10, 0.5, np.float32) for name in run.columns
+                        if name not in ("step", "epoch", "batch")})
+    live.update(charts.chart_data(run))
+    updates = comm_log.updates_to(live.figure)
+    assert len(updates) == 1
+    other = [m for m in comm_log.to(live.figure) if "_py2js_update" not in m["data"]["state"]
+             and not set(m["data"]["state"]) <= {"_last_trace_edit_id", "_last_layout_edit_id"}]
+    assert other == []  # no separate restyle or relayout messages
+    message = updates[0]
+    assert len(message["buffers"]) >= 2 * 4  # x and y of loss, accuracy, two layers, heatmap
+    assert sum(len(memoryview(b).cast("B")) for b in message["buffers"]) <= 4 * 2000 * 2 * 6 + 4 * 3 * 400
+    style = message["data"]["state"]["_py2js_update"]["style_data"]
+    assert all(not isinstance(v, list) or not v or not isinstance(v[0], list) for v in style.get("z", []))
+    assert live.figure.data[0].name == "loss"
+    assert live.figure.layout.yaxis3.type == "log"

@@ -1,0 +1,182 @@
+"""widgets.Dashboard: records like a Recorder, draws live, fails visibly, renders statically."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import lab
+import widgets
+from widgets import dashboard as dashboard_module
+
+
+class FakeHandle:
+    def __init__(self, bundle):
+        self.shown = [bundle]
+
+    def update(self, bundle, raw=False):
+        assert raw
+        self.shown.append(bundle)
+
+
+@pytest.fixture
+def notebook(monkeypatch):
+    """Pretends to run in a kernel with a frontend; records what gets displayed."""
+    handles = []
+
+    def display(bundle, raw=False, display_id=None):
+        assert raw and display_id
+        handles.append(FakeHandle(bundle))
+        return handles[-1]
+
+    import IPython.display
+
+    monkeypatch.setattr(dashboard_module, "_frontend_available", lambda: True)
+    monkeypatch.setattr(IPython.display, "display", display)
+    return handles
+
+
+def test_dashboard_is_a_recorder_callback_and_a_widget():
+    dashboard = widgets.Dashboard()
+    assert isinstance(dashboard, keras.callbacks.Callback)
+    assert isinstance(dashboard, lab.Recorder)
+    assert dashboard.gradients is True and dashboard.weights is False
+    header, figure = dashboard.widget.children
+    assert figure is dashboard.chart.figure
+    assert figure.data[0].name == "loss"  # the browser test reads data[0].y
+
+
+def test_live_fit_draws_loss_metrics_validation_and_gradients(digits, make_model, comm_log, notebook):
+    (x, y), validation = digits
+    model = make_model()
+    dashboard = widgets.Dashboard(gradients=True, weights=True, refresh_every=0)
+    model.fit(x, y, epochs=2, batch_size=32, validation_data=validation, callbacks=[dashboard], verbose=0)
+
+    assert dashboard.status == "finished"
+    figure = dashboard.chart.figure
+    loss = figure.data[0]
+    assert loss.name == "loss" and len(loss.y) == 20
+    np.testing.assert_allclose(loss.y, dashboard.run.column("loss"), rtol=1e-6)
+    assert len(dashboard.chart.trace("val_loss").x) == 2
+    assert len(dashboard.chart.trace("accuracy", "metrics").y) == 20
+    layers = [t.name for t in figure.data if t.legendgroup == "gradients"]
+    assert len(layers) == 2  # two Dense layers, kernel and bias combined
+    ratios = [t for t in figure.data if t.legendgroup == "update_ratios"]
+    assert len(ratios) == 2 and all(np.all(t.y > 0) for t in ratios)
+    heat = [t for t in figure.data if t.type == "heatmap"][0]
+    assert len(heat.z) == 2 * 20
+
+    header = dashboard.header.value
+    assert "finished" in header and "epoch 2/2" in header and "batch 10/10" in header
+    assert "steps/s" in header
+
+    # Every refresh was one plotly update, and its arrays went as binary buffers.
+    updates = comm_log.updates_to(figure)
+    assert 1 <= len(updates) <= dashboard.refreshes
+    for message in updates:
+        style = message["data"]["state"]["_py2js_update"]["style_data"]
+        for values in style.get("y", []):
+            assert not isinstance(values, list)  # a JSON list would be slow and 5x larger
+
+    # Shown when training began, updated with the final charts when it ended.
+    assert len(notebook) == 1
+    first, final = notebook[0].shown[0], notebook[0].shown[-1]
+    assert "application/vnd.jupyter.widget-view+json" in final
+    assert "running" in first["text/plain"] and "(finished)" in final["text/plain"]
+    assert "20 steps, 2 epochs" in final["text/plain"]
+    assert final["text/html"].count("<svg") == 4  # loss, gradient norms, heatmap, update ratios
+
+
+def test_refreshes_are_rate_limited(digits, make_model):
+    (x, y), _ = digits
+    model = make_model()
+    dashboard = widgets.Dashboard(gradients=False, refresh_every=60)
+    model.fit(x, y, epochs=3, batch_size=8, callbacks=[dashboard], verbose=0)
+    assert len(dashboard.run) == 120
+    # One at train begin, one at train end; none of the 120 batches forced one.
+    assert dashboard.refreshes == 2
+    assert len(dashboard.chart.figure.data[0].y) == 120
+
+
+def test_already_displayed_dashboard_is_not_shown_twice_and_serves_two_fits(digits, make_model, notebook):
+    (x, y), _ = digits
+    model = make_model()
+    dashboard = widgets.Dashboard(gradients=False)
+    dashboard._ipython_display_()
+    model.fit(x, y, epochs=1, batch_size=64, callbacks=[dashboard], verbose=0)
+    model.fit(x, y, epochs=1, batch_size=64, callbacks=[dashboard], verbose=0)
+    assert len(notebook) == 1
+    assert len(dashboard.chart.figure.data[0].y) == 10  # steps continue, the chart is one
+    assert "10 steps" in notebook[0].shown[-1]["text/plain"]
+
+
+def test_static_bundle_has_charts_and_no_plotly_js(digits, make_model):
+    (x, y), validation = digits
+    model = make_model()
+    dashboard = widgets.Dashboard(gradients=True)
+    model.fit(x, y, epochs=1, batch_size=32, validation_data=validation, callbacks=[dashboard], verbose=0)
+    bundle = dashboard._repr_mimebundle_()
+    assert bundle["text/plain"].splitlines() == [
+        "Dashboard (finished)",
+        "10 steps, 1 epochs",
+        "series: loss, accuracy, val_accuracy, val_loss",
+        "gradient norms: 2 layers",
+    ]
+    page = bundle["text/html"]
+    assert "<svg" in page and "<script" not in page and "plotly" not in page.lower()
+    assert len(page) < 100_000
+
+
+def test_shape_mismatch_shows_failed_with_keras_error(digits, make_model, notebook):
+    (x, y), _ = digits
+    model = make_model()
+    dashboard = widgets.Dashboard()
+    with pytest.raises(ValueError) as raised:
+        model.fit(x[:, :10], y, epochs=1, callbacks=[dashboard], verbose=0)
+    assert "lab" not in type(raised.value).__module__
+    assert dashboard.status == "failed"
+    first_line = str(raised.value).strip().splitlines()[0]
+    assert first_line[:40] in dashboard.status_detail
+    assert "failed" in dashboard.header.value
+    final = notebook[0].shown[-1]
+    assert "Dashboard (failed: ValueError" in final["text/plain"]
+    assert len(dashboard.run.batches()) == 0  # readable, and empty
+
+
+def test_loss_that_raises_midway_keeps_the_partial_run(digits, make_model, notebook):
+    (x, y), _ = digits
+    y = y.copy()
+    y[100] = 99  # a label the loss refuses, in the 4th batch of 32
+
+    def strict_loss(y_true, y_pred):
+        tf.debugging.assert_less(tf.reduce_max(y_true), tf.cast(10, y_true.dtype),
+                                 message="label out of range")
+        return keras.losses.sparse_categorical_crossentropy(y_true, y_pred, from_logits=True)
+
+    model = make_model(loss=strict_loss)
+    dashboard = widgets.Dashboard(gradients=True)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="label out of range"):
+        model.fit(x, y, epochs=1, batch_size=32, shuffle=False, callbacks=[dashboard], verbose=0)
+    assert dashboard.status == "failed"
+    assert "label out of range" in dashboard.status_detail
+    assert "label out of range" in dashboard.header.value
+    batches = dashboard.run.batches()
+    assert batches["step"].tolist() == [0, 1, 2]  # the steps before the failure
+    assert dashboard.run.events()["kind"].tolist() == ["error"]
+    assert len(dashboard.chart.figure.data[0].y) == 3
+    assert "events: error x1" in notebook[0].shown[-1]["text/plain"]
+
+
+def test_uncompiled_model_raises_keras_error_and_nothing_is_shown(notebook):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    dashboard = widgets.Dashboard()
+    with pytest.raises(ValueError, match="compile"):
+        model.fit(np.zeros((8, 4)), np.zeros((8, 1)), callbacks=[dashboard], verbose=0)
+    assert dashboard.status == "idle" and notebook == []
+
+
+def test_bad_arguments_name_the_fix():
+    with pytest.raises(ValueError, match="refresh_every must be 0 or more"):
+        widgets.Dashboard(refresh_every=-1)
+    with pytest.raises(ValueError, match="max_points must be at least 4"):
+        widgets.Dashboard(max_points=1)
