@@ -27,16 +27,17 @@ class Feed:
         shuffle: bool, reshuffle arrays every epoch.
         seed: int or None, seeds the shuffle.
         steps_per_epoch: int or None, batches per epoch.
+        position: tuple (epoch, batch) of the first item (to continue a fit()).
     """
 
-    def __init__(self, data, batch_size=None, shuffle=True, seed=None, steps_per_epoch=None):
+    def __init__(self, data, batch_size=None, shuffle=True, seed=None, steps_per_epoch=None,
+                 position=(0, 0)):
         if steps_per_epoch is not None and int(steps_per_epoch) < 1:
             raise ValueError(f"steps_per_epoch must be at least 1, got {steps_per_epoch}.")
         self.steps_per_epoch = None if steps_per_epoch is None else int(steps_per_epoch)
         self._source = _source(data, batch_size, shuffle, seed)
         self._replay = collections.deque()
-        self._epoch = 0
-        self._batch = 0
+        self._epoch, self._batch = (int(p) for p in position)
         self._iterator = None
 
     def next(self):

@@ -116,6 +116,8 @@ class Stepper:
             generator to run more than one epoch).
         run: `lab.Run` or None; each step appends its row there.
         start_step: int, the index of the first step (to continue a run).
+        start_batch: tuple (epoch, batch) of the first batch (to continue a
+            fit() mid-epoch: metrics are reset only at a batch 0).
 
     Example:
 
@@ -128,7 +130,7 @@ class Stepper:
     """
 
     def __init__(self, model, data, batch_size=None, shuffle=True, seed=None, *, mode="eager",
-                 history=16, steps_per_epoch=None, run=None, start_step=0):
+                 history=16, steps_per_epoch=None, run=None, start_step=0, start_batch=(0, 0)):
         if not isinstance(model, keras.Model):
             raise TypeError(f"Stepper needs a keras.Model, got {type(model).__name__}.")
         if not getattr(model, "compiled", False):
@@ -140,7 +142,7 @@ class Stepper:
             raise ValueError(f"history must be at least 1, got {history}.")
         self.model = model
         self.feed = Feed(data, batch_size=batch_size, shuffle=shuffle, seed=seed,
-                         steps_per_epoch=steps_per_epoch)
+                         steps_per_epoch=steps_per_epoch, position=start_batch)
         self.history = int(history)
         self.run = run
         self.mode = mode
@@ -382,7 +384,7 @@ class Stepper:
                 x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
                 logs = self._step_function(x, y)
             else:
-                logs = self.model.train_step(data)
+                logs = _own_train_step(self.model)(data)
         if not isinstance(logs, dict):
             logs = {} if logs is None else {"loss": logs}
         if not tf.executing_eagerly():
@@ -399,15 +401,8 @@ class Stepper:
     # ---- state ---------------------------------------------------------------
 
     def _variables(self):
-        model = self.model
-        found = list(model.variables) + list(getattr(model, "metrics_variables", []))
-        for optimizer in self._optimizers().values():
-            found += list(optimizer.variables)
-        found += [v for v, _ in self._created.values()]
-        unique = {}
-        for variable in found:
-            unique.setdefault(id(_raw(variable)), _raw(variable))
-        return unique
+        return _training_variables(self.model, self._optimizers().values(),
+                                   [v for v, _ in self._created.values()])
 
     def _optimizers(self):
         found = dict(find_optimizers(self.model))
@@ -421,7 +416,7 @@ class Stepper:
         return found
 
     def _read_all(self):
-        return {key: (v, np.array(v.numpy(), copy=True)) for key, v in self._variables().items()}
+        return _read(self._variables())
 
     def _refresh_state(self):
         """Reads the model's state; True when it differs from the state last seen."""
@@ -613,10 +608,60 @@ class _Capture:
 _MISSING = object()
 
 
+def read_state(model):
+    """A host copy of all the state a training step of `model` may change.
+
+    Weights, non-trainable variables (random-seed state too), metric
+    variables, and the slots and iterations of every optimizer the model
+    holds. Costs one copy of that state in host memory.
+
+    Args:
+        model: keras.Model.
+
+    Returns:
+        dict, an opaque state for `write_state`.
+    """
+    optimizers = list(find_optimizers(model).values())
+    optimizers += [o.inner_optimizer for o in optimizers if getattr(o, "inner_optimizer", None) is not None]
+    return _read(_training_variables(model, optimizers, []))
+
+
+def write_state(state):
+    """Puts back a state taken by `read_state` (only variables that differ are written)."""
+    for variable, array in state.values():
+        if not _same(np.asarray(variable.numpy()), array):
+            variable.assign(array)
+
+
+def _training_variables(model, optimizers, created):
+    found = list(model.variables) + list(getattr(model, "metrics_variables", []))
+    for optimizer in optimizers:
+        found += list(optimizer.variables)
+    found += list(created)
+    unique = {}
+    for variable in found:
+        unique.setdefault(id(_raw(variable)), _raw(variable))
+    return unique
+
+
+def _read(variables):
+    # A copy: an in-place optimizer update may reuse a buffer numpy() still shares.
+    return {key: (v, np.array(v.numpy(), copy=True)) for key, v in variables.items()}
+
+
 def _raw(variable):
     """The tf.Variable behind a Keras variable (one identity for both)."""
     inner = getattr(variable, "_value", None)
     return inner if isinstance(inner, tf.Variable) else variable
+
+
+def _own_train_step(model):
+    """The model's train_step, without a Recorder's probe around it: a step
+    taken here must not become a row of the fit() that is paused meanwhile."""
+    step = model.train_step
+    if getattr(step, "_lab_probe", None) is not None:
+        return type(model).train_step.__get__(model)
+    return step
 
 
 def _same(a, b):

@@ -1,5 +1,7 @@
 """The training lab, notebook side: views and controls over `lab`."""
 
+from widgets.background import BackgroundFit, TrainingControls
 from widgets.dashboard import Dashboard
+from widgets.stepper_panel import StepperPanel
 
-__all__ = ["Dashboard"]
+__all__ = ["BackgroundFit", "Dashboard", "StepperPanel", "TrainingControls"]
