@@ -2,6 +2,7 @@
 
 from widgets.background import BackgroundFit, TrainingControls
 from widgets.dashboard import Dashboard
+from widgets.mode_switch import ModeSwitch
 from widgets.stepper_panel import StepperPanel
 
-__all__ = ["BackgroundFit", "Dashboard", "StepperPanel", "TrainingControls"]
+__all__ = ["BackgroundFit", "Dashboard", "ModeSwitch", "StepperPanel", "TrainingControls"]
