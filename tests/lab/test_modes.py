@@ -205,7 +205,8 @@ def test_compare_modes_times_each_mode_and_leaves_the_model_as_it_was(data):
     assert list(zip(frame["mode"], frame["steps_per_execution"])) == [
         ("eager", 1), ("eager", 2), ("graph", 1), ("graph", 2)]
     assert frame["error"].isna().all()
-    assert (frame["step_ms"] > 0).all() and (frame["trace_seconds"] > 0).all()
+    assert (frame["step_ms"] > 0).all() and (frame["trace_seconds"] >= 0).all()
+    assert (frame["trace_seconds"][frame["mode"] == "graph"] > 0).all()
     assert list(frame["traces"][frame["mode"] == "eager"]) == [0, 0]
     assert (frame["traces"][frame["mode"] == "graph"] >= 1).all()
     assert frame["speedup_vs_eager"].iloc[0] == 1.0
