@@ -12,9 +12,10 @@ from lab.breakpoints import Breakpoint  # noqa: E402
 from lab.compare import compare  # noqa: E402
 from lab.devices import devices, strategy, virtual_cpus  # noqa: E402
 from lab.modes import ModeError, ModeSwitcher, compare_modes, set_mode  # noqa: E402
+from lab.predict import predict_stream  # noqa: E402
 from lab.recorder import Recorder  # noqa: E402
 from lab.run import Run  # noqa: E402
 from lab.stepper import Stepper, StepTrace  # noqa: E402
 
-__all__ = ["Breakpoint", "Recorder", "Run", "breakpoints", "compare", "datasets", "export", "devices", "ModeError", "ModeSwitcher", "compare_modes", "set_mode", "StepTrace", "Stepper", "strategy", "virtual_cpus"]
+__all__ = ["Breakpoint", "Recorder", "Run", "breakpoints", "compare", "datasets", "export", "predict_stream", "devices", "ModeError", "ModeSwitcher", "compare_modes", "set_mode", "StepTrace", "Stepper", "strategy", "virtual_cpus"]
 __version__ = "0.1.0"

@@ -1,0 +1,169 @@
+"""predict_stream: per-batch predictions with memory bounded by one batch.
+
+`model.predict` concatenates every batch's output before it returns, so its
+memory grows with the data set. `predict_stream` hands each batch's output to
+the caller (or to a collector) and keeps nothing, calling the model's own
+`predict_step` through a `tf.function` built once per model and execution mode.
+"""
+
+import itertools
+import weakref
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+# model -> ((run_eagerly, jit_compile), function); kept off the model, which
+# the lab leaves as it found it, and weak so the model can be collected.
+_FUNCTIONS = weakref.WeakKeyDictionary()
+
+
+def predict_stream(model, data, batch_size=32, collect=None, steps=None):
+    """Predicts batch by batch, yielding each batch's predictions as numpy.
+
+    Only one batch of inputs and outputs is alive at a time (plus what the
+    caller keeps), whatever the size of `data`.
+
+    Args:
+        model: keras.Model, built or buildable on the data.
+        data: the inputs, in one of these forms:
+            a numpy array, a tf.Tensor, or a list / tuple / dict of them for a
+            multi-input model (sliced into batches of `batch_size`); a
+            `tf.data.Dataset`, a `keras.utils.PyDataset`, a generator or any
+            other iterable yielding batches, as `model.predict` takes them (`x`,
+            `(x,)` or `(x, y)`; `y` is ignored by the model's `predict_step`).
+        batch_size: int, samples per batch for arrays; batched inputs keep
+            their own batches.
+        collect: callable or None. When given, every batch is predicted here
+            and `collect(y_pred, batch)` is called per batch, `batch` being
+            the inputs as fed (for arrays the slice of `x`; otherwise the
+            element yielded by `data`, labels included).
+        steps: int or None, stop after this many batches (for endless
+            generators).
+
+    Returns:
+        Without `collect`: a generator of per-batch predictions (numpy arrays,
+        or the structure of arrays the model outputs). With `collect`: the
+        number of samples predicted.
+
+    Example:
+
+    ```python
+    total = 0
+    for y_pred in lab.predict_stream(model, x_big, batch_size=1024):
+        total += (y_pred.argmax(-1) == 3).sum()
+    ```
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"predict_stream() needs a keras.Model; got {type(model).__name__}.")
+    if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int; got {batch_size!r}.")
+    if collect is not None and not callable(collect):
+        raise TypeError(
+            f"collect must be a callable `collect(y_pred, batch)`; got {type(collect).__name__}."
+        )
+    batches = _batches(data, int(batch_size))
+    if steps is not None:
+        batches = itertools.islice(batches, int(steps))
+    stream = _predict(model, batches)
+    if collect is None:
+        return _predictions_only(stream)
+    samples = 0
+    for y_pred, batch in stream:
+        collect(y_pred, batch)
+        samples += len(tf.nest.flatten(y_pred)[0])
+    return samples
+
+
+def _predict(model, batches):
+    """Yields (y_pred, batch as the user gave it)."""
+    step = None
+    for fed, batch in batches:
+        if step is None:
+            step = predict_function(model)
+        y_pred = tf.nest.map_structure(_to_numpy, step(fed))
+        yield y_pred, batch
+
+
+def _predictions_only(stream):
+    for y_pred, _ in stream:
+        yield y_pred
+
+
+def predict_function(model):
+    """The model's `predict_step` as a tf.function, built once per execution mode.
+
+    Follows `model.run_eagerly` (plain Python calls) and `model.jit_compile`.
+
+    Args:
+        model: keras.Model.
+
+    Returns:
+        callable, `function(data) -> y_pred`, `data` as `predict_step` takes it.
+    """
+    key = (bool(model.run_eagerly), bool(model.jit_compile) if getattr(model, "compiled", False) else False)
+    cached = _FUNCTIONS.get(model)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    owner = weakref.ref(model)
+
+    def one_step(data):
+        return owner().predict_step(data)
+
+    if not key[0]:
+        one_step = tf.function(one_step, reduce_retracing=True, jit_compile=key[1], autograph=False)
+    _FUNCTIONS[model] = (key, one_step)
+    return one_step
+
+
+def _to_numpy(value):
+    return value.numpy() if hasattr(value, "numpy") else np.asarray(value)
+
+
+def _is_array(value):
+    return isinstance(value, (np.ndarray, tf.Tensor)) or (
+        hasattr(value, "__array__") and hasattr(value, "shape") and not isinstance(value, tf.data.Dataset)
+    )
+
+
+def _is_array_structure(data):
+    leaves = tf.nest.flatten(data) if isinstance(data, (list, tuple, dict)) else [data]
+    return bool(leaves) and all(_is_array(leaf) for leaf in leaves)
+
+
+def _batches(data, batch_size):
+    """Yields (what predict_step is fed, the batch as the user gave it)."""
+    if isinstance(data, tf.data.Dataset):
+        return ((element, element) for element in data)
+    if isinstance(data, keras.utils.PyDataset):
+        return ((data[i], data[i]) for i in range(len(data)))
+    if _is_array_structure(data):
+        return _array_batches(data, batch_size)
+    if isinstance(data, (str, bytes)) or not hasattr(data, "__iter__"):
+        raise TypeError(
+            f"predict_stream() cannot read data of type {type(data).__name__}. Pass a numpy "
+            "array (or a list/dict of arrays), a tf.data.Dataset, a keras.utils.PyDataset "
+            "or a generator yielding batches."
+        )
+    return ((element, element) for element in data)
+
+
+def _array_batches(data, batch_size):
+    leaves = tf.nest.flatten(data)
+    count = int(leaves[0].shape[0])
+    for leaf in leaves[1:]:
+        if int(leaf.shape[0]) != count:
+            raise ValueError(
+                f"All input arrays need the same number of samples; got {count} and "
+                f"{int(leaf.shape[0])}."
+            )
+
+    def slices():
+        for start in range(0, count, batch_size):
+            # A slice is a view: no copy of the data set is made.
+            x = tf.nest.map_structure(lambda a: a[start:start + batch_size], data)
+            # As Keras' array adapter does: a tuple, so a list of inputs is
+            # never read as (x, y) by predict_step.
+            yield (x,), x
+
+    return slices()

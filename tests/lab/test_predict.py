@@ -1,0 +1,148 @@
+"""lab.predict_stream: per-batch predictions through the model's own predict_step."""
+
+import gc
+import itertools
+import weakref
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import lab
+from lab.predict import predict_function
+
+
+@pytest.fixture(scope="module")
+def model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+                             keras.layers.Dense(3, activation="softmax")])
+
+
+@pytest.fixture(scope="module")
+def x():
+    return np.random.default_rng(0).normal(size=(100, 4)).astype("float32")
+
+
+def test_arrays_give_model_predict_values_batch_by_batch(model, x):
+    expected = model.predict(x, batch_size=32, verbose=0)
+    batches = list(lab.predict_stream(model, x, batch_size=32))
+    assert [len(b) for b in batches] == [32, 32, 32, 4]
+    np.testing.assert_allclose(np.concatenate(batches), expected, rtol=1e-6, atol=1e-7)
+
+
+def test_a_dataset_with_labels_feeds_a_running_accuracy(model, x):
+    y = np.arange(100) % 3
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    hits = {"right": 0, "seen": 0}
+
+    def collect(y_pred, batch):
+        _, labels = batch
+        hits["right"] += int((y_pred.argmax(-1) == labels.numpy()).sum())
+        hits["seen"] += len(labels)
+
+    assert lab.predict_stream(model, dataset, collect=collect) == 100
+    full = model.predict(x, verbose=0).argmax(-1)
+    assert hits == {"right": int((full == y).sum()), "seen": 100}
+
+
+def test_a_generator_of_batches_and_an_endless_one_with_steps(model, x):
+    def batches():
+        for start in range(0, 100, 25):
+            yield x[start:start + 25]
+
+    streamed = np.concatenate(list(lab.predict_stream(model, batches())))
+    np.testing.assert_allclose(streamed, model.predict(x, verbose=0), rtol=1e-6, atol=1e-7)
+    endless = (x[:10] for _ in itertools.count())
+    assert len(list(lab.predict_stream(model, endless, steps=3))) == 3
+
+
+def test_a_pydataset_is_read_batch_by_batch(model, x):
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return 5
+
+        def __getitem__(self, index):
+            return x[index * 20:(index + 1) * 20], np.zeros(20)
+
+    streamed = np.concatenate(list(lab.predict_stream(model, Batches())))
+    np.testing.assert_allclose(streamed, model.predict(x, verbose=0), rtol=1e-6, atol=1e-7)
+
+
+def test_multi_input_models_take_a_list_or_dict_of_arrays():
+    a, b = keras.Input((2,), name="a"), keras.Input((3,), name="b")
+    two = keras.Model([a, b], keras.layers.Dense(1)(keras.layers.Concatenate()([a, b])))
+    xa, xb = np.ones((10, 2), "float32"), np.ones((10, 3), "float32")
+    expected = two.predict([xa, xb], verbose=0)
+    as_list = np.concatenate(list(lab.predict_stream(two, [xa, xb], batch_size=4)))
+    as_dict = np.concatenate(list(lab.predict_stream(two, {"a": xa, "b": xb}, batch_size=4)))
+    np.testing.assert_allclose(as_list, expected, rtol=1e-6)
+    np.testing.assert_allclose(as_dict, expected, rtol=1e-6)
+
+
+def test_the_models_own_predict_step_is_called_and_outputs_keep_their_structure(x):
+    class Scored(keras.Sequential):
+        def predict_step(self, data):
+            x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+            probabilities = self(x, training=False)
+            return {"probabilities": probabilities, "label": tf.argmax(probabilities, -1)}
+
+    scored = Scored([keras.Input((4,)), keras.layers.Dense(3, activation="softmax")])
+    first = next(lab.predict_stream(scored, x, batch_size=10))
+    assert set(first) == {"probabilities", "label"}
+    assert first["probabilities"].shape == (10, 3)
+    np.testing.assert_array_equal(first["label"], first["probabilities"].argmax(-1))
+
+
+def test_one_traced_function_serves_every_batch_and_predict_is_never_called(x, monkeypatch):
+    fresh = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    monkeypatch.setattr(fresh, "predict", lambda *a, **k: pytest.fail("model.predict was called"))
+    batches = list(lab.predict_stream(fresh, x, batch_size=10))
+    assert len(batches) == 10
+    function = predict_function(fresh)
+    assert function.experimental_get_tracing_count() == 1
+    list(lab.predict_stream(fresh, x, batch_size=10))
+    assert predict_function(fresh) is function
+    assert function.experimental_get_tracing_count() == 1
+    # Keras' own cached predict function is left alone.
+    assert fresh.predict_function is None
+
+
+def test_an_eager_model_is_predicted_eagerly(x):
+    eager = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    eager.compile(loss="mse", run_eagerly=True)
+    seen = []
+
+    class Spy(keras.layers.Layer):
+        def call(self, inputs):
+            seen.append(tf.executing_eagerly())
+            return inputs
+
+    eager.add(Spy())
+    seen.clear()  # adding the layer called it symbolically
+    list(lab.predict_stream(eager, x[:20], batch_size=10))
+    assert seen == [True, True]
+
+
+def test_the_stream_keeps_no_batch_it_has_handed_out(model, x):
+    stream = lab.predict_stream(model, x, batch_size=10)
+    handed = [weakref.ref(next(stream))]
+    for y_pred in stream:
+        handed.append(weakref.ref(y_pred))
+        del y_pred
+    gc.collect()
+    assert all(ref() is None for ref in handed)
+
+
+def test_bad_input_gets_a_clear_error(model, x):
+    with pytest.raises(ValueError, match="batch_size must be a positive int"):
+        lab.predict_stream(model, x, batch_size=0)
+    with pytest.raises(TypeError, match="cannot read data of type int"):
+        lab.predict_stream(model, 3)
+    with pytest.raises(TypeError, match="collect must be a callable"):
+        lab.predict_stream(model, x, collect=[])
+    with pytest.raises(TypeError, match="needs a keras.Model"):
+        lab.predict_stream(lambda v: v, x)
+    with pytest.raises(ValueError, match="same number of samples; got 3 and 2"):
+        lab.predict_stream(model, [np.ones((3, 4)), np.ones((2, 4))])
