@@ -27,6 +27,12 @@ import tensorflow as tf
 
 from lab.buffer import StepBuffer
 
+try:
+    from keras.src.losses.loss import unscale_loss_for_distribution
+except ImportError:  # Keras < 3.7 does not scale the loss by the replica count.
+    def unscale_loss_for_distribution(value):
+        return value
+
 _PATCHED = "_lab_probe"
 
 
@@ -92,6 +98,13 @@ def _all_reduce(value, op):
     if ctx is None:
         return value
     return ctx.all_reduce(op, value)
+
+
+def _batch_size(data):
+    leaves = [t for t in tf.nest.flatten(data) if t is not None]
+    if not leaves:
+        return tf.constant(np.nan, tf.float32)
+    return tf.cast(tf.shape(leaves[0])[0], tf.float32)
 
 
 def _flat_logs(logs, prefix=""):
@@ -211,7 +224,7 @@ class Probe:
             try:
                 totals = probe._metric_totals()
                 logs = original(data)
-                probe._record(state, totals, logs)
+                probe._record(state, totals, logs, _batch_size(data))
             finally:
                 probe._local.state = None
             return logs
@@ -278,15 +291,13 @@ class Probe:
         count = _all_reduce(tf.cast(tf.identity(metric.count.value) - before[1], tf.float32), "SUM")
         return tf.math.divide_no_nan(total, count)
 
-    def _record(self, state, totals, logs):
-        values = {}
+    def _record(self, state, totals, logs, batch_size):
+        values = {"_batch_size": _all_reduce(batch_size, "SUM")}
         metrics = leaf_metrics(self.model)
         tracker_loss = None
         if "loss" in totals:
             tracker_loss = self._metric_delta(metrics["loss"], totals["loss"])
         if state.loss is not None:
-            from keras.src.losses.loss import unscale_loss_for_distribution
-
             loss = tf.cast(unscale_loss_for_distribution(tf.convert_to_tensor(state.loss)), tf.float32)
             values["loss"] = _all_reduce(tf.reduce_mean(loss), "MEAN")
             if tracker_loss is not None:

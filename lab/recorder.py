@@ -1,10 +1,12 @@
 """Recorder: a Keras callback that turns fit()'s lifecycle into Run rows."""
 
+import inspect
 import time
 import warnings
 import weakref
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from lab import modes
@@ -126,7 +128,7 @@ class Recorder(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         elapsed = time.perf_counter() - self._t0 if self._t0 is not None else float("nan")
-        steps = max(1, batch - self._begin_step + 1)
+        steps = self._steps_in_execution(batch)
         mode = modes.current_mode(self.model)
         if mode != self._mode:
             self.run.add_event("mode", f"{self._mode} -> {mode}", step=len(self.run) + len(self._pending))
@@ -141,6 +143,16 @@ class Recorder(keras.callbacks.Callback):
             self._check_breakpoints(start)
         self._maybe_save(now)
 
+    def _steps_in_execution(self, batch):
+        if batch > self._begin_step or not _reports_begin_step_only(self.model):
+            return max(1, batch - self._begin_step + 1)
+        # Keras before 3.8 reports the first step of an execution at its end.
+        steps = int(self.model.steps_per_execution)
+        total = (self.params or {}).get("steps")
+        if total:
+            steps = max(1, min(steps, int(total) - self._begin_step))
+        return steps
+
     def on_epoch_end(self, epoch, logs=None):
         self.flush()
         self.run.append_epoch(epoch, logs)
@@ -149,6 +161,9 @@ class Recorder(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self.flush()
+        # Host-side guesses of steps that never ran (the last, partial
+        # execution of data of unknown size on older Keras).
+        self._pending = []
         self._finish("stopped" if self.status == "breakpoint" else "finished")
 
     def on_test_end(self, logs=None):
@@ -170,19 +185,21 @@ class Recorder(keras.callbacks.Callback):
         count = len(next(iter(rows.values()))) if rows else 0
         if count == 0:
             return 0
-        if count > len(self._pending) and not failing:
-            # Keras ran steps no callback saw: at the end of a generator of
-            # unknown length it runs one step on an empty batch (the optimizer
-            # counts it). It is no batch of the data: note it, keep it out.
-            extra = count - len(self._pending)
+        sizes = rows.get("_batch_size")
+        if sizes is not None and count > len(self._pending) and (sizes[len(self._pending):] == 0).any():
+            # At the end of a generator of unknown length Keras runs one step
+            # on an empty batch that no callback sees (the optimizer counts
+            # it). It is no batch of the data: note it, keep it out.
+            keep = np.ones(count, bool)
+            keep[len(self._pending):] = sizes[len(self._pending):] > 0
             self.run.add_event(
                 "empty_step",
-                f"Keras ran {extra} train step(s) that no callback saw (end of data); "
-                "optimizer.iterations counts them",
+                f"Keras ran {int((~keep).sum())} train step(s) on an empty batch at the end "
+                "of the data; no callback saw them and optimizer.iterations counts them",
                 step=len(self.run) + len(self._pending) - 1,
             )
-            rows = {name: values[: len(self._pending)] for name, values in rows.items()}
-            count = len(self._pending)
+            rows = {name: values[keep] for name, values in rows.items()}
+            count = int(keep.sum())
             if count == 0:
                 return 0
         meta = self._pending[:count]
@@ -334,6 +351,21 @@ class Recorder(keras.callbacks.Callback):
             self.run.save(self.path)
         except Exception as error:  # noqa: BLE001 - saving must not stop training
             warnings.warn(f"Could not save the run to {self.path}: {error}", RuntimeWarning, stacklevel=2)
+
+
+_BEGIN_STEP_ONLY = {}
+
+
+def _reports_begin_step_only(model):
+    """Whether this Keras passes the execution's first step to on_train_batch_end."""
+    trainer = type(model).fit
+    if trainer not in _BEGIN_STEP_ONLY:
+        try:
+            source = inspect.getsource(trainer)
+        except (OSError, TypeError):
+            source = "end_step"
+        _BEGIN_STEP_ONLY[trainer] = "end_step" not in source
+    return _BEGIN_STEP_ONLY[trainer]
 
 
 def _signature(model):

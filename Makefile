@@ -1,0 +1,60 @@
+# The two commands a newcomer needs:
+#   make lab    set up a virtual environment and open the quickstart in JupyterLab
+#   make test   set up and run the whole test suite (unit, notebooks, browser),
+#               then the engine's tests again on the oldest supported TF/Keras
+
+PYTHON ?= python3
+VENV ?= .venv
+OLDEST_VENV ?= .venv-oldest
+BIN := $(VENV)/bin
+PYTEST_ARGS ?=
+export TF_CPP_MIN_LOG_LEVEL ?= 2
+
+.PHONY: lab test test-current test-oldest unit notebooks browser-deps demo bench clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	$(BIN)/pip install -e ".[notebook,test]"
+	touch $@
+
+lab: $(BIN)/.installed
+	$(BIN)/jupyter lab notebooks/01_quickstart.ipynb
+
+# Debian's chromium drives the browser tests (Playwright never downloads one).
+browser-deps:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -y -q chromium; \
+	  else sudo apt-get update -q && sudo apt-get install -y -q chromium; fi; }
+
+test: test-current test-oldest
+
+test-current: $(BIN)/.installed browser-deps
+	$(BIN)/pytest tests notebooks --nbval --nbval-sanitize-with notebooks/sanitize.cfg \
+	  --nbval-cell-timeout=600 $(PYTEST_ARGS)
+
+unit: $(BIN)/.installed
+	$(BIN)/pytest tests -m "not browser" $(PYTEST_ARGS)
+
+notebooks: $(BIN)/.installed
+	$(BIN)/pytest notebooks --nbval --nbval-sanitize-with notebooks/sanitize.cfg --nbval-cell-timeout=600
+
+# The lowest supported TensorFlow/Keras: the engine's tests run there too,
+# because the lab leans on Keras internals that move between releases.
+$(OLDEST_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/pip install --upgrade pip
+	$(OLDEST_VENV)/bin/pip install -e . pytest "tensorflow==2.16.2" "keras==3.5.0" "numpy<2"
+	touch $@
+
+test-oldest: $(OLDEST_VENV)/.installed
+	$(OLDEST_VENV)/bin/pytest tests/lab $(PYTEST_ARGS)
+
+demo: $(BIN)/.installed
+	$(BIN)/training-lab demo
+
+bench: $(BIN)/.installed
+	$(BIN)/python benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) $(OLDEST_VENV) artifacts training-lab-demo
