@@ -27,9 +27,9 @@ def make_model():
     keras.utils.set_random_seed(1)
     model = keras.Sequential([
         keras.Input((8,)),
-        keras.layers.Dense(6, activation="relu"),
-        keras.layers.Dense(3),
-    ])
+        keras.layers.Dense(6, activation="relu", name="hidden"),
+        keras.layers.Dense(3, name="logits"),
+    ], name="net")  # fixed names: both runs' variables get the same paths
     model.compile(optimizer=keras.optimizers.SGD(0.1),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
