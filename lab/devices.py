@@ -59,8 +59,8 @@ def virtual_cpus(n):
     """Splits the host CPU into `n` logical devices, for multi-replica code anywhere.
 
     TensorFlow fixes its devices when it first uses them, so call this before
-    any other TensorFlow work: first thing in the notebook or script. Calling
-    it again with the same `n` does nothing.
+    any other TensorFlow work: first thing in the notebook or script. Asking
+    for the number of logical CPUs already in force does nothing.
 
     Args:
         n: int, the number of logical CPUs (1 or more).
@@ -87,6 +87,8 @@ def virtual_cpus(n):
         )
     except RuntimeError as error:
         found = len(tf.config.list_logical_devices("CPU"))
+        if found == n:
+            return  # already split this way, e.g. a notebook cell run twice
         raise RuntimeError(
             f"lab.virtual_cpus({n}) came too late: TensorFlow has already "
             f"initialised its devices ({found} logical CPU{'s' if found != 1 else ''}). "
