@@ -1,0 +1,189 @@
+"""Interrupts and failures during fit(): the record survives, the model stays usable."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import lab
+
+# A KeyboardInterrupt or an error raised outside the train function (in another
+# callback, between batches) reaches no Recorder hook today: the run gets no
+# event, its last rows stay unread and the probes stay on the model. The fix is
+# described in the issue 7 report; strict, so the mark goes once it is in.
+OUTSIDE_THE_STEP = pytest.mark.xfail(
+    strict=True, reason="Recorder misses failures outside model.train_function (issue 7 report)")
+
+
+def data(n=48, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, 4)).astype("float32"), rng.normal(size=(n, 1)).astype("float32")
+
+
+class RaiseAtStep(keras.layers.Layer):
+    """Passes its input through; raises `error` in the training step number `at` (from 1)."""
+
+    def __init__(self, at, error):
+        super().__init__()
+        self.at, self.error, self.calls = at, error, 0
+
+    def call(self, inputs, training=None):
+        if training and tf.executing_eagerly():
+            self.calls += 1
+            if self.calls == self.at:
+                raise self.error
+        return inputs
+
+
+class RaiseInCallback(keras.callbacks.Callback):
+    def __init__(self, hook, at, error):
+        super().__init__()
+        self.hook, self.at, self.error = hook, at, error
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.hook == "batch" and batch == self.at:
+            raise self.error
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.hook == "epoch" and epoch == self.at:
+            raise self.error
+
+
+def model_with(*layers, run_eagerly=False):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), *layers, keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", run_eagerly=run_eagerly)
+    return model
+
+
+def assert_usable_without_the_lab(model):
+    """No lab patch is left, weights are finite, and a plain fit() trains."""
+    assert "train_step" not in model.__dict__
+    assert "compute_loss" not in model.__dict__
+    assert "_backend_update_step" not in model.optimizer.__dict__
+    assert getattr(model.train_function, "_lab_recorder", None) is None
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+    before = [w.copy() for w in model.get_weights()]
+    x, y = data(16, seed=1)
+    history = model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+    assert any(not np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+
+
+def interrupted_fit(model, recorder, callbacks=(), error=KeyboardInterrupt, epochs=1):
+    x, y = data()
+    with pytest.raises(error):
+        model.fit(x, y, batch_size=8, epochs=epochs, verbose=0, callbacks=[recorder, *callbacks])
+
+
+def test_an_interrupt_inside_a_step_keeps_every_completed_batch(tmp_path):
+    # Steps 1-3 complete; the interrupt comes in the forward pass of step 4.
+    model = model_with(RaiseAtStep(4, KeyboardInterrupt()), run_eagerly=True)
+    recorder = lab.Recorder(gradients=True, path=str(tmp_path / "run.h5"))
+    interrupted_fit(model, recorder)
+
+    assert recorder.status == "interrupted"
+    assert len(recorder.run) == 3 == int(model.optimizer.iterations)
+    assert recorder.run.batches()["batch"].tolist() == [0, 1, 2]
+    assert np.isfinite(recorder.run.batches()["grad_norm"]).all()
+    events = recorder.run.events()
+    assert events[["step", "kind"]].values.tolist() == [[2, "interrupt"]]
+    saved = lab.Run.load(tmp_path / "run.h5")
+    assert len(saved) == 3 and saved.events()["kind"].tolist() == ["interrupt"]
+    assert_usable_without_the_lab(model)
+
+
+def test_an_error_inside_a_step_is_recorded_as_a_failure():
+    model = model_with(RaiseAtStep(2, ValueError("bad batch")), run_eagerly=True)
+    recorder = lab.Recorder()
+    interrupted_fit(model, recorder, error=ValueError)
+
+    assert recorder.status == "failed" and "bad batch" in recorder.status_detail
+    assert len(recorder.run) == 1
+    events = recorder.run.events()
+    assert events["kind"].tolist() == ["error"] and "bad batch" in events["detail"][0]
+    assert_usable_without_the_lab(model)
+
+
+def test_the_same_recorder_continues_after_an_interrupt():
+    model = model_with(RaiseAtStep(4, KeyboardInterrupt()), run_eagerly=True)
+    recorder = lab.Recorder()
+    interrupted_fit(model, recorder)
+    x, y = data(16)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[recorder])
+    assert recorder.status == "finished"
+    assert recorder.run.batches()["step"].tolist() == [0, 1, 2, 3, 4]
+
+
+@OUTSIDE_THE_STEP
+@pytest.mark.parametrize("recorder_first", [True, False])
+def test_an_interrupt_between_batches_keeps_the_record_and_frees_the_model(recorder_first):
+    model = model_with()
+    recorder = lab.Recorder(flush_every=3600)
+    stop = RaiseInCallback("batch", 2, KeyboardInterrupt())
+    x, y = data()
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0,
+                  callbacks=[recorder, stop] if recorder_first else [stop, recorder])
+
+    # Batches 0-2 each updated the weights: all three are in the record.
+    assert len(recorder.run) == 3 == int(model.optimizer.iterations)
+    assert recorder.status == "interrupted"
+    assert recorder.run.events()["kind"].tolist() == ["interrupt"]
+    assert_usable_without_the_lab(model)
+
+
+@OUTSIDE_THE_STEP
+def test_after_an_interrupt_between_batches_a_new_recorder_can_watch_the_model():
+    model = model_with()
+    interrupted_fit(model, lab.Recorder(), [RaiseInCallback("batch", 1, KeyboardInterrupt())])
+    fresh = lab.Recorder()
+    x, y = data(16)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[fresh])
+    assert len(fresh.run) == 2
+
+
+@OUTSIDE_THE_STEP
+def test_an_error_in_another_callback_is_recorded_and_frees_the_model(tmp_path):
+    model = model_with()
+    recorder = lab.Recorder(path=str(tmp_path / "run.h5"))
+    interrupted_fit(model, recorder, [RaiseInCallback("epoch", 0, RuntimeError("plot failed"))],
+                    error=RuntimeError, epochs=2)
+    assert recorder.status == "failed"
+    assert recorder.run.events()["kind"].tolist() == ["error"]
+    assert lab.Run.load(tmp_path / "run.h5").events()["kind"].tolist() == ["error"]
+    assert_usable_without_the_lab(model)
+
+
+def test_a_failing_subscriber_never_stops_training():
+    model = model_with()
+    recorder = lab.Recorder(flush_every=0)
+    calls = []
+
+    def broken_view(run, table, start, stop):
+        calls.append(table)
+        raise RuntimeError("cannot render")
+
+    recorder.run.subscribe(broken_view)
+    healthy = []
+    recorder.run.subscribe(lambda run, table, start, stop: healthy.append((table, stop)))
+    x, y = data()
+    with pytest.warns(RuntimeWarning, match="cannot render.*training goes on"):
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[recorder])
+
+    assert recorder.status == "finished"
+    assert len(recorder.run) == 12 == int(model.optimizer.iterations)
+    assert calls == ["batches"]  # detached after its first failure
+    assert ("epochs", 2) in healthy
+
+
+def test_a_failing_status_listener_never_stops_training():
+    model = model_with()
+    recorder = lab.Recorder()
+
+    def broken(status, detail):
+        raise RuntimeError("view gone")
+
+    recorder.add_status_listener(broken)
+    x, y = data()
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[recorder])
+    assert recorder.status == "finished" and len(recorder.run) == 6
