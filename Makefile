@@ -30,14 +30,14 @@ browser-deps:
 test: test-current test-oldest
 
 test-current: $(BIN)/.installed browser-deps
-	$(BIN)/pytest tests notebooks --nbval --nbval-sanitize-with notebooks/sanitize.cfg \
+	$(BIN)/python -m pytest tests notebooks --nbval --nbval-sanitize-with notebooks/sanitize.cfg \
 	  --nbval-cell-timeout=600 $(PYTEST_ARGS)
 
 unit: $(BIN)/.installed
-	$(BIN)/pytest tests -m "not browser" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests -m "not browser" $(PYTEST_ARGS)
 
 notebooks: $(BIN)/.installed
-	$(BIN)/pytest notebooks --nbval --nbval-sanitize-with notebooks/sanitize.cfg --nbval-cell-timeout=600
+	$(BIN)/python -m pytest notebooks --nbval --nbval-sanitize-with notebooks/sanitize.cfg --nbval-cell-timeout=600
 
 # The lowest supported TensorFlow/Keras: the engine's tests run there too,
 # because the lab leans on Keras internals that move between releases.
@@ -48,7 +48,7 @@ $(OLDEST_VENV)/.installed: pyproject.toml
 	touch $@
 
 test-oldest: $(OLDEST_VENV)/.installed
-	$(OLDEST_VENV)/bin/pytest tests/lab $(PYTEST_ARGS)
+	$(OLDEST_VENV)/bin/python -m pytest tests/lab $(PYTEST_ARGS)
 
 demo: $(BIN)/.installed
 	$(BIN)/training-lab demo

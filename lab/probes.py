@@ -134,11 +134,24 @@ def _scalar_tensor(value):
 
 
 class _StepState:
-    """What one call of train_step produced, collected while it runs (or traces)."""
+    """What one call of train_step produced, collected while it runs (or traces).
+
+    Values computed in the step's own graph are kept as tensors. Values an
+    optimizer hook computes inside a nested graph (a `tf.cond` branch: the loss
+    scale optimizer's finite check, gradient accumulation, the breakpoint
+    gate) cannot leave that graph as tensors; they go through slot variables.
+    """
 
     def __init__(self):
+        self.graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
         self.loss = None
-        self.updates = []  # dicts: optimizer, variables, gradients, learning_rate, deltas
+        self.values = {}
+        self.slotted = {}
+        self.optimizers = []
+        self.pending = None
+
+    def nested(self):
+        return self.graph is not None and tf.compat.v1.get_default_graph() is not self.graph
 
 
 class Probe:
@@ -148,13 +161,17 @@ class Probe:
         model: keras.Model, compiled.
         gradients: bool, also record per-variable norms of the applied gradients.
         weights: bool, also record weight norms and update/weight ratios.
+        breakpoints: sequence of device-side breakpoints (`lab.breakpoints.nonfinite()`,
+            `loss_spike(...)`): evaluated inside the step; a hit skips that
+            update and holds every later one until `release()`.
         capacity: int, rows of the device buffer (at least 4 executions).
     """
 
-    def __init__(self, model, gradients=False, weights=False, capacity=1024):
+    def __init__(self, model, gradients=False, weights=False, breakpoints=(), capacity=1024):
         self.model = model
         self.gradients = gradients
         self.weights = weights
+        self.breakpoints = [b for b in breakpoints if getattr(b, "on_device", False)]
         self.capacity = capacity
         self.columns = None
         self.buffer = None
@@ -163,6 +180,8 @@ class Probe:
         self._patches = []
         self._variable_keys = {}
         self._optimizer_names = []
+        self._slots = {}
+        self._hold = None
 
     @property
     def installed(self):
@@ -186,6 +205,8 @@ class Probe:
         optimizers = find_optimizers(model)
         self._optimizer_names = list(optimizers)
         for name, optimizer in optimizers.items():
+            if self.breakpoints:
+                self._patch(optimizer, "apply", self._wrap_apply(optimizer, optimizer.apply))
             inner = getattr(optimizer, "inner_optimizer", None) or optimizer
             self._patch(inner, "_backend_update_step", self._wrap_update_step(name, inner._backend_update_step))
             if hasattr(inner, "_all_reduce_sum_gradients"):
@@ -251,15 +272,12 @@ class Probe:
             if state is None:
                 return original(grads, trainable_variables, learning_rate)
             variables = list(trainable_variables)
-            update = {"optimizer": name, "variables": variables, "gradients": None,
-                      "learning_rate": learning_rate, "deltas": None}
-            state.updates.append(update)
+            state.pending = None
             before = [tf.identity(v.value) for v in variables] if probe.weights else None
             result = original(grads, trainable_variables, learning_rate)
-            if update["gradients"] is None:
-                update["gradients"] = list(grads)
-            if before is not None:
-                update["deltas"] = [tf.convert_to_tensor(v.value) - b for v, b in zip(variables, before)]
+            applied = state.pending if state.pending is not None else list(grads)
+            state.pending = None
+            probe._emit_update(state, name, variables, applied, learning_rate, before)
             return result
 
         return _backend_update_step
@@ -268,16 +286,139 @@ class Probe:
         probe = self
 
         def _all_reduce_sum_gradients(grads_and_vars):
-            reduced = original(grads_and_vars)
+            reduced = list(original(grads_and_vars))
             state = getattr(probe._local, "state", None)
-            if state is not None and state.updates and state.updates[-1]["gradients"] is None:
-                reduced = list(reduced)
-                state.updates[-1]["gradients"] = [g for g, _ in reduced]
+            if state is not None:
+                state.pending = [g for g, _ in reduced]
             return reduced
 
         return _all_reduce_sum_gradients
 
+    def _wrap_apply(self, optimizer, original):
+        probe = self
+
+        def apply(grads, trainable_variables=None):
+            state = getattr(probe._local, "state", None)
+            if state is None:
+                return original(grads, trainable_variables)
+            grads = list(grads)
+            if trainable_variables is not None:
+                trainable_variables = list(trainable_variables)
+                if not optimizer.built:
+                    # Variables cannot be created inside the gate's branch.
+                    optimizer.build(trainable_variables)
+            skip = probe._gate(state, grads)
+
+            def update():
+                original(grads, trainable_variables)
+                return tf.constant(0)
+
+            ctx = _replica_context()
+            if ctx is None or tf.__internal__.distribute.strategy_supports_no_merge_call():
+                tf.cond(skip, lambda: tf.constant(0), update)
+            else:
+                # A cond whose branch calls merge_call (the update does) must
+                # run in cross-replica context, as Keras' LossScaleOptimizer does.
+                def merged(distribution, skip, grads, trainable_variables):
+                    def update_each():
+                        distribution.extended.call_for_each_replica(
+                            original, args=(grads, trainable_variables)
+                        )
+                        return tf.constant(0)
+
+                    skip = distribution.experimental_local_results(skip)[0]
+                    tf.cond(skip, lambda: tf.constant(0), update_each)
+
+                ctx.merge_call(merged, args=(skip, grads, trainable_variables))
+
+        return apply
+
+    # ---- breakpoints on the device ---------------------------------------
+
+    def _hold_variable(self):
+        if self._hold is None:
+            self._hold = self._make_variable("lab_hold", 0.0)
+        return self._hold
+
+    def _gate(self, state, grads):
+        """Evaluates the device breakpoints; returns whether to skip this update."""
+        hold = self._hold_variable()
+        loss = None
+        if state.loss is not None:
+            loss = tf.reduce_mean(tf.cast(unscale_loss_for_distribution(tf.convert_to_tensor(state.loss)), tf.float32))
+            loss = _all_reduce(loss, "MEAN")
+        applied = [g for g in grads if g is not None]
+        hit_index = tf.constant(0.0)
+        for index in reversed(range(len(self.breakpoints))):
+            flag = tf.cast(self.breakpoints[index].check(loss, applied, self._make_variable), tf.float32)
+            flag = _all_reduce(flag, "MAX")
+            hit_index = tf.where(flag > 0, float(index + 1), hit_index)
+        held = tf.identity(hold.read_value())
+        new_hit = tf.where(held > 0, 0.0, hit_index)
+        self._emit(state, "_hit", new_hit, reset=0.0, accumulate=True)
+        skip = tf.logical_or(held > 0, hit_index > 0)
+        self._emit(state, "_held", tf.cast(skip, tf.float32), reset=0.0, accumulate=True)
+        hold.assign(tf.where(skip, 1.0, 0.0))
+        return skip
+
+    def release(self):
+        """Lets updates through again after a device breakpoint held them."""
+        if self._hold is not None:
+            self._hold.assign(0.0)
+        for point in self.breakpoints:
+            point.reset()
+
     # ---- the row -------------------------------------------------------------
+
+    def _make_variable(self, name, initial):
+        strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+        with tf.init_scope():
+            scope = strategy.scope() if strategy is not None else _NullScope()
+            with scope:
+                return tf.Variable(
+                    initial,
+                    dtype=tf.float32,
+                    trainable=False,
+                    name=name,
+                    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+                )
+
+    def _emit(self, state, name, value, reset=np.nan, accumulate=False):
+        value = tf.cast(value, tf.float32)
+        if state.nested():
+            slot = self._slots.get(name)
+            if slot is None:
+                slot = self._slots[name] = (self._make_variable("lab_slot", reset), reset)
+            (slot[0].assign_add if accumulate else slot[0].assign)(value)
+            state.slotted[name] = slot
+        elif accumulate and name in state.values:
+            state.values[name] = state.values[name] + value
+        else:
+            state.values[name] = value
+
+    def _emit_update(self, state, name, variables, grads, learning_rate, before):
+        if name not in state.optimizers:
+            state.optimizers.append(name)
+        self._emit(state, f"_lr/{name}", learning_rate)
+        self._emit(state, "_updates", 1.0, reset=0.0, accumulate=True)
+        if not (self.gradients or self.weights):
+            return
+        squares = []
+        for index, variable in enumerate(variables):
+            key = self._key(variable)
+            grad = grads[index] if index < len(grads) else None
+            if self.gradients and grad is not None:
+                square = tf.reduce_sum(tf.square(tf.cast(grad, tf.float32)))
+                squares.append(square)
+                self._emit(state, f"grad_norm/{key}", tf.sqrt(square))
+            if self.weights:
+                norm = tf.norm(tf.cast(tf.convert_to_tensor(variable.value), tf.float32))
+                self._emit(state, f"weight_norm/{key}", norm)
+                if before is not None:
+                    delta = tf.cast(tf.convert_to_tensor(variable.value) - before[index], tf.float32)
+                    self._emit(state, f"update_ratio/{key}", tf.math.divide_no_nan(tf.norm(delta), norm))
+        if squares:
+            self._emit(state, "_grad_square", tf.add_n(squares), reset=0.0, accumulate=True)
 
     def _metric_totals(self):
         totals = {}
@@ -313,37 +454,27 @@ class Probe:
                 tensor = _scalar_tensor(value)
                 if tensor is not None:
                     values[key] = _all_reduce(tf.cast(tensor, tf.float32), "MEAN")
-        self._record_updates(state, values)
+        produced = dict(state.values)
+        for name, (slot, reset) in state.slotted.items():
+            read = tf.identity(slot.read_value())
+            with tf.control_dependencies([read]):
+                slot.assign(tf.constant(reset, tf.float32))
+            produced[name] = produced[name] + read if name in produced else read
+        self._finish_row(state, values, produced)
         self._write(values)
 
-    def _record_updates(self, state, values):
-        several = len({u["optimizer"] for u in state.updates}) > 1
-        for update in state.updates:
-            column = f"learning_rate/{update['optimizer']}" if several else "learning_rate"
-            values[column] = tf.cast(update["learning_rate"], tf.float32)
-        if not (self.gradients or self.weights):
-            return
-        squares = []
-        for update in state.updates:
-            for variable, grad, delta in zip(
-                update["variables"],
-                update["gradients"] or [None] * len(update["variables"]),
-                update["deltas"] or [None] * len(update["variables"]),
-            ):
-                key = self._key(variable)
-                if self.gradients and grad is not None:
-                    square = tf.reduce_sum(tf.square(tf.cast(grad, tf.float32)))
-                    squares.append(square)
-                    values[f"grad_norm/{key}"] = tf.sqrt(square)
-                if self.weights:
-                    norm = tf.norm(tf.cast(tf.convert_to_tensor(variable.value), tf.float32))
-                    values[f"weight_norm/{key}"] = norm
-                    if delta is not None:
-                        values[f"update_ratio/{key}"] = tf.math.divide_no_nan(
-                            tf.norm(tf.cast(delta, tf.float32)), norm
-                        )
-        if self.gradients and squares:
-            values["grad_norm"] = tf.sqrt(tf.add_n(squares))
+    def _finish_row(self, state, values, produced):
+        several = len(state.optimizers) > 1
+        for name in state.optimizers:
+            column = f"learning_rate/{name}" if several else "learning_rate"
+            values[column] = produced.pop(f"_lr/{name}")
+        updates = produced.pop("_updates", None)
+        square = produced.pop("_grad_square", None)
+        if updates is not None:
+            values["updated"] = tf.cast(updates > 0, tf.float32)
+        if self.gradients and square is not None:
+            values["grad_norm"] = tf.where(updates > 0, tf.sqrt(square), np.float32(np.nan))
+        values.update(produced)
 
     def _key(self, variable):
         key = self._variable_keys.get(id(variable))
@@ -389,6 +520,14 @@ class Probe:
             return {}
         block = self.buffer.read_new()
         return {name: block[:, i] for i, name in enumerate(self.columns)}
+
+
+class _NullScope:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
 
 
 _MISSING = object()

@@ -75,6 +75,7 @@ class Recorder(keras.callbacks.Callback):
         self.status = "idle"
         self.status_detail = ""
         self._status_listeners = []
+        self._breakpoint_listeners = []
         self._probe = None
         self._cached = None  # (signature, train_function) built with our hooks
         self._pending = []  # host-side facts of steps whose device rows are unread
@@ -98,7 +99,8 @@ class Recorder(keras.callbacks.Callback):
             self._probe = None
             self._cached = None
         if self._probe is None:
-            self._probe = Probe(model, gradients=self.gradients, weights=self.weights)
+            self._probe = Probe(model, gradients=self.gradients, weights=self.weights,
+                                breakpoints=self.breakpoints)
         self._probe.ensure_capacity(model.steps_per_execution)
         self._probe.install()
         cached = self._cached
@@ -112,6 +114,7 @@ class Recorder(keras.callbacks.Callback):
         self._pending = []
         if self._probe.buffer is not None:
             self._probe.buffer.skip_unread()
+        self._probe.release()
         self._fill_metadata()
         self._mode = modes.current_mode(self.model)
         self._guard()
@@ -137,7 +140,8 @@ class Recorder(keras.callbacks.Callback):
             self._pending.append((self._epoch, self._begin_step + i, elapsed / steps, mode))
         now = time.monotonic()
         half_full = len(self._pending) * 2 >= self._probe.capacity
-        if self.breakpoints or half_full or now - self._last_flush >= self.flush_every:
+        python_points = any(not getattr(p, "on_device", False) for p in self.breakpoints)
+        if python_points or half_full or now - self._last_flush >= self.flush_every:
             start = len(self.run)
             self.flush()
             self._check_breakpoints(start)
@@ -216,9 +220,39 @@ class Recorder(keras.callbacks.Callback):
             "mode": [m[3] for m in meta],
         }
         columns.update(rows)
+        hit_row = self._cut_at_device_hit(columns)
         self.run.append_batches(columns)
         self._check_old_style(rows)
+        if hit_row is not None:
+            self._on_device_hit(hit_row)
         return count
+
+    def _cut_at_device_hit(self, columns):
+        """Keeps rows up to a device breakpoint's hit; later steps of the same
+        execution ran without updating (held) and are no steps of training."""
+        hits = columns.get("_hit")
+        if hits is None or not (hits > 0).any():
+            return None
+        first = int(np.argmax(hits > 0))
+        for name in list(columns):
+            columns[name] = columns[name][: first + 1]
+        return {name: values[first] for name, values in columns.items()}
+
+    def _on_device_hit(self, row):
+        point = self._probe.breakpoints[int(row["_hit"]) - 1]
+        step = len(self.run) - 1
+        culprits = [name.split("/", 1)[1] for name, value in row.items()
+                    if name.startswith("grad_norm/") and not np.isfinite(value)]
+        if "loss" in row and not np.isfinite(row["loss"]):
+            culprits.insert(0, "loss")
+        detail = f"{point.name} at step {step}; update skipped"
+        if culprits:
+            detail += "; not finite: " + ", ".join(culprits)
+        self.run.add_event("nonfinite" if point.name == "nonfinite" else "breakpoint", detail, step=step)
+        self.model.stop_training = True
+        self._set_status("breakpoint", detail)
+        for fn in list(self._breakpoint_listeners):
+            fn(step, detail)
 
     def _check_old_style(self, rows):
         if "_tracker_loss" not in rows or self.model in _WARNED_OLD_STYLE:
@@ -235,13 +269,16 @@ class Recorder(keras.callbacks.Callback):
     def _check_breakpoints(self, start):
         if not self.breakpoints or len(self.run) <= start:
             return
+        points = [p for p in self.breakpoints if not getattr(p, "on_device", False)]
         frame = self.run.batches().iloc[start:]
         for _, row in frame.iterrows():
-            for point in self.breakpoints:
+            for point in points:
                 if point.hit(row):
                     self.run.add_event("breakpoint", point.describe(row), step=int(row["step"]))
                     self.model.stop_training = True
                     self._set_status("breakpoint", point.describe(row))
+                    for fn in list(self._breakpoint_listeners):
+                        fn(int(row["step"]), point.describe(row))
                     return
 
     # ---- failures ----------------------------------------------------------
@@ -311,6 +348,10 @@ class Recorder(keras.callbacks.Callback):
     detach = _detach
 
     # ---- status, metadata, saving -----------------------------------------
+
+    def add_breakpoint_listener(self, fn):
+        """Calls `fn(step, detail)` when a breakpoint hits (the background runner pauses on it)."""
+        self._breakpoint_listeners.append(fn)
 
     def add_status_listener(self, fn):
         """Calls `fn(status, detail)` when the status changes (views use this)."""

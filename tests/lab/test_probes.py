@@ -1,0 +1,256 @@
+"""Gradient and weight probes: the gradients the optimizer applied, for any step."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import lab
+
+BATCH = 32
+
+
+@pytest.fixture(scope="module")
+def digits():
+    (x, y), _ = lab.datasets.digits()
+    return x[:128], y[:128]
+
+
+def make_mlp(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [keras.Input((64,)), keras.layers.Dense(12, activation="tanh"), keras.layers.Dense(10)]
+    )
+
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def tape_gradients(model, x, y):
+    with tf.GradientTape() as tape:
+        loss = LOSS(y, model(x, training=True))
+    grads = tape.gradient(loss, model.trainable_variables)
+    return {v.path: np.linalg.norm(g.numpy()) for v, g in zip(model.trainable_variables, grads)}
+
+
+def first_row(model, x, y, **recorder_kwargs):
+    rec = lab.Recorder(gradients=True, **recorder_kwargs)
+    model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, callbacks=[rec], verbose=0)
+    return rec.run.batches().iloc[0], rec
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
+def test_gradient_norms_equal_the_tape_on_the_same_batch(digits, mode):
+    x, y = digits
+    model = make_mlp()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=LOSS, run_eagerly=mode == "eager",
+                  jit_compile=mode == "xla")
+    expected = tape_gradients(model, x[:BATCH], y[:BATCH])
+    row, _ = first_row(model, x, y)
+    for path, norm in expected.items():
+        np.testing.assert_allclose(row[f"grad_norm/{path}"], norm, rtol=1e-4)
+    np.testing.assert_allclose(row["grad_norm"], np.sqrt(sum(n**2 for n in expected.values())), rtol=1e-4)
+    assert row["mode"] == mode
+
+
+def test_reported_norm_is_after_clipping(digits):
+    x, y = digits
+    model = make_mlp()
+    model.compile(optimizer=keras.optimizers.SGD(0.1, global_clipnorm=0.01), loss=LOSS)
+    unclipped = tape_gradients(model, x[:BATCH], y[:BATCH])
+    row, _ = first_row(model, x, y)
+    assert np.sqrt(sum(n**2 for n in unclipped.values())) > 0.05
+    np.testing.assert_allclose(row["grad_norm"], 0.01, rtol=1e-3)
+
+
+def test_weights_give_update_ratios(digits):
+    x, y = digits
+    model = make_mlp()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=LOSS)
+    grads = tape_gradients(model, x[:BATCH], y[:BATCH])
+    row, _ = first_row(model, x, y, weights=True)
+    for variable in model.trainable_variables:
+        after = np.linalg.norm(variable.numpy())
+        np.testing.assert_allclose(row[f"weight_norm/{variable.path}"], after, rtol=1e-4)
+        # SGD: the update is lr * g.
+        np.testing.assert_allclose(row[f"update_ratio/{variable.path}"], 0.1 * grads[variable.path] / after, rtol=1e-3)
+
+
+class TwoOptimizerGAN(keras.Model):
+    """A tiny GAN: a generator and a discriminator, each with its own optimizer."""
+
+    def __init__(self):
+        super().__init__()
+        self.generator = keras.Sequential([keras.Input((4,)), keras.layers.Dense(64)], name="generator")
+        self.discriminator = keras.Sequential([keras.Input((64,)), keras.layers.Dense(1)], name="discriminator")
+        self.d_loss_tracker = keras.metrics.Mean(name="d_loss")
+        self.g_loss_tracker = keras.metrics.Mean(name="g_loss")
+
+    def compile(self, d_opt, g_opt):
+        super().compile()
+        self.d_opt, self.g_opt = d_opt, g_opt
+
+    @property
+    def metrics(self):
+        return [self.d_loss_tracker, self.g_loss_tracker]
+
+    def train_step(self, data):
+        real = data[0] if isinstance(data, tuple) else data
+        bce = keras.losses.BinaryCrossentropy(from_logits=True)
+        noise = tf.random.normal((tf.shape(real)[0], 4), seed=1)
+        with tf.GradientTape() as tape:
+            fake = self.generator(noise)
+            logits = self.discriminator(tf.concat([real, fake], 0))
+            labels = tf.concat([tf.ones((tf.shape(real)[0], 1)), tf.zeros((tf.shape(real)[0], 1))], 0)
+            d_loss = bce(labels, logits)
+        self.d_opt.apply_gradients(zip(tape.gradient(d_loss, self.discriminator.trainable_variables),
+                                       self.discriminator.trainable_variables))
+        with tf.GradientTape() as tape:
+            g_loss = bce(tf.ones((tf.shape(real)[0], 1)), self.discriminator(self.generator(noise)))
+        self.g_opt.apply(tape.gradient(g_loss, self.generator.trainable_variables), self.generator.trainable_variables)
+        self.d_loss_tracker.update_state(d_loss)
+        self.g_loss_tracker.update_state(g_loss)
+        return {"d_loss": self.d_loss_tracker.result(), "g_loss": self.g_loss_tracker.result()}
+
+
+def test_a_gan_with_two_optimizers_gets_rows_for_both(digits):
+    x, _ = digits
+    keras.utils.set_random_seed(3)
+    gan = TwoOptimizerGAN()
+    gan.compile(keras.optimizers.Adam(1e-3), keras.optimizers.SGD(0.05))
+    rec = lab.Recorder(gradients=True)
+    gan.fit(x, batch_size=BATCH, epochs=2, callbacks=[rec], verbose=0)
+    rows = rec.run.batches()
+    assert len(rows) == 8
+    for column in ("d_loss", "g_loss", "learning_rate/d_opt", "learning_rate/g_opt", "grad_norm"):
+        assert np.isfinite(rows[column]).all(), column
+    np.testing.assert_allclose(rows["learning_rate/g_opt"], 0.05, rtol=1e-6)
+    generator = [c for c in rows.columns if c.startswith("grad_norm/generator")]
+    discriminator = [c for c in rows.columns if c.startswith("grad_norm/discriminator")]
+    assert len(generator) == 2 and len(discriminator) == 2
+    # The global norm spans both optimizers' updates.
+    parts = np.sqrt((rows[generator + discriminator] ** 2).sum(axis=1))
+    np.testing.assert_allclose(rows["grad_norm"], parts, rtol=1e-4)
+    # d_loss rows are each batch's own value, not the running mean.
+    assert not np.allclose(rows["d_loss"].iloc[1], rows["d_loss"].iloc[:2].mean())
+
+
+class PartlyUsed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.used = keras.layers.Dense(10, name="used")
+        self.unused = keras.layers.Dense(10, name="unused")
+
+    def call(self, x):
+        self.unused(x)
+        return self.used(x)
+
+
+def test_a_variable_without_gradient_is_missing_not_zero(digits):
+    x, y = digits
+    keras.utils.set_random_seed(0)
+    model = PartlyUsed()
+    model(x[:1])
+    model.compile(optimizer="sgd", loss=LOSS)
+    with pytest.warns(UserWarning, match="Gradients do not exist"):
+        row, _ = first_row(model, x, y)
+    assert np.isnan(row["grad_norm/partly_used/unused/kernel"])
+    assert row["grad_norm/partly_used/used/kernel"] > 0
+
+
+class SameNames(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.a = keras.layers.Dense(8, name="dense")
+        self.b = keras.layers.Dense(10, name="dense")
+
+    def call(self, x):
+        return self.b(self.a(x))
+
+
+def test_variables_sharing_a_path_are_numbered(digits):
+    x, y = digits
+    model = SameNames()
+    model(x[:1])
+    model.compile(optimizer="sgd", loss=LOSS)
+    row, _ = first_row(model, x, y)
+    paths = [v.path for v in model.trainable_variables]
+    assert len(set(paths)) < len(paths)
+    assert f"grad_norm/{paths[0]}#2" in row.index
+    assert np.isfinite(row[[c for c in row.index if c.startswith("grad_norm/")]].astype(float)).all()
+
+
+def test_loss_scale_optimizer_reports_unscaled_gradients_and_skipped_steps(digits):
+    x, y = digits
+    model = make_mlp()
+    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=1024.0),
+                  loss=LOSS)
+    expected = tape_gradients(model, x[:BATCH], y[:BATCH])
+    row, _ = first_row(model, x, y)
+    np.testing.assert_allclose(row["grad_norm"], np.sqrt(sum(n**2 for n in expected.values())), rtol=1e-3)
+    assert row["updated"] == 1
+    # A batch with an infinite input: the loss scale optimizer skips the update.
+    bad = x[:BATCH].copy()
+    bad[0, 0] = np.inf
+    before = [w.copy() for w in model.get_weights()]
+    rec = lab.Recorder(gradients=True)
+    model.fit(bad, y[:BATCH], batch_size=BATCH, callbacks=[rec], verbose=0)
+    skipped = rec.run.batches().iloc[0]
+    assert skipped["updated"] == 0 and np.isnan(skipped["grad_norm"])
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def poisoned(x, at_batch):
+    x = x.copy()
+    x[at_batch * BATCH + 3, 5] = np.nan
+    return x
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 4])
+def test_nonfinite_breakpoint_keeps_the_bad_update_out(digits, steps_per_execution):
+    x, y = digits
+    model = make_mlp()
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=LOSS, steps_per_execution=steps_per_execution)
+    twin = make_mlp()
+    twin.compile(optimizer=keras.optimizers.Adam(1e-2), loss=LOSS)
+    twin.set_weights(model.get_weights())
+    twin.fit(x[: 2 * BATCH], y[: 2 * BATCH], batch_size=BATCH, shuffle=False, verbose=0)
+
+    rec = lab.Recorder(gradients=True, breakpoints=[lab.breakpoints.nonfinite()])
+    model.fit(poisoned(x, 2), y, batch_size=BATCH, shuffle=False, epochs=3, callbacks=[rec], verbose=0)
+
+    assert int(model.optimizer.iterations.numpy()) == 2
+    for got, want in zip(model.get_weights(), twin.get_weights()):
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    rows = rec.run.batches()
+    assert len(rows) == 3 and np.isnan(rows["loss"].iloc[2])
+    event = rec.run.events().iloc[-1]
+    assert event["kind"] == "nonfinite" and event["step"] == 2
+    assert "loss" in event["detail"] and "sequential" in event["detail"]
+    assert rec.status == "stopped"
+    assert "train_step" not in model.__dict__ and "apply" not in model.optimizer.__dict__
+    # Released: a later fit trains again.
+    model.fit(x, y, batch_size=BATCH, callbacks=[lab.Recorder(breakpoints=[lab.breakpoints.nonfinite()])], verbose=0)
+    assert int(model.optimizer.iterations.numpy()) > 2
+
+
+def test_loss_spike_stops_before_the_spiking_update(digits):
+    x, y = digits
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse")
+    target = np.zeros((len(x), 1), "float32")
+    target[3 * BATCH : 4 * BATCH] = 1e3
+    rec = lab.Recorder(breakpoints=[lab.breakpoints.loss_spike(5.0, warmup=2)])
+    model.fit(x, target, batch_size=BATCH, shuffle=False, callbacks=[rec], verbose=0)
+    assert len(rec.run) == 4
+    assert int(model.optimizer.iterations.numpy()) == 3
+    assert rec.run.events()["kind"].tolist() == ["breakpoint"]
+    assert "loss_spike(5)" in rec.run.events()["detail"].iloc[0]
+
+
+def test_loss_spike_needs_a_factor_above_one():
+    with pytest.raises(ValueError, match="factor above 1"):
+        lab.breakpoints.loss_spike(0.5)
