@@ -389,7 +389,7 @@ class Stepper:
             logs = {} if logs is None else {"loss": logs}
         if not tf.executing_eagerly():
             self._graph_no_gradient = list(capture.no_gradient)
-        outputs = {"logs": {k: v for k, v in logs.items() if v is not None}}
+        outputs = {"logs": {k: v for k, v in logs.items() if v is not None and not (isinstance(v, dict) and not v)}}
         for name in ("y_pred", "loss"):
             value = getattr(capture, name)
             if value is not None:
@@ -455,7 +455,11 @@ class Stepper:
     # ---- outputs -------------------------------------------------------------
 
     def _fill_outputs(self, trace, outputs, capture, before, after):
-        trace.logs = {k: _scalar_or_array(v) for k, v in outputs["logs"].items()}
+        trace.logs = {}
+        for name, value in outputs["logs"].items():
+            # A metrics container's result is a dict: its entries are the logs.
+            entries = value if isinstance(value, dict) else {name: value}
+            trace.logs.update({k: _scalar_or_array(v) for k, v in entries.items()})
         trace.y_pred = to_numpy(outputs.get("y_pred"))
         trace.gradients = {k: np.asarray(g) for k, g in outputs["gradients"].items()}
         trace.no_gradient = list(capture.no_gradient)
