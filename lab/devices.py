@@ -195,6 +195,47 @@ def describe(strategy_):
             f"on {devices_}")
 
 
+def batch_split(strategy_, global_batch_size):
+    """How a strategy splits one global batch among its replicas.
+
+    tf.distribute gives each replica `global_batch_size // replicas` examples
+    and one more to the first `global_batch_size % replicas` of them; the
+    loss of each replica is divided by the global batch size, so the summed
+    gradients equal those of one device on the whole batch.
+
+    Args:
+        strategy_: tf.distribute.Strategy.
+        global_batch_size: int, the `batch_size` given to `fit()`.
+
+    Returns:
+        pandas.DataFrame with columns `replica`, `device` and `examples`.
+
+    Example:
+
+    ```python
+    from lab.devices import batch_split
+    batch_split(lab.strategy("mirrored"), 33)   # 17 and 16 examples
+    ```
+    """
+    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, (int, np.integer)) \
+            or global_batch_size < 1:
+        raise ValueError(f"global_batch_size must be a positive integer, got {global_batch_size!r}.")
+    replicas = strategy_.num_replicas_in_sync
+    if global_batch_size < replicas:
+        raise ValueError(
+            f"A global batch of {global_batch_size} cannot feed {replicas} replicas: "
+            f"use a batch size of at least {replicas} (a multiple of {replicas} splits evenly)."
+        )
+    local = list(getattr(strategy_.extended, "worker_devices", ()) or ())
+    names = [_short(d) for d in local] if len(local) == replicas else [f"replica {i}" for i in range(replicas)]
+    base, extra = divmod(int(global_batch_size), replicas)
+    return pd.DataFrame({
+        "replica": range(replicas),
+        "device": names,
+        "examples": [base + (1 if i < extra else 0) for i in range(replicas)],
+    })
+
+
 # ---- parsing and making --------------------------------------------------
 
 _SPEC = re.compile(r"^(cpu|gpu)(?::(\d+(?:,\d+)*))?$")

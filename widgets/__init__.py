@@ -2,7 +2,8 @@
 
 from widgets.background import BackgroundFit, TrainingControls
 from widgets.dashboard import Dashboard
+from widgets.device_picker import DevicePicker
 from widgets.mode_switch import ModeSwitch
 from widgets.stepper_panel import StepperPanel
 
-__all__ = ["BackgroundFit", "Dashboard", "ModeSwitch", "StepperPanel", "TrainingControls"]
+__all__ = ["BackgroundFit", "Dashboard", "DevicePicker", "ModeSwitch", "StepperPanel", "TrainingControls"]
