@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import lab
-from lab.devices import describe, strategy_choices
+from lab.devices import batch_split, describe, strategy_choices
 
 
 def test_devices_lists_what_tensorflow_sees():
@@ -97,6 +97,13 @@ def test_choices_are_all_accepted():
 def test_describe_names_replicas_and_devices():
     text = describe(lab.strategy("cpu"))
     assert text == "OneDeviceStrategy: 1 replica on CPU:0"
+
+
+def test_batch_split_of_one_device_and_bad_sizes():
+    split = batch_split(lab.strategy("cpu"), 32)
+    assert split[["device", "examples"]].values.tolist() == [["CPU:0", 32]]
+    with pytest.raises(ValueError, match="positive integer"):
+        batch_split(lab.strategy("cpu"), 0)
 
 
 @pytest.mark.xfail(

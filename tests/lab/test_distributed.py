@@ -70,6 +70,7 @@ def test_virtual_cpus_give_a_two_replica_mirrored_strategy(mirrored):
     assert mirrored["replicas"] == 2
     assert mirrored["same_object"], "lab.strategy made a second strategy for the same devices"
     assert mirrored["cpu1"] == "OneDeviceStrategy"
+    assert mirrored["split"] == [["CPU:0", 17], ["CPU:1", 16]]
 
 
 def test_unavailable_devices_are_named_in_the_error(mirrored):

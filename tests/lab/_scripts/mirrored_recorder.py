@@ -8,6 +8,7 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import lab  # noqa: E402
+from lab.devices import batch_split  # noqa: E402
 
 lab.virtual_cpus(2)
 
@@ -58,6 +59,7 @@ def main():
     out["mirrored_type"] = type(mirrored).__name__
     out["same_object"] = lab.strategy("mirrored") is mirrored and lab.strategy("cpu:0,1") is mirrored
     out["cpu1"] = type(lab.strategy("cpu:1")).__name__
+    out["split"] = batch_split(mirrored, 33)[["device", "examples"]].values.tolist()
     out["gpu_error"] = errors(lambda: lab.strategy("gpu"))
     out["cpu2_error"] = errors(lambda: lab.strategy("cpu:2"))
     out["virtual_again"] = errors(lambda: lab.virtual_cpus(2))
