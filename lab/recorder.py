@@ -1,6 +1,7 @@
 """Recorder: a Keras callback that turns fit()'s lifecycle into Run rows."""
 
 import inspect
+import sys
 import time
 import warnings
 import weakref
@@ -103,6 +104,7 @@ class Recorder(keras.callbacks.Callback):
                                 breakpoints=self.breakpoints)
         self._probe.ensure_capacity(model.steps_per_execution)
         self._probe.install()
+        self._guard_callbacks(_calling_callback_list())
         cached = self._cached
         if cached is not None and cached[0] == _signature(model):
             model.train_function = cached[1]
@@ -297,13 +299,36 @@ class Recorder(keras.callbacks.Callback):
             except _END_OF_DATA:
                 raise
             except BaseException as error:
-                recorder._on_failure(error)
+                if recorder._active:
+                    recorder._on_failure(error)
                 raise
 
         guarded._lab_recorder = self
         guarded._lab_inner = function
         self._guarded = guarded
         self.model.train_function = guarded
+
+    def _guard_callbacks(self, callbacks):
+        """Notices an exception raised by any callback during fit() (a plot that
+        fails, an interrupt between batches), which reaches no callback hook."""
+        if callbacks is None or getattr(callbacks, "_lab_guarded", None) is self:
+            return
+        recorder = self
+        for name in _CALLBACK_METHODS:
+            original = getattr(callbacks, name, None)
+            if original is None:
+                continue
+
+            def guarded(*args, _original=original, **kwargs):
+                try:
+                    return _original(*args, **kwargs)
+                except BaseException as error:
+                    if recorder._active:
+                        recorder._on_failure(error)
+                    raise
+
+            object.__setattr__(callbacks, name, guarded)
+        object.__setattr__(callbacks, "_lab_guarded", self)
 
     def _on_failure(self, error):
         try:
@@ -392,6 +417,25 @@ class Recorder(keras.callbacks.Callback):
             self.run.save(self.path)
         except Exception as error:  # noqa: BLE001 - saving must not stop training
             warnings.warn(f"Could not save the run to {self.path}: {error}", RuntimeWarning, stacklevel=2)
+
+
+_CALLBACK_METHODS = (
+    "on_epoch_begin", "on_epoch_end", "on_train_batch_begin", "on_train_batch_end",
+    "on_test_begin", "on_test_end", "on_test_batch_begin", "on_test_batch_end",
+)
+
+
+def _calling_callback_list():
+    """The keras CallbackList whose set_model is calling ours, if any."""
+    frame = sys._getframe(2)
+    for _ in range(6):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, keras.callbacks.CallbackList):
+            return owner
+        frame = frame.f_back
+    return None
 
 
 _BEGIN_STEP_ONLY = {}

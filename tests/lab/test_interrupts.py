@@ -7,13 +7,6 @@ import tensorflow as tf
 
 import lab
 
-# A KeyboardInterrupt or an error raised outside the train function (in another
-# callback, between batches) reaches no Recorder hook today: the run gets no
-# event, its last rows stay unread and the probes stay on the model. The fix is
-# described in the issue 7 report; strict, so the mark goes once it is in.
-OUTSIDE_THE_STEP = pytest.mark.xfail(
-    strict=True, reason="Recorder misses failures outside model.train_function (issue 7 report)")
-
 
 def data(n=48, seed=0):
     rng = np.random.default_rng(seed)
@@ -114,7 +107,6 @@ def test_the_same_recorder_continues_after_an_interrupt():
     assert recorder.run.batches()["step"].tolist() == [0, 1, 2, 3, 4]
 
 
-@OUTSIDE_THE_STEP
 @pytest.mark.parametrize("recorder_first", [True, False])
 def test_an_interrupt_between_batches_keeps_the_record_and_frees_the_model(recorder_first):
     model = model_with()
@@ -132,7 +124,6 @@ def test_an_interrupt_between_batches_keeps_the_record_and_frees_the_model(recor
     assert_usable_without_the_lab(model)
 
 
-@OUTSIDE_THE_STEP
 def test_after_an_interrupt_between_batches_a_new_recorder_can_watch_the_model():
     model = model_with()
     interrupted_fit(model, lab.Recorder(), [RaiseInCallback("batch", 1, KeyboardInterrupt())])
@@ -142,7 +133,6 @@ def test_after_an_interrupt_between_batches_a_new_recorder_can_watch_the_model()
     assert len(fresh.run) == 2
 
 
-@OUTSIDE_THE_STEP
 def test_an_error_in_another_callback_is_recorded_and_frees_the_model(tmp_path):
     model = model_with()
     recorder = lab.Recorder(path=str(tmp_path / "run.h5"))
