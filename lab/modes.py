@@ -39,6 +39,7 @@ _XLA_COMPILE_HINT = (
 _lock = threading.Lock()
 _pending = weakref.WeakKeyDictionary()  # model -> mode asked for while it trains
 _training = weakref.WeakKeyDictionary()  # model -> the thread running its fit()
+_unverified = weakref.WeakKeyDictionary()  # model -> (settings, mode) to revert to, new mode
 
 
 class ModeError(RuntimeError):
@@ -109,11 +110,20 @@ def set_mode(model, mode, steps_per_execution=None):
     if current_mode(model) != mode:
         saved.restore(model)
         raise ModeError(f"Keras refused to run this model in {mode!r} mode; it stays in {previous!r}.")
+    _rebuild(model)
+    with _lock:
+        # Reverting goes back to the last mode that ran a step, not to one
+        # switched to and away from before any step.
+        last_good = _unverified.get(model, (saved, previous))
+        _unverified[model] = (last_good[0], last_good[1], mode)
+    guard_first_step(model)
+    return previous
+
+
+def _rebuild(model):
     model.make_train_function(force=True)
     model.make_test_function(force=True)
     model.make_predict_function(force=True)
-    model.train_function = _first_step_checked(model, model.train_function, saved, mode, previous)
-    return previous
 
 
 def _set_attributes(model, mode, steps_per_execution=None):
@@ -129,7 +139,7 @@ def _set_attributes(model, mode, steps_per_execution=None):
 
 
 class _Settings:
-    """A model's mode attributes and compiled functions, to put back on failure."""
+    """A model's mode attributes and compiled functions, to put back."""
 
     def __init__(self, model):
         self.run_eagerly = model.run_eagerly
@@ -137,36 +147,69 @@ class _Settings:
         self.steps_per_execution = model.steps_per_execution
         self.functions = (model.train_function, model.test_function, model.predict_function)
 
-    def restore(self, model):
+    def restore(self, model, functions=True):
         model.jit_compile = self.jit_compile
         model.run_eagerly = self.run_eagerly
         model.steps_per_execution = self.steps_per_execution
-        model.train_function, model.test_function, model.predict_function = self.functions
+        if functions:
+            model.train_function, model.test_function, model.predict_function = self.functions
 
 
-def _first_step_checked(model, function, saved, mode, previous):
-    """Wraps a new train function: if its first step fails, the previous mode
-    (and its already-traced functions) come back and `ModeError` says why."""
-    checked = False
+def guard_first_step(model):
+    """Makes the first step after a switch revert the switch if it fails.
+
+    `set_mode` does this itself; call it again when something rebuilt the train
+    function after the switch and before any step ran (a Recorder does, as
+    `fit()` starts), i.e. at `on_train_begin`, before wrapping the function in
+    anything else. Does nothing once the new mode has run a step.
+
+    Args:
+        model: keras.Model.
+    """
+    with _lock:
+        entry = _unverified.get(model)
+    function = model.train_function
+    if entry is None or function is None or _in_chain(function, "_lab_first_step"):
+        return
+    saved, previous, mode = entry
 
     def first_step(iterator):
-        nonlocal checked
-        if checked:
+        if model not in _unverified:
             return function(iterator)
         try:
             outputs = function(iterator)
         except _END_OF_DATA:
             raise
         except Exception as error:
-            saved.restore(model)
+            _revert(model, saved)
             raise ModeError(_first_step_message(mode, previous, error)) from error
-        checked = True
+        with _lock:
+            _unverified.pop(model, None)
         if model.train_function is first_step:
-            model.train_function = function  # nothing left to check: no wrapper
+            model.train_function = function  # nothing left to check: drop the wrapper
         return outputs
 
-    first_step._lab_mode = mode
-    return first_step
+    first_step._lab_first_step = True
+    first_step._lab_inner = function
+    model.train_function = first_step
+
+
+def _in_chain(function, marker):
+    """Whether `function` or one it wraps (through `_lab_inner`) carries `marker`."""
+    seen = 0
+    while function is not None and seen < 16:
+        if getattr(function, marker, False):
+            return True
+        function, seen = getattr(function, "_lab_inner", None), seen + 1
+    return False
+
+
+def _revert(model, saved):
+    """Back to the settings of the last mode that ran, with freshly built functions."""
+    with _lock:
+        _unverified.pop(model, None)
+    saved.restore(model, functions=False)
+    _rebuild(model)
 
 
 def _first_step_message(mode, previous, error):
@@ -341,6 +384,7 @@ class ModeSwitcher(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         training_began(self.model)
+        guard_first_step(self.model)
 
     def on_train_batch_begin(self, batch, logs=None):
         apply_pending_mode(self.model)

@@ -117,6 +117,23 @@ def test_changing_steps_per_execution_skips_no_optimizer_step(data):
     assert int(model.optimizer.iterations) == 20  # 10 batches, 10 updates
 
 
+def test_steps_per_execution_cannot_change_inside_fit(data):
+    x, y = data
+    model = make_model()
+    refused = []
+
+    class ChangeIt(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            try:
+                lab.set_mode(self.model, "graph", steps_per_execution=2)
+            except ValueError as error:
+                refused.append(str(error))
+
+    model.fit(x[:16], y[:16], batch_size=8, verbose=0, callbacks=[lab.ModeSwitcher(), ChangeIt()])
+    assert len(refused) == 2 and "between fit() calls" in refused[0]
+    assert model.steps_per_execution == 1 and int(model.optimizer.iterations) == 2
+
+
 def test_xla_with_an_op_it_cannot_compile_fails_at_the_first_step_and_reverts(data):
     x, y = data
     model = make_model(extra=[NumpyIdentity()])
@@ -131,6 +148,15 @@ def test_xla_with_an_op_it_cannot_compile_fails_at_the_first_step_and_reverts(da
     assert all(np.array_equal(a, b) for a, b in zip(before, state(model)))
 
     model.fit(x[:16], y[:16], batch_size=8, verbose=0)  # the previous mode still trains
+    assert int(model.optimizer.iterations) == 4
+
+    # A Recorder rebuilds the train function as fit() starts; the check survives.
+    lab.set_mode(model, "xla")
+    recorder = lab.Recorder()
+    with pytest.raises(ModeError, match="back in 'graph' mode"):
+        model.fit(x[:16], y[:16], batch_size=8, verbose=0, callbacks=[recorder, lab.ModeSwitcher()])
+    assert modes.current_mode(model) == "graph"
+    assert "error" in set(recorder.run.events()["kind"])
     assert int(model.optimizer.iterations) == 4
 
 
