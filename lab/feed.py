@@ -1,5 +1,10 @@
 """Feed: the batches a Stepper hands to train_step, shaped as fit() shapes them.
 
+For arrays that is `(x, y)`, `(x, y, sample_weight)`, or the bare `x` when
+there are no targets (checked with Keras 3.15: fit(x) passes x itself, a
+dataset of 1-tuples passes `(x,)`); datasets and generators pass their
+elements as they are.
+
 Arrays are batched here (seeded shuffle per epoch); datasets, PyDatasets and
 generators are iterated as fit() iterates them. Batches handed back by a
 rewind come out again first, so every data form replays exactly.
@@ -150,7 +155,9 @@ class _ArraySource:
         order = self.rng.permutation(self.count) if self.shuffle else np.arange(self.count)
         for start in range(0, self.count, self.batch_size):
             rows = order[start:start + self.batch_size]
-            yield keras.tree.map_structure(lambda a: a[rows], self.data)
+            batch = keras.tree.map_structure(lambda a: a[rows], self.data)
+            # fit(x) without targets hands train_step the bare x, not (x,).
+            yield batch[0] if len(batch) == 1 else batch
 
     def empty_error(self, epoch):
         return ValueError("The arrays hold no samples.")

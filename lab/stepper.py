@@ -88,7 +88,9 @@ class StepTrace:
     def __repr__(self):
         if self.error is not None:
             return f"<StepTrace {self.index} (epoch {self.epoch}, batch {self.batch}): {type(self.error).__name__}>"
-        return f"<StepTrace {self.index} (epoch {self.epoch}, batch {self.batch}): loss {self.loss:.4g}>"
+        values = {"loss": self.row["loss"]} if "loss" in self.row else self.logs
+        shown = ", ".join(f"{k} {v:.4g}" for k, v in list(values.items())[:3] if np.ndim(v) == 0)
+        return f"<StepTrace {self.index} (epoch {self.epoch}, batch {self.batch}): {shown}>"
 
 
 @dataclasses.dataclass
@@ -271,6 +273,8 @@ class Stepper:
         n = int(n)
         if n < 1:
             raise ValueError(f"rewind(n) needs n >= 1, got {n}.")
+        if not self._snapshots:
+            raise ValueError("There is no step to rewind: step first (the history is kept from the first step).")
         if n > len(self._snapshots):
             raise ValueError(
                 f"Cannot rewind {n} steps: only the last {len(self._snapshots)} are kept "

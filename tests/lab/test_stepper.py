@@ -99,12 +99,16 @@ def test_dataset_and_generator_batches_reach_train_step():
         stepper.step()  # a generator runs once; the error says how to get epochs
 
 
-def test_x_alone_is_handed_as_a_one_tuple():
-    model = recording_model()
-    stepper = lab.Stepper(model, X, batch_size=8)
-    trace = stepper.step()  # no targets: the step's compute_loss fails, as it would in fit()
-    assert len(model.handed[0]) == 1
-    assert trace.y is None
+def test_x_alone_is_handed_bare_as_fit_hands_it():
+    fitted = recording_model()
+    fitted.run_eagerly = True
+    with pytest.raises(Exception):  # no targets for the loss: fit() fails in compute_loss
+        fitted.fit(X, batch_size=8, epochs=1, verbose=0)
+    stepped = recording_model()
+    trace = lab.Stepper(stepped, X, batch_size=8).step()  # and so does the step
+    assert trace.y is None and trace.error is not None
+    for model in (fitted, stepped):
+        assert tf.is_tensor(model.handed[0]) and model.handed[0].shape == (8, 6)
 
 
 # ---- what a trace holds ----------------------------------------------------------
@@ -305,7 +309,7 @@ def test_bad_input_gets_a_clear_error():
         lab.Stepper(make_model(), (X, Y[:30]))
     with pytest.raises(TypeError, match="tf.data.Dataset"):
         lab.Stepper(make_model(), 42)
-    with pytest.raises(ValueError, match="history"):
+    with pytest.raises(ValueError, match="step first"):
         lab.Stepper(make_model(), (X, Y)).rewind()
 
 
@@ -331,3 +335,55 @@ def test_from_step_steps_a_hand_written_step_and_rewinds_it():
     assert int(optimizer.iterations.numpy()) == 0
     again = stepper.step(2)
     assert again.row["loss"] == first.row["loss"]
+
+
+# ---- a custom step with two optimizers ----------------------------------------------
+
+
+class TinyGAN(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.generator = keras.Sequential([keras.Input((2,)), keras.layers.Dense(6)], name="generator")
+        self.discriminator = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)], name="discriminator")
+        self.noise = keras.random.SeedGenerator(0)
+        self.d_loss_tracker = keras.metrics.Mean(name="d_loss")
+
+    @property
+    def metrics(self):
+        return [self.d_loss_tracker]
+
+    def compile(self, d_opt, g_opt):
+        super().compile()
+        self.d_opt, self.g_opt = d_opt, g_opt
+
+    def train_step(self, data):
+        real, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+        bce = keras.losses.BinaryCrossentropy(from_logits=True)
+        z = keras.random.normal((tf.shape(real)[0], 2), seed=self.noise)
+        with tf.GradientTape() as tape:
+            real_logits, fake_logits = self.discriminator(real), self.discriminator(self.generator(z))
+            d_loss = bce(tf.ones_like(real_logits), real_logits) + bce(tf.zeros_like(fake_logits), fake_logits)
+        self.d_opt.apply(tape.gradient(d_loss, self.discriminator.trainable_variables),
+                         self.discriminator.trainable_variables)
+        with tf.GradientTape() as tape:
+            fake_logits = self.discriminator(self.generator(z))
+            g_loss = bce(tf.ones_like(fake_logits), fake_logits)
+        self.g_opt.apply(tape.gradient(g_loss, self.generator.trainable_variables),
+                         self.generator.trainable_variables)
+        self.d_loss_tracker.update_state(d_loss)
+        return {"d_loss": self.d_loss_tracker.result(), "g_loss": g_loss}
+
+
+def test_a_gan_step_records_both_optimizers_and_rewinds_both():
+    keras.utils.set_random_seed(0)
+    gan = TinyGAN()
+    gan.compile(d_opt=keras.optimizers.Adam(1e-2), g_opt=keras.optimizers.SGD(1e-2))
+    stepper = lab.Stepper(gan, X, batch_size=8, seed=0)
+    first = stepper.step()
+    assert {k.split("/")[0] for k in first.gradients} == {"generator", "discriminator"}
+    assert {"learning_rate/d_opt", "learning_rate/g_opt"} <= set(first.row)
+    steps = [stepper.step() for _ in range(2)]
+    stepper.rewind(3)
+    assert int(gan.d_opt.iterations.numpy()) == int(gan.g_opt.iterations.numpy()) == 0
+    replay = stepper.step(3)
+    assert replay.logs == steps[-1].logs  # the noise replays too: its seed state was restored

@@ -57,9 +57,12 @@ def test_step_n_rewind_and_the_timeline(panel):
     assert panel.stepper.next_index == 2  # looking back does not rewind
 
 
-def test_rewinding_past_the_history_says_so(panel):
+def test_rewinding_with_nothing_to_rewind_says_so(panel):
+    panel.step_button.click()
     panel.rewind_button.click()
-    assert "history" in panel.status.value
+    assert "not stepped yet" in panel.status.value
+    panel.rewind_button.click()
+    assert "step first" in panel.status.value
 
 
 def test_continue_is_disabled_without_a_training_to_continue(panel):
