@@ -4,6 +4,7 @@ from widgets.background import BackgroundFit, TrainingControls
 from widgets.dashboard import Dashboard
 from widgets.device_picker import DevicePicker
 from widgets.mode_switch import ModeSwitch
+from widgets.run_compare import RunCompare
 from widgets.stepper_panel import StepperPanel
 
-__all__ = ["BackgroundFit", "Dashboard", "DevicePicker", "ModeSwitch", "StepperPanel", "TrainingControls"]
+__all__ = ["BackgroundFit", "Dashboard", "DevicePicker", "ModeSwitch", "RunCompare", "StepperPanel", "TrainingControls"]

@@ -1,0 +1,84 @@
+"""widgets.RunCompare: runs overlaid per column, checked on the figure's traces."""
+
+import numpy as np
+import pytest
+
+import lab
+import widgets
+from widgets.run_compare import RunCompare
+
+
+def made_run(name, losses, grad=None, val=None):
+    run = lab.Run(name)
+    n = len(losses)
+    columns = {"epoch": [0] * n, "batch": list(range(n)), "mode": ["graph"] * n,
+               "loss": np.array(losses, np.float32)}
+    if grad is not None:
+        columns["grad_norm"] = np.array(grad, np.float32)
+    run.append_batches(columns)
+    if val is not None:
+        run.append_epoch(0, {"loss": float(np.mean(losses)), "val_loss": val})
+    return run
+
+
+@pytest.fixture
+def view():
+    fast = made_run("lr=0.1", [1.0, 0.5, 0.25, 0.125], grad=[4.0, 2.0, 1.0, 0.5], val=0.3)
+    slow = made_run("lr=0.01", [1.0, 0.9, 0.8])
+    return RunCompare([fast, slow])
+
+
+def test_one_line_per_run_with_each_runs_loss(view):
+    lines = view.lines()
+    assert [t.name for t in lines] == ["lr=0.1", "lr=0.01"]
+    assert list(lines[0].x) == [0, 1, 2, 3] and list(lines[0].y) == [1.0, 0.5, 0.25, 0.125]
+    assert list(lines[1].x) == [0, 1, 2]
+    np.testing.assert_allclose(lines[1].y, [1.0, 0.9, 0.8], rtol=1e-6)
+    assert view.figure.layout.yaxis.title.text == "loss"
+
+
+def test_validation_markers_sit_at_the_step_that_ended_the_epoch(view):
+    fast_val, slow_val = view.validation()
+    assert list(fast_val.x) == [3] and list(fast_val.y) == pytest.approx([0.3])
+    assert len(slow_val.x) == 0
+
+
+def test_the_dropdown_switches_every_run_to_gradient_norms_on_a_log_axis(view):
+    assert view.column.options == ("loss", "grad_norm")
+    view.column.value = "grad_norm"
+    fast, slow = view.lines()
+    assert list(fast.y) == [4.0, 2.0, 1.0, 0.5]
+    assert len(slow.y) == 0 and slow.name == "lr=0.01 (not recorded)"
+    assert view.figure.layout.yaxis.type == "log"
+    assert view.figure.layout.yaxis.title.text == "grad_norm"
+    view.column.value = "loss"
+    assert view.lines()[1].name == "lr=0.01" and view.figure.layout.yaxis.type == "linear"
+
+
+def test_long_runs_are_drawn_with_bounded_points_as_float32_buffers():
+    rng = np.random.default_rng(0)
+    loss = rng.random(20_000).astype(np.float32)
+    loss[12_345] = 9.0
+    view = RunCompare({"long": made_run("a", loss), "short": made_run("b", [1.0])}, max_points=500)
+    long_line = view.lines()[0]
+    assert len(long_line.y) <= 500 and max(long_line.y) == 9.0
+    # Binary buffers, not JSON lists, travel to the browser.
+    state = long_line.to_plotly_json()
+    assert state["y"].dtype == np.float32
+
+
+def test_it_is_a_displayable_widget_and_reads_saved_runs(tmp_path):
+    path = made_run("saved", [2.0, 1.0]).save(tmp_path / "saved.h5")
+    view = widgets.RunCompare([path, made_run("live", [3.0])])
+    bundle = view._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    assert [t.name for t in view.lines()] == ["saved", "live"]
+
+
+def test_bad_input_names_the_problem():
+    with pytest.raises(ValueError, match="accuracy.*choose one of.*loss"):
+        RunCompare([made_run("a", [1.0])], column="accuracy")
+    with pytest.raises(ValueError, match="at least one"):
+        RunCompare([])
+    with pytest.raises(ValueError, match="at least one recorded batch"):
+        RunCompare([lab.Run("empty")])

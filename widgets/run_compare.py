@@ -1,0 +1,97 @@
+"""RunCompare: several runs overlaid on one step axis, one column at a time."""
+
+import ipywidgets
+import numpy as np
+import pandas as pd
+
+import lab
+from widgets.series import MAX_POINTS, downsample
+
+# Batch columns that are bookkeeping, not something to compare.
+_SKIPPED = ("step", "epoch", "batch", "mode")
+_LOG_SCALE = ("grad_norm", "weight_norm/", "update_ratio/")
+
+
+class RunCompare(ipywidgets.VBox):
+    """Overlays runs' loss, metrics and gradient norms; a dropdown picks the column.
+
+    One line per run (the per-batch values, downsampled to at most
+    `max_points` with minima and maxima kept), and, where the runs' epoch
+    logs have `val_<column>`, that run's validation values as markers at the
+    step that ended each epoch. Gradient norms are drawn on a log axis. A run
+    without the chosen column keeps its legend entry, marked "(not recorded)".
+
+    Args:
+        runs: list of `lab.Run` (or Recorders, or paths of run files), or dict
+            name -> run, as `lab.compare` takes them.
+        column: str, the column shown first (default `loss`).
+        max_points: int, the most points drawn per run.
+        height: int, pixels.
+
+    Example:
+
+    ```python
+    widgets.RunCompare({"lr=0.1": fast.run, "lr=0.01": slow.run})
+    ```
+    """
+
+    def __init__(self, runs, column="loss", max_points=MAX_POINTS, height=360):
+        import plotly.graph_objects as go
+
+        self.batches = lab.compare(runs)
+        self.epochs = lab.compare(runs, table="epochs")
+        self.names = list(dict.fromkeys(self.batches["run"]))
+        if not self.names:
+            raise ValueError("RunCompare needs runs with at least one recorded batch; these have none.")
+        self.max_points = max_points
+        options = [c for c in self.batches.columns
+                   if c not in ("run", *_SKIPPED) and pd.api.types.is_numeric_dtype(self.batches[c])]
+        if column not in options:
+            raise ValueError(f"No run has the column {column!r}; choose one of {options}.")
+        self.column = ipywidgets.Dropdown(options=options, value=column, description="column")
+        self.figure = go.FigureWidget(layout=go.Layout(
+            height=height, margin=dict(l=50, r=10, t=30, b=40), xaxis_title="step",
+            legend=dict(orientation="h", y=1.12), template="plotly_white"))
+        palette = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
+                   "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
+        for i, name in enumerate(self.names):
+            color = palette[i % len(palette)]
+            self.figure.add_scatter(name=name, mode="lines", line=dict(color=color, width=1.5),
+                                    legendgroup=name)
+        for i, name in enumerate(self.names):
+            color = palette[i % len(palette)]
+            self.figure.add_scatter(name=f"{name} (validation)", mode="markers", legendgroup=name,
+                                    marker=dict(color=color, size=8, symbol="diamond"),
+                                    showlegend=False)
+        self._show(column)
+        self.column.observe(lambda change: self._show(change["new"]), names="value")
+        super().__init__([self.column, self.figure])
+
+    def lines(self):
+        """The per-batch traces, one per run, in the order the runs were given."""
+        return self.figure.data[: len(self.names)]
+
+    def validation(self):
+        """The validation-marker traces, one per run."""
+        return self.figure.data[len(self.names):]
+
+    def _show(self, column):
+        validation = f"val_{column}"
+        with self.figure.batch_update():
+            for trace, name in zip(self.lines(), self.names):
+                rows = self.batches[self.batches["run"] == name]
+                values = rows[column].to_numpy(np.float32)
+                recorded = np.isfinite(values).any()
+                x, y = downsample(rows["step"].to_numpy(), values, self.max_points)
+                trace.x, trace.y = x, y
+                trace.name = name if recorded else f"{name} (not recorded)"
+            for trace, name in zip(self.validation(), self.names):
+                x = y = np.zeros(0, np.float32)
+                if validation in self.epochs:
+                    rows = self.epochs[self.epochs["run"] == name]
+                    values = rows[validation].to_numpy(np.float32)
+                    keep = np.isfinite(values)
+                    x, y = rows["step"].to_numpy(np.float32)[keep], values[keep]
+                trace.x, trace.y = x, y
+            self.figure.layout.yaxis.title = column
+            self.figure.layout.yaxis.type = "log" if column.startswith(_LOG_SCALE) else "linear"
