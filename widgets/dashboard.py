@@ -16,7 +16,8 @@ import ipywidgets
 
 from lab.recorder import Recorder
 from widgets import static
-from widgets.charts import LiveFigure, chart_data
+from widgets.charts import LiveFigure
+from widgets.series import ChartState, metric_names
 
 _TERMINAL = ("finished", "stopped", "failed", "interrupted")
 _STATUS_COLORS = {
@@ -61,6 +62,10 @@ class Dashboard(Recorder):
         run: `lab.Run` or None, to continue an existing record.
         refresh_every: float, the fewest seconds between two refreshes of
             the view while training (0.25: at most four per second).
+        refresh_budget: float, the largest share of training time refreshes
+            may take: after a refresh that took d seconds the next waits at
+            least d / refresh_budget, so a slow machine refreshes less often
+            instead of training slower.
         max_points: int, the most points a line sends per refresh.
         **recorder_options: passed to `lab.Recorder` (`flush_every`, ...).
 
@@ -74,23 +79,27 @@ class Dashboard(Recorder):
     """
 
     def __init__(self, gradients=True, weights=False, breakpoints=(), path=None, run=None,
-                 refresh_every=0.25, max_points=2000, **recorder_options):
+                 refresh_every=0.25, refresh_budget=0.02, max_points=2000, **recorder_options):
         if refresh_every < 0:
             raise ValueError(f"refresh_every must be 0 or more seconds; got {refresh_every}.")
-        if max_points < 4:
-            raise ValueError(f"max_points must be at least 4; got {max_points}.")
+        if not 0 < refresh_budget <= 1:
+            raise ValueError(f"refresh_budget is a share of training time in (0, 1]; got {refresh_budget}.")
+        if max_points < 8:
+            raise ValueError(f"max_points must be at least 8; got {max_points}.")
         super().__init__(gradients=gradients, weights=weights, breakpoints=breakpoints,
                          path=path, run=run, **recorder_options)
         self.refresh_every = refresh_every
+        self.refresh_budget = refresh_budget
         self.max_points = max_points
         self.refreshes = 0
         self._progress = dict(epoch=0, batch=-1, done=0)
         self._rate_samples = collections.deque(maxlen=20)
         self.header = ipywidgets.HTML(value=self._header_html())
         self.chart = LiveFigure(gradients=gradients, weights=weights)
+        self._series = ChartState(self.run, max_points)
         self.widget = ipywidgets.VBox([self.header, self.chart.figure])
         self._handles = []
-        self._last_refresh = 0.0
+        self._next_refresh = 0.0
         self._view_failed = False
         self.add_status_listener(self._on_status)
 
@@ -114,7 +123,7 @@ class Dashboard(Recorder):
         super().on_train_batch_end(batch, logs)
         self._progress["batch"] = batch
         self._progress["done"] += max(1, batch - first + 1)
-        if time.monotonic() - self._last_refresh >= self.refresh_every:
+        if time.monotonic() >= self._next_refresh:
             self.refresh()
 
     # ---- drawing -------------------------------------------------------------
@@ -123,15 +132,17 @@ class Dashboard(Recorder):
         """Redraws the view from the run: one plotly update and the header line."""
         if self._view_failed:
             return
-        self._last_refresh = time.monotonic()
+        started = time.monotonic()
         try:
-            self.chart.update(chart_data(self.run, self.max_points))
+            self.chart.update(self._series.update())
             self.header.value = self._header_html()
             self.refreshes += 1
         except Exception as error:  # noqa: BLE001 - a view must never stop training
             self._view_failed = True
             warnings.warn(f"The Dashboard could not draw ({error!r}); recording goes on, "
                           "the run is at `dashboard.run`.", RuntimeWarning, stacklevel=2)
+        now = time.monotonic()
+        self._next_refresh = now + max(self.refresh_every, (now - started) / self.refresh_budget)
 
     def _on_status(self, status, detail):
         self.header.value = self._header_html()
@@ -201,7 +212,7 @@ class Dashboard(Recorder):
     def static_html(self):
         """The status and the charts as HTML with inline SVG (no JavaScript)."""
         status = html.escape(self.status + (f": {self.status_detail}" if self.status_detail else ""))
-        charts = static.charts_html(chart_data(self.run, self.max_points))
+        charts = static.charts_html(self._series.update())
         return (f'<div class="training-lab-dashboard"><p style="font-family:sans-serif">'
                 f"<b>Training Lab dashboard</b> ({status}), {len(self.run)} steps</p>{charts}</div>")
 
@@ -225,8 +236,6 @@ class Dashboard(Recorder):
 
 
 def _metric_and_val_names(run):
-    from widgets.charts import metric_names
-
     names = metric_names(run.columns)
     epochs = run.epochs()
     names += [c for c in epochs.columns if c.startswith("val_")]

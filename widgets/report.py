@@ -13,7 +13,7 @@ import html
 import os
 import time
 
-from widgets.charts import chart_data
+from widgets.series import chart_data
 from widgets.static import charts_html
 
 _STYLE = """

@@ -14,7 +14,7 @@ import html
 
 import numpy as np
 
-from widgets.charts import downsample
+from widgets.series import downsample
 
 SANITIZE_SVG = r"<svg[\s\S]*?</svg>"
 POINTS = 400
@@ -56,7 +56,7 @@ class _Scale:
 
 
 def line_chart(series, title, width=640, height=200, log_y=False, right=()):
-    """An SVG line chart of `widgets.charts.Series` (markers where `series.markers`).
+    """An SVG line chart of `widgets.series.Series` (markers where `series.markers`).
 
     Args:
         series: list of `Series`.
@@ -112,7 +112,7 @@ def line_chart(series, title, width=640, height=200, log_y=False, right=()):
 
 
 def heatmap_chart(heat, title, width=640, height=None):
-    """An SVG layer x step heatmap of `widgets.charts.Heatmap` (log10 values, viridis-like).
+    """An SVG layer x step heatmap of `widgets.series.Heatmap` (log10 values, viridis-like).
 
     Returns:
         str, an `<svg>` element.

@@ -1,9 +1,9 @@
-"""widgets.charts: bounded, min/max-preserving series and a figure updated in one message."""
+"""widgets.series and widgets.charts: bounded, min/max-preserving series; a figure updated in one message."""
 
 import numpy as np
 import pytest
 
-from widgets import charts
+from widgets import charts, series
 
 
 def test_downsample_bounds_100k_steps_and_keeps_extremes():
@@ -12,7 +12,7 @@ def test_downsample_bounds_100k_steps_and_keeps_extremes():
     loss = rng.random(100_000).astype(np.float32)
     loss[31_337] = 50.0  # a spike a user must not miss
     loss[77_001] = -3.0
-    x, y = charts.downsample(steps, loss, n_out=2000)
+    x, y = series.downsample(steps, loss, n_out=2000)
     assert len(x) == len(y) <= 2000
     assert x.dtype == y.dtype == np.float32
     assert y.max() == 50.0 and y.min() == -3.0
@@ -21,63 +21,88 @@ def test_downsample_bounds_100k_steps_and_keeps_extremes():
 
 
 def test_downsample_keeps_short_series_whole_and_drops_nonfinite():
-    x, y = charts.downsample(np.arange(5), np.array([1.0, np.nan, 3.0, np.inf, 5.0]))
+    x, y = series.downsample(np.arange(5), np.array([1.0, np.nan, 3.0, np.inf, 5.0]))
     assert x.tolist() == [0, 2, 4] and y.tolist() == [1, 3, 5]
 
 
 def test_downsample_bad_input_names_the_problem():
-    with pytest.raises(ValueError, match="n_out must be at least 4"):
-        charts.downsample(np.arange(10), np.arange(10), n_out=2)
+    with pytest.raises(ValueError, match="n_out must be at least 8"):
+        series.downsample(np.arange(10), np.arange(10), n_out=2)
     with pytest.raises(ValueError, match="one length"):
-        charts.downsample(np.arange(10), np.arange(9))
+        series.downsample(np.arange(10), np.arange(9))
 
 
-def test_layer_norm_combines_a_layers_variables_and_keeps_missing_as_nan(make_run):
+def test_layer_norm_combines_a_layers_variables_and_keeps_missing_as_nan():
     import lab
 
     run = lab.Run()
     run.append_batches({"loss": [1.0, 1.0], "grad_norm/m/d/kernel": [3.0, np.nan],
                         "grad_norm/m/d/bias": [4.0, np.nan], "grad_norm/m/o/kernel": [1.0, 2.0]})
-    norms = charts.layer_norms(run, "grad_norm/")
-    assert norms["m/d"][0] == pytest.approx(5.0)
-    assert np.isnan(norms["m/d"][1])  # no gradient is missing, not zero
-    assert norms["m/o"].tolist() == [1.0, 2.0]
+    data = series.chart_data(run)
+    norms = {s.name: s for s in data.gradients}
+    assert norms["m/d"].y.tolist() == [5.0]  # step 1 had no gradient: missing, not zero
+    assert norms["m/d"].x.tolist() == [0.0]
+    assert norms["m/o"].y.tolist() == [1.0, 2.0]
 
 
 def test_heatmap_shows_a_vanishing_layer_darker_and_stays_bounded(make_run):
     run = make_run(50_000)
-    norms = charts.layer_norms(run, "grad_norm/")
-    heat = charts.heatmap(norms, run.column("step"), bins=100)
+    heat = series.chart_data(run, heatmap_bins=100).heatmap
     assert heat.layers == ("m/dense", "m/out")
-    assert len(heat.z) == 2 * 100
+    assert len(heat.z) <= 2 * 101
     for column in (heat.x, heat.y, heat.z):
         assert column.ndim == 1 and column.dtype == np.float32
     dense, out = heat.z[heat.y == 0], heat.z[heat.y == 1]
     assert np.all(out < dense - 1.5)  # two decades lower, on a log10 scale
+    assert heat.x.min() < 1000 and heat.x.max() > 49_000  # the bins span the run
+
+
+def test_growing_run_keeps_every_spike_and_stays_bounded(make_run):
+    import lab
+
+    rng = np.random.default_rng(3)
+    run = lab.Run()
+    state = series.ChartState(run, max_points=500)
+    spikes = {}
+    for chunk in range(40):  # 40 refreshes of 2,500 new rows each: 100,000 steps
+        loss = rng.random(2500).astype(np.float32)
+        at = int(rng.integers(0, 2500))
+        loss[at] = 100.0 + chunk
+        spikes[chunk * 2500 + at] = 100.0 + chunk
+        run.append_batches({"loss": loss, "grad_norm/m/d/kernel": loss})
+        data = state.update()
+    loss = data.loss[0]
+    assert len(loss.x) <= 500
+    assert loss.y.max() == 139.0 and loss.y.min() == pytest.approx(run.column("loss").min())
+    # The summary read each row once, yet agrees with summarising the whole run at once.
+    whole = series.chart_data(run, max_points=500).loss[0]
+    assert abs(len(whole.x) - len(loss.x)) <= 2 and whole.y.max() == loss.y.max()
+    assert len(data.heatmap.z) <= series.HEATMAP_BINS + 1
 
 
 def test_chart_data_is_bounded_whatever_the_run_length(make_run):
     run = make_run(100_000)
     run.append_epoch(0, {"loss": 1.0, "val_loss": 1.2, "val_accuracy": 0.5})
     run.add_event("nonfinite", "loss is nan", step=500)
-    data = charts.chart_data(run, max_points=1000, heatmap_bins=50)
+    data = series.chart_data(run, max_points=1000, heatmap_bins=50)
     lines = data.loss + data.metrics + data.gradients
     assert [s.name for s in data.loss] == ["loss", "val_loss", "events"]
     assert [s.name for s in data.metrics] == ["accuracy", "val_accuracy"]
     assert all(len(s.x) <= 1000 for s in lines)
     assert data.loss[2].x.tolist() == [500.0] and "loss is nan" in data.loss[2].text[0]
-    assert len(data.heatmap.z) == 2 * 50
+    assert 2 * 25 <= len(data.heatmap.z) <= 2 * 51
 
 
 def test_live_figure_refresh_is_one_update_with_binary_arrays(comm_log, make_run):
     run = make_run(20_000)
     live = charts.LiveFigure(gradients=True, weights=False)
     live.figure.comm  # opened on creation, through the recording comm
-    live.update(charts.chart_data(run))  # adds the traces first seen here
+    state = series.ChartState(run)
+    live.update(state.update())  # adds the traces first seen here
     comm_log.clear()
     run.append_batches({name: np.full(10, 0.5, np.float32) for name in run.columns
                         if name not in ("step", "epoch", "batch")})
-    live.update(charts.chart_data(run))
+    live.update(state.update())
     updates = comm_log.updates_to(live.figure)
     assert len(updates) == 1
     other = [m for m in comm_log.to(live.figure) if "_py2js_update" not in m["data"]["state"]

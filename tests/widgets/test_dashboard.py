@@ -178,5 +178,26 @@ def test_uncompiled_model_raises_keras_error_and_nothing_is_shown(notebook):
 def test_bad_arguments_name_the_fix():
     with pytest.raises(ValueError, match="refresh_every must be 0 or more"):
         widgets.Dashboard(refresh_every=-1)
-    with pytest.raises(ValueError, match="max_points must be at least 4"):
+    with pytest.raises(ValueError, match="max_points must be at least 8"):
         widgets.Dashboard(max_points=1)
+
+
+def test_a_slow_view_refreshes_less_often_instead_of_slowing_training(digits, make_model, monkeypatch):
+    import time
+
+    (x, y), _ = digits
+    model = make_model()
+    dashboard = widgets.Dashboard(gradients=False, refresh_every=0, refresh_budget=0.1)
+    draw = dashboard.chart.update
+
+    def slow_update(data):
+        time.sleep(0.05)  # a refresh costing 50 ms may come at most every 0.5 s
+        draw(data)
+
+    monkeypatch.setattr(dashboard.chart, "update", slow_update)
+    started = time.monotonic()
+    model.fit(x, y, epochs=4, batch_size=8, callbacks=[dashboard], verbose=0)
+    seconds = time.monotonic() - started
+    assert len(dashboard.run) == 160
+    assert 2 <= dashboard.refreshes <= 2 + seconds / 0.5 + 1
+    assert len(dashboard.chart.figure.data[0].y) == 160  # the final refresh drew everything
