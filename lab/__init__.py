@@ -11,7 +11,8 @@ from lab import breakpoints, datasets, export  # noqa: E402
 from lab.breakpoints import Breakpoint  # noqa: E402
 from lab.compare import compare  # noqa: E402
 from lab.devices import devices, strategy, virtual_cpus  # noqa: E402
-from lab.modes import ModeError, ModeSwitcher, compare_modes, set_mode  # noqa: E402
+from lab.mode_comparison import compare_modes  # noqa: E402
+from lab.modes import ModeError, ModeSwitcher, set_mode  # noqa: E402
 from lab.predict import predict_stream  # noqa: E402
 from lab.recorder import Recorder  # noqa: E402
 from lab.run import Run  # noqa: E402

@@ -15,7 +15,8 @@ import ipywidgets
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from lab import modes
+from lab.mode_comparison import compare_modes
+from lab.modes import MODES, ModeError, current_mode, pending_mode, request_mode
 
 _LABELS = {"eager": "eager", "graph": "graph", "xla": "XLA"}
 _TOOLTIPS = (
@@ -46,7 +47,7 @@ class ModeSwitch(ipywidgets.VBox):
     ```
     """
 
-    def __init__(self, model, data=None, steps=32, batch_size=None, modes=modes.MODES, steps_per_execution=(1, 8)):
+    def __init__(self, model, data=None, steps=32, batch_size=None, modes=MODES, steps_per_execution=(1, 8)):
         self.model = model
         self.data = data
         self.compare_options = dict(steps=steps, batch_size=batch_size, modes=tuple(modes),
@@ -75,8 +76,8 @@ class ModeSwitch(ipywidgets.VBox):
             return
         mode = change["new"]
         try:
-            outcome = modes.request_mode(self.model, mode)
-        except (modes.ModeError, ValueError) as error:
+            outcome = request_mode(self.model, mode)
+        except (ModeError, ValueError) as error:
             self._say(str(error), error=True)
             self.refresh()
             return
@@ -103,7 +104,7 @@ class ModeSwitch(ipywidgets.VBox):
         self.compare_button.disabled = True
         self._say("Comparing: each mode trains the same steps from the same state…")
         try:
-            frame = modes.compare_modes(self.model, self.data, **self.compare_options)
+            frame = compare_modes(self.model, self.data, **self.compare_options)
         except (RuntimeError, ValueError) as error:
             self._say(str(error), error=True)
             return None
@@ -132,7 +133,7 @@ class ModeSwitch(ipywidgets.VBox):
 
 
 def _current(model):
-    return modes.pending_mode(model) or modes.current_mode(model)
+    return pending_mode(model) or current_mode(model)
 
 
 def _bar_label(row):

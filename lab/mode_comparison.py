@@ -1,0 +1,295 @@
+"""compare_modes: the same training steps timed in each execution mode.
+
+Each (mode, steps_per_execution) run trains the same cached batches from the
+same copy of the model's state, so the runs differ only in how the step runs.
+The input pipeline is timed alone as well, to say whether the input or the
+model bounds training.
+"""
+
+import math
+import statistics
+import time
+
+import numpy as np
+import pandas as pd
+import tensorflow as tf
+
+from lab.modes import (
+    _END_OF_DATA,
+    _XLA_COMPILE_HINT,
+    MODES,
+    ModeError,
+    _check_compiled,
+    _check_mode,
+    _check_steps_per_execution,
+    _check_xla,
+    _set_attributes,
+    _Settings,
+    is_training,
+)
+from lab.probes import find_optimizers
+
+
+def compare_modes(model, data, steps=32, batch_size=None, modes=MODES, steps_per_execution=(1, 8)):
+    """Times the same training steps in each mode, each from the same starting state.
+
+    Every (mode, steps_per_execution) pair trains `steps` batches, the same
+    batches, starting from a copy of the model's weights, optimizer and metric
+    state. The first call of the train function (tracing, XLA compiling) is
+    timed apart from the steps after it. The input is timed alone too: the
+    batches per second `data` yields without training, so the result says
+    whether the input or the model bounds the run. Afterwards the model is as it
+    was: weights, optimizer and metric state, mode, `steps_per_execution` and
+    compiled functions (an unbuilt model or optimizer is left built).
+
+    Args:
+        model: keras.Model, compiled.
+        data: tuple `(x, y)` or `(x, y, sample_weight)` of arrays, or a
+            `tf.data.Dataset` of batches (repeated if shorter than `steps`).
+        steps: int, training steps per run; at least twice the largest
+            `steps_per_execution`, so each run has a timed call after the first.
+        batch_size: int or None, for arrays (default 32); None for a Dataset.
+        modes: sequence of str, among "eager", "graph", "xla".
+        steps_per_execution: sequence of int, the second axis.
+
+    Returns:
+        pandas.DataFrame, one row per (mode, steps_per_execution): `mode`,
+        `steps_per_execution`, `trace_seconds` (what the first call costs
+        beyond a later one: tracing and compiling; near 0 in eager),
+        `step_ms` (median per step over the later full calls),
+        `steps_per_second`, `speedup_vs_eager` (against eager at the smallest
+        steps_per_execution), `max_loss_diff` (largest gap to the eager
+        run's reported loss at the same step), `traces` (times train_step was
+        traced; 0 in eager, which runs it as Python every step), `bound_by`
+        ("model" or "data": the slower of the training steps and the input) and
+        `error` (why a mode could not run, else None).
+        `frame.attrs["data_batches_per_second"]` is the input's rate alone and
+        `frame.attrs["bottleneck"]` a one-line verdict.
+
+    Example:
+
+    ```python
+    frame = lab.compare_modes(model, (x, y), steps=32, batch_size=64)
+    frame[["mode", "steps_per_execution", "step_ms", "speedup_vs_eager"]]
+    frame.attrs["bottleneck"]
+    ```
+    """
+    _check_compiled(model)
+    modes = list(modes)
+    for mode in modes:
+        _check_mode(mode)
+    spes = [_check_steps_per_execution(n) for n in steps_per_execution]
+    if not modes or not spes:
+        raise ValueError("Give at least one mode and one steps_per_execution.")
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 2 * max(spes):
+        raise ValueError(
+            f"steps={steps!r} is too few: use at least {2 * max(spes)} (twice the largest "
+            "steps_per_execution) so each run has a timed call after its first."
+        )
+    if is_training(model):
+        raise RuntimeError("compare_modes cannot run while fit() trains this model; call it when training is done.")
+    batches, data_rate = _batches_and_rate(data, batch_size, steps)
+    # fit() builds an unbuilt model, its metrics and optimizer from the first
+    # batch the same way; the train function cannot create variables later.
+    model._symbolic_build(data_batch=next(iter(batches)))
+    state = _State(model)
+    rows, losses = [], []
+    try:
+        for mode in modes:
+            for spe in spes:
+                state.restore_values()
+                row, run_losses = _time_run(model, mode, spe, batches, steps)
+                rows.append(row)
+                losses.append(run_losses)
+    finally:
+        state.restore()
+    return _comparison_frame(rows, losses, data_rate)
+
+
+def _batches_and_rate(data, batch_size, steps):
+    """The first `steps` batches of `data`, cached, and the input's batches/s."""
+    if isinstance(data, tf.data.Dataset):
+        if batch_size is not None:
+            raise ValueError("batch_size is for arrays; a Dataset is already batched: pass batch_size=None.")
+        dataset = data
+    elif isinstance(data, (tuple, list)) and 1 <= len(data) <= 3:
+        arrays = tuple(data)
+        dataset = tf.data.Dataset.from_tensor_slices(arrays).batch(batch_size or 32)
+    else:
+        raise ValueError(
+            f"data must be a tuple (x, y) of arrays or a tf.data.Dataset, got {type(data).__name__}."
+        )
+    source = dataset.repeat().take(steps)
+    # The input alone, consumed in C++ as the train function consumes it (a
+    # Python loop over the dataset would add its own per-batch overhead).
+    # Timing n and 2n batches and taking the difference cancels the fixed cost
+    # of starting the pipeline.
+    count_batches = tf.function(lambda ds: ds.reduce(np.int64(0), lambda n, _: n + 1))
+    if int(count_batches(source)) == 0:  # also traces, outside the timing
+        raise ValueError("data yielded no batches.")
+    seconds = []
+    for repeats in (1, 2):
+        start = time.perf_counter()
+        count_batches(dataset.repeat().take(repeats * steps))
+        seconds.append(time.perf_counter() - start)
+    extra = seconds[1] - seconds[0]
+    rate = steps / extra if extra > 0 else 2 * steps / seconds[1]
+    batches = source.cache()
+    for _ in batches:  # fill the cache: every run then reads the same batches from memory
+        pass
+    return batches, rate
+
+
+def _time_run(model, mode, spe, batches, steps):
+    row = {"mode": mode, "steps_per_execution": spe, "trace_seconds": float("nan"), "step_ms": float("nan"),
+           "traces": 0, "error": None}
+    losses = {}
+    try:
+        if mode == "xla":
+            _check_xla(model)
+        _set_attributes(model, mode, spe)
+        function, traces = _counted_train_function(model)
+        iterator = iter(_distributed(model, batches))
+        start = time.perf_counter()
+        logs = function(iterator)
+        done = min(spe, steps)
+        losses[done] = _loss(logs)
+        row["trace_seconds"] = time.perf_counter() - start
+        per_step = []
+        while done < steps:
+            start = time.perf_counter()
+            logs = function(iterator)
+            loss = _loss(logs)
+            elapsed = time.perf_counter() - start
+            count = min(spe, steps - done)
+            done += count
+            losses[done] = loss
+            if count == spe:
+                per_step.append(elapsed / spe)
+        row["step_ms"] = 1000.0 * statistics.median(per_step)
+        # What the first call costs beyond a later full one: tracing, compiling.
+        row["trace_seconds"] = max(0.0, row["trace_seconds"] - statistics.median(per_step) * spe)
+        row["traces"] = 0 if mode == "eager" else traces[0]
+    except ModeError as error:
+        row["error"] = str(error)
+    except _END_OF_DATA:
+        raise
+    except Exception as error:  # noqa: BLE001 - one mode failing must not hide the others
+        text = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        if mode == "xla":
+            text += " " + _XLA_COMPILE_HINT
+        row["error"] = text
+        losses = {}
+    return row, losses
+
+
+def _counted_train_function(model):
+    """A fresh train function whose train_step counts its Python runs (traces)."""
+    traces = [0]
+    step = model.train_step
+    previous = model.__dict__.get("train_step", _MISSING)
+
+    def counted(data):
+        traces[0] += 1
+        return step(data)
+
+    # The counter goes on the instance only while the function is built:
+    # make_train_function reads model.train_step once, at build time.
+    object.__setattr__(model, "train_step", counted)
+    try:
+        model.make_train_function(force=True)
+    finally:
+        if previous is _MISSING:
+            object.__delattr__(model, "train_step")
+        else:
+            object.__setattr__(model, "train_step", previous)
+    return model.train_function, traces
+
+
+_MISSING = object()
+
+
+def _distributed(model, batches):
+    strategy = model.distribute_strategy
+    if strategy.num_replicas_in_sync > 1:
+        return strategy.experimental_distribute_dataset(batches)
+    return batches
+
+
+def _loss(logs):
+    value = logs.get("loss") if isinstance(logs, dict) else None
+    return float(value) if value is not None else float("nan")  # float() waits for the device
+
+
+class _State:
+    """Copies of a model's variables and settings, restored after comparing."""
+
+    def __init__(self, model):
+        self.model = model
+        variables, seen = [], set()
+        optimizers = find_optimizers(model).values()
+        groups = [model.variables, model.metrics_variables] + [o.variables for o in optimizers]
+        for group in groups:
+            for variable in group:
+                if id(variable) not in seen:
+                    seen.add(id(variable))
+                    variables.append(variable)
+        self.variables = variables
+        self.values = [np.array(v.numpy(), copy=True) for v in variables]
+        self.settings = _Settings(model)
+
+    def restore_values(self):
+        for variable, value in zip(self.variables, self.values):
+            variable.assign(value)
+
+    def restore(self):
+        self.restore_values()
+        self.settings.restore(self.model)
+
+
+def _comparison_frame(rows, losses, data_rate):
+    frame = pd.DataFrame(rows, columns=["mode", "steps_per_execution", "trace_seconds", "step_ms", "traces", "error"])
+    frame["steps_per_second"] = 1000.0 / frame["step_ms"]
+    reference = _reference_index(frame)
+    if reference is None:
+        frame["speedup_vs_eager"] = float("nan")
+        frame["max_loss_diff"] = float("nan")
+    else:
+        frame["speedup_vs_eager"] = frame.loc[reference, "step_ms"] / frame["step_ms"]
+        base = losses[reference]
+        frame["max_loss_diff"] = [_max_gap(base, run) for run in losses]
+    frame["bound_by"] = np.where(data_rate < frame["steps_per_second"], "data", "model")
+    frame["error"] = frame["error"].astype(object).where(frame["error"].notna(), None)
+    frame.loc[frame["error"].notna(), "bound_by"] = None
+    frame = frame[["mode", "steps_per_execution", "trace_seconds", "step_ms", "steps_per_second",
+                   "speedup_vs_eager", "max_loss_diff", "traces", "bound_by", "error"]]
+    frame.attrs["data_batches_per_second"] = data_rate
+    frame.attrs["bottleneck"] = _verdict(frame, data_rate)
+    return frame
+
+
+def _reference_index(frame):
+    eager = frame[(frame["mode"] == "eager") & frame["error"].isna()]
+    if eager.empty:
+        return None
+    return eager["steps_per_execution"].idxmin()
+
+
+def _max_gap(base, run):
+    common = sorted(set(base) & set(run))
+    if not common:
+        return float("nan")
+    return max(abs(run[k] - base[k]) for k in common)
+
+
+def _verdict(frame, data_rate):
+    ok = frame[frame["error"].isna()]
+    if ok.empty or math.isnan(data_rate):
+        return "unknown: no mode ran"
+    best = ok.loc[ok["steps_per_second"].idxmax()]
+    where = f"{best['mode']} at steps_per_execution={best['steps_per_execution']}"
+    if data_rate < best["steps_per_second"]:
+        return (f"data: the input yields {data_rate:,.0f} batches/s, fewer than the "
+                f"{best['steps_per_second']:,.0f} steps/s the model trains in {where}")
+    return (f"model: the fastest mode ({where}) trains {best['steps_per_second']:,.0f} steps/s; "
+            f"the input yields {data_rate:,.0f} batches/s")
