@@ -3,8 +3,8 @@
 The toggle never runs model ops from a widget callback while another thread
 trains the model: it calls `lab.modes.request_mode`, which switches at once
 when the model is idle and otherwise leaves the switch pending for the
-training thread to apply at the next batch boundary (a `lab.ModeSwitcher`, a
-Recorder or a Dashboard among the fit() callbacks does it). During a blocking
+training thread to apply at the next batch boundary (a `lab.ModeSwitcher`
+among the fit() callbacks does it). During a blocking
 `fit()` in a cell, the kernel delivers the click only after the cell ends, so
 live switching needs training off the main thread (`widgets.BackgroundFit`).
 """
@@ -43,6 +43,7 @@ class ModeSwitch(ipywidgets.VBox):
     ```python
     switch = widgets.ModeSwitch(model, data=(x, y))
     switch            # click XLA, or Compare
+    widgets.BackgroundFit(model, x, y, epochs=5, callbacks=[lab.ModeSwitcher()]).start()
     switch.comparison # the last compare_modes DataFrame
     ```
     """
