@@ -5,6 +5,14 @@ The callback only turns lifecycle events into calls: recording is
 `widgets.static`'s. Refreshes are rate-limited (a refresh reads the run,
 downsamples every series and sends one plotly update), never per batch, and
 the view is drawn once and updated in place: no `clear_output`.
+
+In notebooks checked by nbval: the cell that runs `fit()` shows the
+Dashboard as it was when training began (nbval ignores display updates,
+which Jupyter and nbconvert apply), so that cell's output is truly variable
+and carries `# NBVAL_IGNORE_OUTPUT`. A later cell that shows `dashboard`
+is checkable: its text/plain holds no timings, and its text/html differs
+from run to run only inside `<svg>` elements, which
+`widgets.static.SANITIZE_SVG` (a regex for `--nbval-sanitize-with`) blanks.
 """
 
 import collections

@@ -18,7 +18,7 @@ from widgets.series import downsample
 
 SANITIZE_SVG = r"<svg[\s\S]*?</svg>"
 POINTS = 400
-PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2",
            "#7f7f7f", "#bcbd22", "#17becf")
 _MARGIN = dict(left=56, right=12, top=40, bottom=30)
 
@@ -90,8 +90,9 @@ def line_chart(series, title, width=640, height=200, log_y=False, right=()):
     ys = _Scale(np.concatenate([s.y for s in left]) if left else [0, 1], y0, y1, log=log_y)
     ys_right = _Scale(np.concatenate([s.y for s in other]), y0, y1) if other else None
     parts.append(_frame(x0, x1, y0, y1, xs, ys, ys_right))
+    colors = iter(PALETTE * (1 + len(series) // len(PALETTE)))
     for i, s in enumerate(series):
-        color = "crimson" if s.name == "events" else PALETTE[i % len(PALETTE)]
+        color = "crimson" if s.name == "events" else next(colors)
         scale = ys_right if s.name in right else ys
         x, y = downsample(s.x, s.y, POINTS) if len(s.x) > POINTS else (s.x, s.y)
         px, py = xs(x), scale(y)
