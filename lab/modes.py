@@ -358,7 +358,9 @@ class ModeSwitcher(keras.callbacks.Callback):
 
     Args:
         schedule: dict or None, step -> mode; step counts the batches this
-            callback has seen, from 0, across the `fit()` calls it serves.
+            callback has seen, from 0, across the `fit()` calls it serves. At
+            `steps_per_execution > 1` a switch lands at the first execution
+            that starts at or after its step.
 
     Example:
 
