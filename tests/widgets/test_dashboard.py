@@ -201,3 +201,38 @@ def test_a_slow_view_refreshes_less_often_instead_of_slowing_training(digits, ma
     assert len(dashboard.run) == 160
     assert 2 <= dashboard.refreshes <= 2 + seconds / 0.5 + 1
     assert len(dashboard.chart.figure.data[0].y) == 160  # the final refresh drew everything
+
+
+def test_breakpoint_stops_fit_and_is_marked_on_the_loss_chart(digits, make_model, notebook):
+    (x, y), _ = digits
+    model = make_model()
+    at_step_5 = lab.Breakpoint(lambda row: row["step"] >= 5, name="step 5")
+    dashboard = widgets.Dashboard(gradients=False, breakpoints=[at_step_5])
+    model.fit(x, y, epochs=2, batch_size=32, callbacks=[dashboard], verbose=0)
+    assert dashboard.status == "stopped"
+    assert "stopped" in dashboard.header.value and "step 5 at step 5" in dashboard.header.value
+    events = dashboard.chart.trace("events")
+    assert events.x.tolist() == [5.0]
+    assert events.y[0] == pytest.approx(dashboard.run.column("loss")[5])
+    assert "breakpoint: step 5 at step 5" in events.hovertext[0]
+    assert "events: breakpoint x1" in notebook[0].shown[-1]["text/plain"]
+
+
+def test_interrupt_inside_a_step_shows_interrupted(digits, make_model):
+    (x, y), _ = digits
+    calls = []
+
+    def interrupting_loss(y_true, y_pred):
+        calls.append(1)
+        if len(calls) == 3:  # as if Ctrl-C arrived during the third step
+            raise KeyboardInterrupt
+        return keras.losses.sparse_categorical_crossentropy(y_true, y_pred, from_logits=True)
+
+    model = make_model(loss=interrupting_loss)
+    model.run_eagerly = True  # the loss runs in Python at every step
+    dashboard = widgets.Dashboard(gradients=False)
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(x, y, epochs=1, batch_size=32, callbacks=[dashboard], verbose=0)
+    assert dashboard.status == "interrupted"
+    assert "interrupted" in dashboard.header.value
+    assert len(dashboard.run) == 2
