@@ -20,10 +20,15 @@ class CountingModel(keras.Sequential):
     """Counts how often train_step runs as Python: every step in eager, once per trace otherwise."""
 
     python_steps = 0
+    python_test_steps = 0
 
     def train_step(self, data):
         CountingModel.python_steps += 1
         return super().train_step(data)
+
+    def test_step(self, data):
+        CountingModel.python_test_steps += 1
+        return super().test_step(data)
 
 
 def make_model(cls=keras.Sequential, extra=(), steps_per_execution=1, seed=0):
@@ -82,6 +87,9 @@ def test_switch_runs_the_new_mode_at_the_next_fit_and_keeps_the_state(data):
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     assert CountingModel.python_steps == 10  # Python on every step: really eager
     assert int(model.optimizer.iterations) == 20  # the optimizer state carried on
+    CountingModel.python_test_steps = 0
+    model.evaluate(x, y, batch_size=8, verbose=0)
+    assert CountingModel.python_test_steps == 10  # the test function was rebuilt too
 
     lab.set_mode(model, "graph")
     CountingModel.python_steps = 0
