@@ -30,14 +30,14 @@ browser-deps:
 test: test-current test-oldest
 
 test-current: $(BIN)/.installed browser-deps
-	$(BIN)/python -m pytest tests notebooks --nbval --nbval-sanitize-with notebooks/sanitize.cfg \
+	JUPYTER_PATH=tests/notebooks/jupyter $(BIN)/python -m pytest tests notebooks --nbval --nbval-sanitize-with notebooks/sanitize.cfg \
 	  --nbval-cell-timeout=600 $(PYTEST_ARGS)
 
 unit: $(BIN)/.installed
 	$(BIN)/python -m pytest tests -m "not browser" $(PYTEST_ARGS)
 
 notebooks: $(BIN)/.installed
-	$(BIN)/python -m pytest notebooks --nbval --nbval-sanitize-with notebooks/sanitize.cfg --nbval-cell-timeout=600
+	JUPYTER_PATH=tests/notebooks/jupyter $(BIN)/python -m pytest notebooks --nbval --nbval-sanitize-with notebooks/sanitize.cfg --nbval-cell-timeout=600
 
 # The lowest supported TensorFlow/Keras: the engine's tests run there too,
 # because the lab leans on Keras internals that move between releases.
