@@ -17,7 +17,6 @@ about 270 MB) plus the kept batches. Lower `history` to spend less.
 
 import collections
 import dataclasses
-import inspect
 import time
 import traceback as traceback_module
 
@@ -26,10 +25,10 @@ import numpy as np
 import pandas as pd
 import tensorflow as tf
 
-from lab.probes import _is_mean, find_optimizers, leaf_metrics, variable_keys
 from lab.feed import Feed, to_numpy
-
-_LOSS_ARGS = ("x", "y", "y_pred", "sample_weight", "training")
+from lab.probes import _is_mean, find_optimizers, leaf_metrics, variable_keys
+from lab.state import raw_variable, read_variables, same_array, training_variables
+from lab.step_capture import StepCapture, hint
 
 
 @dataclasses.dataclass
@@ -243,7 +242,7 @@ class Stepper:
         Returns:
             StepTrace, the last step's; `stepper.hit` says whether the condition held.
         """
-        check = _as_check(condition)
+        check = trace_condition(condition)
         trace = None
         self.hit = False
         for _ in range(int(max_steps)):
@@ -315,7 +314,7 @@ class Stepper:
         trace = StepTrace(index=self._index, epoch=fed.epoch, batch=fed.batch, x=x, y=y,
                           sample_weight=sample_weight)
         trace.weights_before = self._trainable_arrays(before_state)
-        capture = _Capture(self)
+        capture = StepCapture(self.model, self._optimizers())
         start = time.perf_counter()
         try:
             if fed.batch == 0:
@@ -329,7 +328,7 @@ class Stepper:
             trace.error = error
             trace.traceback = "".join(traceback_module.format_exception(error))
             trace.no_gradient = capture.no_gradient
-            trace.hint = _hint(error, trace, capture)
+            trace.hint = hint(error, trace, capture)
             if self.run is not None:
                 self.run.add_event("error", f"{type(error).__name__}: {error}", step=self._index)
             self.last_trace = trace
@@ -341,7 +340,7 @@ class Stepper:
             old = before_state.get(key) or self._created.get(key)
             if old is None:
                 continue
-            if _same(old[1], array):
+            if same_array(old[1], array):
                 after[key] = (variable, old[1])  # share the array: copy-on-step
             else:
                 changed[key] = old[1]
@@ -405,7 +404,7 @@ class Stepper:
     # ---- state ---------------------------------------------------------------
 
     def _variables(self):
-        return _training_variables(self.model, self._optimizers().values(),
+        return training_variables(self.model, self._optimizers().values(),
                                    [v for v, _ in self._created.values()])
 
     def _optimizers(self):
@@ -420,7 +419,7 @@ class Stepper:
         return found
 
     def _read_all(self):
-        return _read(self._variables())
+        return read_variables(self._variables())
 
     def _refresh_state(self):
         """Reads the model's state; True when it differs from the state last seen."""
@@ -428,7 +427,7 @@ class Stepper:
         moved = False
         for key, (variable, array) in current.items():
             known = self._state.get(key)
-            if known is not None and _same(known[1], array):
+            if known is not None and same_array(known[1], array):
                 current[key] = known
             elif known is not None:
                 moved = True
@@ -437,7 +436,7 @@ class Stepper:
 
     def _restore(self, state, capture):
         for key, (variable, array) in self._read_all().items():
-            if key in state and not _same(state[key][1], array):
+            if key in state and not same_array(state[key][1], array):
                 variable.assign(state[key][1])
         for variable, initial in capture.created:
             variable.assign(initial)
@@ -451,7 +450,7 @@ class Stepper:
         arrays = {}
         for variable, key in zip(self.model.trainable_variables,
                                  variable_keys(self.model.trainable_variables).values()):
-            entry = state.get(id(_raw(variable)))
+            entry = state.get(id(raw_variable(variable)))
             if entry is not None:
                 arrays[key] = entry[1]
         return arrays
@@ -474,13 +473,14 @@ class Stepper:
         for name, value in trace.logs.items():
             metric = metrics.get(name)
             if metric is not None and _is_mean(metric):
-                total = [before.get(id(_raw(v))) for v in (metric.total, metric.count)]
-                new = [after.get(id(_raw(v))) for v in (metric.total, metric.count)]
+                total = [before.get(id(raw_variable(v))) for v in (metric.total, metric.count)]
+                new = [after.get(id(raw_variable(v))) for v in (metric.total, metric.count)]
                 reset = trace.batch == 0
                 if all(t is not None for t in total + new):
                     dt = float(new[0][1]) - (0.0 if reset else float(total[0][1]))
                     dc = float(new[1][1]) - (0.0 if reset else float(total[1][1]))
-                    value = dt / dc if dc else float("nan")
+                    if dc:  # else the step returned this name without updating the metric
+                        value = dt / dc
             if name == "loss" and "loss" in row:
                 continue
             if np.ndim(value) == 0:
@@ -504,165 +504,6 @@ class Stepper:
         self.run.append_batches(columns)
 
 
-class _Capture:
-    """Hooks installed for one step: what the step predicted, its loss, the
-    gradients each optimizer applied, variables it created. Patches are
-    instance attributes, removed when the step ends."""
-
-    def __init__(self, stepper):
-        self.stepper = stepper
-        self.y_pred = None
-        self.call_output = None
-        self.loss = None
-        self.gradients = {}
-        self.learning_rates = {}
-        self.no_gradient = []
-        self.created = []
-        self._patches = []
-        self._depth = 0
-        self._keys = {}
-
-    def __enter__(self):
-        model = self.stepper.model
-        self._keys = {id(v): k for v, k in zip(model.trainable_variables,
-                                               variable_keys(model.trainable_variables).values())}
-        self._creator = tf.variable_creator_scope(self._create)
-        self._creator.__enter__()
-        self._patch(model, "compute_loss", self._wrap_compute_loss(model.compute_loss))
-        self._patch(model, "call", self._wrap_call(model.call))
-        for name, optimizer in self.stepper._optimizers().items():
-            self._patch(optimizer, "apply", self._wrap_apply(optimizer.apply))
-            self._patch(optimizer, "_backend_update_step",
-                        self._wrap_update(name, optimizer._backend_update_step))
-        return self
-
-    def __exit__(self, *exc):
-        while self._patches:
-            target, name, previous = self._patches.pop()
-            if previous is _MISSING:
-                object.__delattr__(target, name)
-            else:
-                object.__setattr__(target, name, previous)
-        self._creator.__exit__(*exc)
-        if self.y_pred is None:
-            self.y_pred = self.call_output
-        return False
-
-    def _patch(self, target, name, replacement):
-        self._patches.append((target, name, target.__dict__.get(name, _MISSING)))
-        object.__setattr__(target, name, replacement)
-
-    def _create(self, next_creator, **kwargs):
-        variable = next_creator(**kwargs)
-        if tf.executing_eagerly():
-            self.created.append((variable, np.array(variable.numpy(), copy=True)))
-        return variable
-
-    def _key(self, variable):
-        key = self._keys.get(id(variable))
-        if key is None:
-            key = getattr(variable, "path", None) or variable.name
-        return key
-
-    def _wrap_compute_loss(self, original):
-        def compute_loss(*args, **kwargs):
-            arguments = dict(zip(_LOSS_ARGS, args), **kwargs)
-            loss = original(*args, **kwargs)
-            if arguments.get("y_pred") is not None:
-                self.y_pred = arguments["y_pred"]
-            if loss is not None:
-                self.loss = loss
-            return loss
-
-        return compute_loss
-
-    def _wrap_call(self, original):
-        def call(*args, **kwargs):
-            self._depth += 1
-            try:
-                output = original(*args, **kwargs)
-            finally:
-                self._depth -= 1
-            if self._depth == 0:
-                self.call_output = output
-            return output
-
-        call.__signature__ = inspect.signature(original)
-        return call
-
-    def _wrap_apply(self, original):
-        def apply(grads, trainable_variables=None):
-            variables = trainable_variables
-            if variables is None:
-                variables = getattr(original.__self__, "_trainable_variables", [])
-            grads = list(grads)
-            variables = list(variables)
-            self.no_gradient += [self._key(v) for g, v in zip(grads, variables) if g is None]
-            return original(grads, trainable_variables if trainable_variables is None else variables)
-
-        return apply
-
-    def _wrap_update(self, name, original):
-        def _backend_update_step(grads, trainable_variables, learning_rate):
-            result = original(grads, trainable_variables, learning_rate)
-            for grad, variable in zip(grads, trainable_variables):
-                self.gradients[self._key(variable)] = tf.convert_to_tensor(grad)
-            self.learning_rates[name] = learning_rate
-            return result
-
-        return _backend_update_step
-
-
-_MISSING = object()
-
-
-def read_state(model):
-    """A host copy of all the state a training step of `model` may change.
-
-    Weights, non-trainable variables (random-seed state too), metric
-    variables, and the slots and iterations of every optimizer the model
-    holds. Costs one copy of that state in host memory.
-
-    Args:
-        model: keras.Model.
-
-    Returns:
-        dict, an opaque state for `write_state`.
-    """
-    optimizers = list(find_optimizers(model).values())
-    optimizers += [o.inner_optimizer for o in optimizers if getattr(o, "inner_optimizer", None) is not None]
-    return _read(_training_variables(model, optimizers, []))
-
-
-def write_state(state):
-    """Puts back a state taken by `read_state` (only variables that differ are written)."""
-    for variable, array in state.values():
-        if not _same(np.asarray(variable.numpy()), array):
-            variable.assign(array)
-
-
-def _training_variables(model, optimizers, created):
-    found = list(model.variables) + list(getattr(model, "metrics_variables", []))
-    for optimizer in optimizers:
-        found += list(optimizer.variables)
-    found += list(created)
-    unique = {}
-    for variable in found:
-        unique.setdefault(id(_raw(variable)), _raw(variable))
-    return unique
-
-
-def _read(variables):
-    # A copy: an in-place optimizer update may reuse a buffer numpy() still shares.
-    return {key: (v, np.array(v.numpy(), copy=True)) for key, v in variables.items()}
-
-
-def _raw(variable):
-    """The tf.Variable behind a Keras variable (one identity for both)."""
-    inner = getattr(variable, "_value", None)
-    return inner if isinstance(inner, tf.Variable) else variable
-
-
 def _own_train_step(model):
     """The model's train_step, without a Recorder's probe around it: a step
     taken here must not become a row of the fit() that is paused meanwhile."""
@@ -672,16 +513,13 @@ def _own_train_step(model):
     return step
 
 
-def _same(a, b):
-    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
-
-
 def _scalar_or_array(value):
     array = np.asarray(value)
     return float(array) if array.ndim == 0 and array.dtype.kind in "fiub" else array
 
 
-def _as_check(condition):
+def trace_condition(condition):
+    """`condition` as a callable on a StepTrace; a Breakpoint is checked against the step's row."""
     if hasattr(condition, "hit") and callable(condition.hit):
         return lambda trace: condition.hit(pd.Series({"step": trace.index, "epoch": trace.epoch,
                                                        "batch": trace.batch, **trace.row}))
@@ -690,34 +528,3 @@ def _as_check(condition):
     raise TypeError(
         f"run_until needs a callable condition(trace) -> bool or a lab.Breakpoint, got {type(condition).__name__}."
     )
-
-
-def _hint(error, trace, capture):
-    """A line naming the usual fix for the common mistakes in a train_step."""
-    message = str(error)
-    if "No gradients provided" in message or (capture.no_gradient and isinstance(error, ValueError)):
-        missing = ", ".join(capture.no_gradient) or "all variables"
-        return (
-            f"No gradient reached: {missing}. Compute the forward pass and the loss inside "
-            "`with tf.GradientTape() as tape:`, then call `tape.gradient(loss, variables)` "
-            "for variables that the loss depends on (a `.numpy()` or `tf.stop_gradient` "
-            "on the way cuts the gradient)."
-        )
-    if "unpack" in message and isinstance(error, (ValueError, TypeError)):
-        return (
-            "fit() hands train_step `(x, y)`, `(x,)` when there are no targets, or "
-            "`(x, y, sample_weight)`; unpack it with "
-            "`x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)`."
-        )
-    if any(word in message.lower() for word in ("shape", "incompatible", "dimension", "rank")):
-        shapes = f"x {np.shape(trace.x)}"
-        if trace.y is not None:
-            shapes += f", y {np.shape(trace.y)}"
-        return (
-            f"A shape mismatch with this batch ({shapes}): check the model's input shape "
-            "against x, and the loss against y (sparse_categorical_crossentropy takes "
-            "integer labels, categorical_crossentropy one-hot rows)."
-        )
-    if "GradientTape" in message or "tape" in message.lower():
-        return "Open the tape with `with tf.GradientTape() as tape:` around the forward pass and loss."
-    return ""

@@ -19,7 +19,8 @@ import keras
 import tensorflow as tf
 
 from lab.recorder import Recorder
-from lab.stepper import Stepper, read_state, write_state
+from lab.state import read_state, write_state
+from lab.stepper import Stepper
 
 STATES = ("idle", "running", "paused", "stopped", "finished", "failed")
 

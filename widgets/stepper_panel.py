@@ -8,7 +8,7 @@ import ipywidgets
 import numpy as np
 import plotly.graph_objects as go
 
-from lab.stepper import _as_check
+from lab.stepper import trace_condition
 
 MAX_ITEMS = 16  # batch rows or images shown
 MAX_HISTOGRAM_VALUES = 5000  # gradient values sent for the histogram
@@ -43,7 +43,7 @@ class StepperPanel(ipywidgets.VBox):
     def __init__(self, stepper, breakpoints=(), on_continue=None, max_steps=500):
         self.stepper = stepper
         self.breakpoints = list(breakpoints)
-        self._checks = [_as_check(b) for b in self.breakpoints]
+        self._checks = [trace_condition(b) for b in self.breakpoints]
         self.max_steps = int(max_steps)
         self.step_button = ipywidgets.Button(description="Step", icon="step-forward")
         self.step_n_button = ipywidgets.Button(description="Step ×N", icon="forward")

@@ -387,3 +387,33 @@ def test_a_gan_step_records_both_optimizers_and_rewinds_both():
     assert int(gan.d_opt.iterations.numpy()) == int(gan.g_opt.iterations.numpy()) == 0
     replay = stepper.step(3)
     assert replay.logs == steps[-1].logs  # the noise replays too: its seed state was restored
+
+
+class OwnLoss(Recording):
+    """A custom step that never calls compute_loss: predictions come from the model's call."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            logits = self(x, training=True)
+            loss = keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        return {"loss": tf.reduce_mean(loss)}
+
+
+def test_predictions_come_from_the_model_call_when_the_step_has_its_own_loss():
+    keras.utils.set_random_seed(0)
+    model = OwnLoss()
+    model.compile("sgd")
+    trace = lab.Stepper(model, (X, Y), batch_size=8, shuffle=False).step()
+    kernel, bias = (trace.weights_before[v.path] for v in (model.dense.kernel, model.dense.bias))
+    np.testing.assert_allclose(trace.y_pred, X[:8] @ kernel + bias, rtol=1e-5, atol=1e-6)
+    assert trace.row["loss"] == pytest.approx(trace.logs["loss"])
+
+
+def test_graph_mode_rewinds_and_replays_too():
+    stepper = lab.Stepper(make_model(), (X, Y), batch_size=8, seed=0, mode="graph")
+    ahead = stepper.step(3)
+    stepper.rewind(2)
+    again = stepper.step(2)
+    assert again.index == ahead.index and again.row["loss"] == ahead.row["loss"]

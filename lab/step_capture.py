@@ -1,0 +1,171 @@
+"""What one training step touched, caught by hooks that live only for that step.
+
+`StepCapture` patches instance attributes of the model (`compute_loss`,
+`call`) and of each optimizer (`apply`, `_backend_update_step`) while a step
+runs, and records the predictions, the loss, the gradients each optimizer
+applied (where the Probe reads them too) and the variables the step created.
+In a `tf.function` the hooks run while tracing, and what they saw is returned
+from the compiled step. `hint(...)` names the fix for the usual mistakes.
+"""
+
+import inspect
+
+import numpy as np
+import tensorflow as tf
+
+from lab.probes import variable_keys
+
+_LOSS_ARGS = ("x", "y", "y_pred", "sample_weight", "training")
+_MISSING = object()
+
+
+class StepCapture:
+    """Hooks installed for one step (a context manager), removed when it ends.
+
+    Args:
+        model: keras.Model, whose `compute_loss` and `call` are watched.
+        optimizers: dict, name -> optimizer, whose updates are watched.
+
+    Example:
+
+    ```python
+    with StepCapture(model, {"optimizer": model.optimizer}) as capture:
+        model.train_step((x, y))
+    capture.gradients, capture.y_pred
+    ```
+    """
+
+    def __init__(self, model, optimizers):
+        self.model = model
+        self.optimizers = optimizers
+        self.y_pred = None
+        self.call_output = None
+        self.loss = None
+        self.gradients = {}
+        self.learning_rates = {}
+        self.no_gradient = []
+        self.created = []
+        self._patches = []
+        self._depth = 0
+        self._keys = {}
+
+    def __enter__(self):
+        model = self.model
+        self._keys = {id(v): k for v, k in zip(model.trainable_variables,
+                                               variable_keys(model.trainable_variables).values())}
+        self._creator = tf.variable_creator_scope(self._create)
+        self._creator.__enter__()
+        self._patch(model, "compute_loss", self._wrap_compute_loss(model.compute_loss))
+        self._patch(model, "call", self._wrap_call(model.call))
+        for name, optimizer in self.optimizers.items():
+            self._patch(optimizer, "apply", self._wrap_apply(optimizer.apply))
+            self._patch(optimizer, "_backend_update_step",
+                        self._wrap_update(name, optimizer._backend_update_step))
+        return self
+
+    def __exit__(self, *exc):
+        while self._patches:
+            target, name, previous = self._patches.pop()
+            if previous is _MISSING:
+                object.__delattr__(target, name)
+            else:
+                object.__setattr__(target, name, previous)
+        self._creator.__exit__(*exc)
+        if self.y_pred is None:
+            self.y_pred = self.call_output
+        return False
+
+    def _patch(self, target, name, replacement):
+        self._patches.append((target, name, target.__dict__.get(name, _MISSING)))
+        object.__setattr__(target, name, replacement)
+
+    def _create(self, next_creator, **kwargs):
+        variable = next_creator(**kwargs)
+        if tf.executing_eagerly():
+            self.created.append((variable, np.array(variable.numpy(), copy=True)))
+        return variable
+
+    def _key(self, variable):
+        key = self._keys.get(id(variable))
+        if key is None:
+            key = getattr(variable, "path", None) or variable.name
+        return key
+
+    def _wrap_compute_loss(self, original):
+        def compute_loss(*args, **kwargs):
+            arguments = dict(zip(_LOSS_ARGS, args), **kwargs)
+            loss = original(*args, **kwargs)
+            if arguments.get("y_pred") is not None:
+                self.y_pred = arguments["y_pred"]
+            if loss is not None:
+                self.loss = loss
+            return loss
+
+        return compute_loss
+
+    def _wrap_call(self, original):
+        def call(*args, **kwargs):
+            self._depth += 1
+            try:
+                output = original(*args, **kwargs)
+            finally:
+                self._depth -= 1
+            if self._depth == 0:
+                self.call_output = output
+            return output
+
+        call.__signature__ = inspect.signature(original)
+        return call
+
+    def _wrap_apply(self, original):
+        def apply(grads, trainable_variables=None):
+            variables = trainable_variables
+            if variables is None:
+                variables = getattr(original.__self__, "_trainable_variables", [])
+            grads = list(grads)
+            variables = list(variables)
+            self.no_gradient += [self._key(v) for g, v in zip(grads, variables) if g is None]
+            return original(grads, trainable_variables if trainable_variables is None else variables)
+
+        return apply
+
+    def _wrap_update(self, name, original):
+        def _backend_update_step(grads, trainable_variables, learning_rate):
+            result = original(grads, trainable_variables, learning_rate)
+            for grad, variable in zip(grads, trainable_variables):
+                self.gradients[self._key(variable)] = tf.convert_to_tensor(grad)
+            self.learning_rates[name] = learning_rate
+            return result
+
+        return _backend_update_step
+
+
+def hint(error, trace, capture):
+    """A line naming the usual fix for the common mistakes in a train_step."""
+    message = str(error)
+    if "No gradients provided" in message or (capture.no_gradient and isinstance(error, ValueError)):
+        missing = ", ".join(capture.no_gradient) or "all variables"
+        return (
+            f"No gradient reached: {missing}. Compute the forward pass and the loss inside "
+            "`with tf.GradientTape() as tape:`, then call `tape.gradient(loss, variables)` "
+            "for variables that the loss depends on (a `.numpy()` or `tf.stop_gradient` "
+            "on the way cuts the gradient)."
+        )
+    if "unpack" in message and isinstance(error, (ValueError, TypeError)):
+        return (
+            "fit() hands train_step `(x, y)`, `(x,)` when there are no targets, or "
+            "`(x, y, sample_weight)`; unpack it with "
+            "`x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)`."
+        )
+    if any(word in message.lower() for word in ("shape", "incompatible", "dimension", "rank")):
+        shapes = f"x {np.shape(trace.x)}"
+        if trace.y is not None:
+            shapes += f", y {np.shape(trace.y)}"
+        return (
+            f"A shape mismatch with this batch ({shapes}): check the model's input shape "
+            "against x, and the loss against y (sparse_categorical_crossentropy takes "
+            "integer labels, categorical_crossentropy one-hot rows)."
+        )
+    if "GradientTape" in message or "tape" in message.lower():
+        return "Open the tape with `with tf.GradientTape() as tape:` around the forward pass and loss."
+    return ""
