@@ -8,7 +8,7 @@ import lab
 from widgets.series import MAX_POINTS, downsample
 
 # Batch columns that are bookkeeping, not something to compare.
-_SKIPPED = ("step", "epoch", "batch", "mode")
+_SKIPPED = ("step", "epoch", "batch", "mode", "updated")
 _LOG_SCALE = ("grad_norm", "weight_norm/", "update_ratio/")
 
 
@@ -45,7 +45,10 @@ class RunCompare(ipywidgets.VBox):
             raise ValueError("RunCompare needs runs with at least one recorded batch; these have none.")
         self.max_points = max_points
         options = [c for c in self.batches.columns
-                   if c not in ("run", *_SKIPPED) and pd.api.types.is_numeric_dtype(self.batches[c])]
+                   if c not in ("run", *_SKIPPED) and not c.startswith("hist/")
+                   and pd.api.types.is_numeric_dtype(self.batches[c])]
+        # Step times last: the values a comparison is usually about come first.
+        options = [c for c in options if c != "seconds"] + [c for c in options if c == "seconds"]
         if column not in options:
             raise ValueError(f"No run has the column {column!r}; choose one of {options}.")
         self.column = ipywidgets.Dropdown(options=options, value=column, description="column")
