@@ -22,8 +22,10 @@ def assert_same_run(loaded, saved):
 
 
 def handmade_run():
-    run = lab.Run("lr=0.01 ü", metadata={"optimizer": {"name": "SGD", "lr": 0.01},
-                                          "tensorflow": "2.21.0", "steps": [1, 2]})
+    run = lab.Run("lr=0.01 ü", metadata={
+        "optimizer_config": {"name": "SGD", "learning_rate": 0.01, "clipnorm": None, "nesterov": False},
+        "tensorflow": "2.21.0", "steps": [1, 2], "started": "2026-11-29T11:00:00+0000",
+        "summary": 'Model: "sequential"\n┏━━━━━━┳━━━━━━┓\n┃ dense ┃ (None, 3) ┃'})
     run.append_batches({
         "epoch": [0, 0, 0], "batch": [0, 1, 2], "seconds": [0.1, np.nan, 0.3],
         "mode": ["graph", "eager", "graph"],
@@ -235,3 +237,18 @@ def test_recorder_path_saves_a_loadable_file_after_the_first_epoch(tmp_path):
     final = lab.Run.load(path)
     assert len(final) == 12 and final.epochs()["epoch"].tolist() == [0, 1, 2]
     assert_same_run(final, recorder.run)
+
+
+def test_recorder_save_every_writes_the_file_before_the_first_epoch_ends(tmp_path):
+    path = tmp_path / "timer.h5"
+    seen = []
+
+    class ReadAfterBatchTwo(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:
+                seen.append(lab.Run.load(path))
+
+    x, y = data()
+    recorder = lab.Recorder(path=path, save_every=0, flush_every=0)
+    tiny_model().fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[recorder, ReadAfterBatchTwo()])
+    assert len(seen[0]) == 2 and len(seen[0].epochs()) == 0
