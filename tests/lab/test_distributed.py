@@ -88,7 +88,7 @@ def test_virtual_cpus_after_initialisation(mirrored):
 def test_mirrored_recording_equals_one_device(mirrored):
     assert "fit_error" not in mirrored, mirrored["fit_error"]
     one, two = mirrored["one"], mirrored["mirrored"]
-    assert set(one["columns"]) == set(two["columns"])
+    assert set(one["columns"]) <= set(two["columns"])
     assert {"loss", "accuracy", "grad_norm"} <= set(two["columns"])
     assert len(two["columns"]["loss"]) == 4
     for column, values in one["columns"].items():
@@ -96,6 +96,18 @@ def test_mirrored_recording_equals_one_device(mirrored):
                                    err_msg=column)
     for w1, w2 in zip(one["weights"], two["weights"]):
         np.testing.assert_allclose(w2, w1, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.xfail(strict=True, reason="per-replica columns not yet written by the probe")
+def test_mirrored_records_each_replica(mirrored):
+    assert "fit_error" not in mirrored, mirrored["fit_error"]
+    columns = mirrored["mirrored"]["columns"]
+    for replica, (loss, norm) in enumerate(mirrored["halves"]):
+        assert columns[f"loss/replica_{replica}"][0] == pytest.approx(loss, rel=1e-4)
+        assert columns[f"grad_norm/replica_{replica}"][0] == pytest.approx(norm, rel=1e-4)
+    losses = np.array([columns["loss/replica_0"], columns["loss/replica_1"]])
+    np.testing.assert_allclose(columns["replica_skew"], np.ptp(losses, axis=0), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(columns["loss"], losses.mean(axis=0), rtol=1e-4)
 
 
 @PENDING_PROBE_FIX

@@ -43,11 +43,28 @@ def record(strategy, x, y):
     recorder = lab.Recorder(gradients=True)
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[recorder])
     frame = recorder.run.batches()
-    columns = [c for c in frame.columns if c in ("loss", "accuracy") or c.startswith("grad_norm")]
+    columns = [c for c in frame.columns
+               if c in ("loss", "accuracy", "replica_skew") or c.startswith(("grad_norm", "loss/"))]
     return {
         "columns": {c: frame[c].astype(float).tolist() for c in columns},
         "weights": [w.tolist() for w in model.get_weights()],
     }
+
+
+def half_batches(x, y):
+    """Loss and gradient norm of the untrained model on each half of the first batch:
+    what each of two replicas computes at step 0."""
+    import tensorflow as tf
+
+    model = make_model()
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    halves = []
+    for part in (slice(0, 8), slice(8, 16)):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y[part], model(x[part]))
+        grads = tape.gradient(loss, model.trainable_variables)
+        halves.append([float(loss), float(tf.linalg.global_norm(grads))])
+    return halves
 
 
 def main():
@@ -71,6 +88,7 @@ def main():
         try:
             out["one"] = record(lab.strategy("cpu"), x, y)
             out["mirrored"] = record(mirrored, x, y)
+            out["halves"] = half_batches(x, y)
         except Exception as error:  # noqa: BLE001 - reported, so the other checks still run
             out["fit_error"] = f"{type(error).__name__}: {error}"
     print(json.dumps(out))
