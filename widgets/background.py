@@ -16,11 +16,10 @@ import threading
 import time
 
 import keras
-import tensorflow as tf
 
+from lab.in_flight import BatchInFlight
 from lab.recorder import Recorder
 from lab.state import read_state, write_state
-from lab.stepper import Stepper
 
 STATES = ("idle", "running", "paused", "stopped", "finished", "failed")
 
@@ -34,7 +33,8 @@ class BackgroundFit:
     batch in flight) lets you step or rewind it; `resume()` continues `fit()`
     with the next batch. Keeping the batch in flight costs, per batch while
     breakpoints are armed, one host copy of the model's training state and a
-    one-batch iterator (it also needs `steps_per_execution=1`).
+    one-batch call (see `lab.in_flight.BatchInFlight`; it needs
+    `steps_per_execution=1`).
 
     Args:
         model: keras.Model, compiled.
@@ -137,8 +137,8 @@ class BackgroundFit:
     # ---- the training thread ---------------------------------------------------
 
     def _train(self):
-        control = _Control(self)
-        callbacks = [_KeepBatch(self)] + self.callbacks + [control]
+        self._keeper = BatchInFlight(armed=lambda: self.breakpoints_armed)
+        callbacks = [self._keeper] + self.callbacks + [_Control(self)]
         try:
             self.history = self.model.fit(*self.args, callbacks=callbacks, **self.kwargs)
         except BaseException as error:  # noqa: BLE001 - reported through state, not print
@@ -157,8 +157,7 @@ class BackgroundFit:
 
     @property
     def breakpoints_armed(self):
-        return bool(self.recorder is not None and self.recorder.breakpoints
-                    and int(self.model.steps_per_execution) == 1)
+        return bool(self.recorder is not None and self.recorder.breakpoints)
 
     def _park(self, detail):
         """Blocks the training thread until resume(), step() or stop()."""
@@ -171,19 +170,13 @@ class BackgroundFit:
             return
         self._set_state("running")
 
-    def _paused_at_breakpoint(self, batch_in_epoch, epoch):
-        keep = self._kept
+    def _paused_at_breakpoint(self):
         detail = self.recorder.status_detail if self.recorder is not None else "breakpoint"
         self.model.stop_training = False  # the Recorder stops on a hit; here we pause
         after = read_state(self.model)
-        write_state(keep["before"])
         run = self.recorder.run if self.recorder is not None else None
         step = len(run) - 1 if run is not None else self.batches_done - 1
-        self.stepper = Stepper(
-            self.model, tf.data.Dataset.from_tensors(keep["data"]), shuffle=False,
-            mode="eager",  # every value inspectable; fit() keeps its own mode
-            run=run, start_step=step, start_batch=(epoch, batch_in_epoch),
-        )
+        self.stepper = self._keeper.stepper(run=run, start_step=step)
         self._pause_requested = True
         self._park(detail)
         if not self.stepper.traces and self.stepper.last_trace is None:
@@ -193,45 +186,12 @@ class BackgroundFit:
             self.recorder._set_status("running")
 
 
-class _KeepBatch(keras.callbacks.Callback):
-    """First callback: while breakpoints are armed, wraps the train function so
-    the batch in flight and the state before it are kept."""
-
-    def __init__(self, owner):
-        super().__init__()
-        self.owner = owner
-
-    def on_train_batch_begin(self, batch, logs=None):
-        owner = self.owner
-        owner._kept = None
-        if not owner.breakpoints_armed:
-            return
-        function = self.model.train_function
-        if function is None or _wraps(function, "_lab_keep_batch"):
-            return
-        while getattr(function, "_lab_recorder", None) is not None:
-            function = function._lab_inner  # the Recorder guards us in turn: guard once
-
-        def keep_batch(iterator):
-            data = next(iter(iterator))
-            owner._kept = {"data": data, "before": read_state(self.model)}
-            return function([data])
-
-        keep_batch._lab_keep_batch = True
-        keep_batch._lab_inner = function
-        self.model.train_function = keep_batch
-
-
 class _Control(keras.callbacks.Callback):
     """Last callback: turns flags into pauses and stops at batch ends."""
 
     def __init__(self, owner):
         super().__init__()
         self.owner = owner
-        self.epoch = 0
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
         owner = self.owner
@@ -241,20 +201,12 @@ class _Control(keras.callbacks.Callback):
             self.model.stop_training = True
             return
         hit = recorder is not None and recorder.status == "breakpoint" and self.model.stop_training
-        if hit and getattr(owner, "_kept", None) is not None:
-            owner._paused_at_breakpoint(batch, self.epoch)
+        if hit and owner._keeper.data is not None:
+            owner._paused_at_breakpoint()
         elif hit:
             owner.detail = recorder.status_detail  # no batch kept: the Recorder's stop stands
         elif owner._pause_requested:
             owner._park("stepped one batch" if owner._step_once else "paused")
-
-
-def _wraps(function, marker):
-    while function is not None:
-        if getattr(function, marker, False):
-            return True
-        function = getattr(function, "_lab_inner", None)
-    return False
 
 
 class TrainingControls:

@@ -417,3 +417,22 @@ def test_graph_mode_rewinds_and_replays_too():
     stepper.rewind(2)
     again = stepper.step(2)
     assert again.index == ahead.index and again.row["loss"] == ahead.row["loss"]
+
+
+# ---- after a blocking fit() stopped at a breakpoint -------------------------------------
+
+
+def test_a_blocking_fit_stopped_by_a_breakpoint_opens_a_stepper_on_that_batch():
+    from lab.in_flight import BatchInFlight
+
+    model = make_model()
+    keep = BatchInFlight()
+    recorder = lab.Recorder(breakpoints=[lab.Breakpoint(lambda row: row["step"] == 2)])
+    model.fit(X, Y, batch_size=8, epochs=1, shuffle=False, callbacks=[keep, recorder], verbose=0)
+    assert len(recorder.run) == 3  # the hit stopped fit() after batch 2
+    assert not getattr(model.train_function, "_lab_keep_batch", False)  # no wrapper left behind
+    stepper = keep.stepper(run=recorder.run, start_step=2)
+    trace = stepper.step()
+    np.testing.assert_array_equal(trace.x, X[16:24])
+    assert (trace.index, trace.epoch, trace.batch) == (2, 0, 2)
+    assert trace.loss == pytest.approx(float(recorder.run.batches()["loss"].iloc[2]), rel=1e-5)

@@ -1,0 +1,107 @@
+"""BatchInFlight: keep each batch of a fit() and the state before it, to step it later.
+
+A Python breakpoint sees a batch's row only after that batch's update. To
+open a stepper on that batch with the model as it was before it, the batch
+and the state must be kept while breakpoints are armed. The cost, per batch:
+one host copy of the model's training state (weights, optimizer slots,
+metric totals) and a one-batch call of the train function; it needs
+`steps_per_execution=1` (otherwise nothing is kept).
+"""
+
+import keras
+import tensorflow as tf
+
+from lab.state import read_state, write_state
+
+
+class BatchInFlight(keras.callbacks.Callback):
+    """Keeps the batch in flight and the model's state before it.
+
+    Put it first in the callbacks, before a Recorder, so the Recorder's
+    failure guard wraps it once.
+
+    Args:
+        armed: callable `armed() -> bool`, or a bool; batches are kept only
+            while armed (default: always).
+
+    Example:
+
+    ```python
+    keep = lab.in_flight.BatchInFlight()
+    rec = lab.Recorder(breakpoints=[lab.Breakpoint(lambda row: row["loss"] > 5)])
+    model.fit(x, y, callbacks=[keep, rec])
+    stepper = keep.stepper(run=rec.run)  # on the batch that hit, state as before it
+    ```
+    """
+
+    def __init__(self, armed=True):
+        super().__init__()
+        self.armed = armed
+        self.data = None
+        self.before = None
+        self.position = (0, 0)
+        self._epoch = 0
+
+    def is_armed(self):
+        armed = self.armed() if callable(self.armed) else bool(self.armed)
+        return armed and int(self.model.steps_per_execution) == 1
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.data = self.before = None
+        if not self.is_armed():
+            return
+        self.position = (self._epoch, batch)
+        function = self.model.train_function
+        if function is None or _find(function) is not None:
+            return
+        while getattr(function, "_lab_recorder", None) is not None:
+            function = function._lab_inner  # the Recorder guards this wrapper in turn: guard once
+        keeper = self
+
+        def keep_batch(iterator):
+            data = next(iter(iterator))
+            keeper.data, keeper.before = data, read_state(keeper.model)
+            # Keras' train function runs a plain iterable of batches one by one.
+            return function([data])
+
+        keep_batch._lab_keep_batch = True
+        keep_batch._lab_inner = function
+        self.model.train_function = keep_batch
+
+    def on_train_end(self, logs=None):
+        # Leave no trace: the next fit() gets Keras' own function back.
+        wrapper = _find(self.model.train_function)
+        if wrapper is not None:
+            self.model.train_function = wrapper._lab_inner
+
+    def stepper(self, **kwargs):
+        """A `lab.Stepper` on the kept batch, with the model put back to before it.
+
+        Args:
+            **kwargs: passed to `lab.Stepper` (`run`, `start_step`, `mode`, ...).
+
+        Raises:
+            ValueError: when no batch is kept (not armed, or no batch ran).
+        """
+        from lab.stepper import Stepper
+
+        if self.data is None:
+            raise ValueError(
+                "No batch is kept: BatchInFlight keeps batches only while armed and at "
+                "steps_per_execution=1. Arm it (armed=True) and train again."
+            )
+        write_state(self.before)
+        kwargs.setdefault("mode", "eager")
+        kwargs.setdefault("start_batch", self.position)
+        return Stepper(self.model, tf.data.Dataset.from_tensors(self.data), shuffle=False, **kwargs)
+
+
+def _find(function):
+    while function is not None:
+        if getattr(function, "_lab_keep_batch", False):
+            return function
+        function = getattr(function, "_lab_inner", None)
+    return None
