@@ -1,0 +1,712 @@
+"""watch(): the lab's probes on a training loop the user wrote.
+
+A hand-written loop has no `train_step` for the lab to bracket, so a step's
+values cannot be gathered inside one graph the way the Recorder gathers them.
+Instead the optimizer hooks (the Probe's, unchanged) write what they measure
+into one device-side vector of slots, in whatever graph the user's step runs
+(eager, `tf.function`, XLA). Once per step the user calls
+`run.step(loss=..., **metrics)`: one compiled call joins those values with
+the slots into a row, appends it to the device ring buffer and resets the
+slots, without waiting for the device. Rows reach the Run in blocks: on a
+timer, when the ring is half full, when the run is read and at the end.
+
+While watching, the lab also names the fix for the mistakes hand-written
+steps are known for: a loss computed outside the tape (no gradient at all),
+`apply_gradients` with `None` gradients, a metric that is never updated, a
+`tf.function` that traces again on every call, and a step traced before the
+lab was watching.
+"""
+
+import contextlib
+import inspect
+import sys
+import threading
+import time
+import warnings
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from lab import breakpoints as breakpoints_module
+from lab.buffer import StepBuffer
+from lab.probes import Probe, _StepState, find_optimizers, variable_keys
+from lab.run import Run
+
+# Slots kept free for variables the model did not list when watching began
+# (a subclassed model is often built by its first step).
+_SPARE_SLOTS = 32
+_SPARE_SLOTS_UNBUILT = 256
+# Traces of one tf.function after which the lab says why it keeps tracing.
+RETRACE_WARNING = 4
+# Steps after which a metric that never changed is reported.
+CONSTANT_METRIC_STEPS = 10
+_RESERVED = ("step", "seconds", "mode", "updated", "grad_norm", "learning_rate")
+_HOST_COLUMNS = ("epoch", "batch")
+
+ALL_NONE_MESSAGE = (
+    "The optimizer {name!r} got no gradient for any of its {count} variables: the "
+    "loss does not depend on them through the tape. Compute the loss inside the "
+    "`with tf.GradientTape() as tape:` block (the forward pass `y_pred = model(x, "
+    "training=True)` and `loss = loss_fn(y, y_pred)` both go inside it), then call "
+    "`tape.gradient(loss, model.trainable_variables)` after the block."
+)
+SOME_NONE_MESSAGE = (
+    "The optimizer {name!r} got `None` gradients for {missing} of {count} variables, "
+    "so they never train: {paths}. If they should train, make sure the loss uses "
+    "them inside the tape (a layer called outside the `GradientTape` block, or a "
+    "branch the step never takes); if they are frozen on purpose, set "
+    "`layer.trainable = False` or leave them out of `tape.gradient(...)` and "
+    "`apply_gradients(...)`."
+)
+CONSTANT_METRIC_MESSAGE = (
+    "The metric {metric!r} has been {value:g} for all {steps} steps while the loss "
+    "changed: it is probably never updated. Call `{metric}.update_state(y, y_pred)` "
+    "in the step (inside the @tf.function too), pass `{metric}.result()` (or the "
+    "metric) to run.step, and call `{metric}.reset_state()` where an epoch begins."
+)
+UNSEEN_UPDATE_MESSAGE = (
+    "The optimizer {name!r} updated the weights in {count} step(s) without the lab "
+    "seeing it: the @tf.function step was traced before `lab.watch` began (or under "
+    "another watch), so its graph has no probes. Enter `with lab.watch(...)` before "
+    "the first call of the step, or wrap it anew inside the block: "
+    "`train_step = tf.function(train_step.python_function)`."
+)
+
+
+class BreakpointHit(Exception):
+    """Raised by `run.step(...)` of a watched loop when a breakpoint hits.
+
+    A device-side breakpoint (`nonfinite()`) kept this step's update out of
+    the weights: they are as before the step. Catch it to stop cleanly or to
+    go on (the next step starts from those weights). The run has the event.
+
+    Attributes:
+        step: int, the run's step at which it hit.
+        breakpoint: str, the breakpoint's name.
+        detail: str, what the run's event says.
+        skipped: bool, whether the step's update was kept out of the weights.
+    """
+
+    def __init__(self, step, breakpoint, detail, skipped):
+        self.step, self.breakpoint, self.detail, self.skipped = step, breakpoint, detail, skipped
+        then = ("the update of this step was skipped: the weights are as before it"
+                if skipped else "this step's update is in the weights")
+        super().__init__(f"{detail}; {then}. Catch lab.BreakpointHit to stop or go on; "
+                         "run.events() has the event.")
+
+
+class _LoopState(_StepState):
+    """The one step state of a watched loop: every value goes to a slot."""
+
+    def nested(self):
+        return True
+
+
+class _SharedState:
+    """Stands in for the Probe's per-thread step state: always present."""
+
+    def __init__(self):
+        self.state = _LoopState()
+
+
+class LoopProbe(Probe):
+    """A Probe on the optimizers of a hand-written loop, its values in slots.
+
+    Args:
+        model: keras.Model, whose `trainable_variables` name the columns.
+        optimizers: dict, name -> keras optimizer the loop uses.
+        gradients: bool, record per-variable norms of the applied gradients.
+        weights: bool, record weight norms and update/weight ratios.
+        breakpoints: sequence of device-side breakpoints (`nonfinite()`).
+        capacity: int, rows of the device ring buffer.
+    """
+
+    def __init__(self, model, optimizers, gradients=True, weights=False, breakpoints=(), capacity=1024):
+        super().__init__(model, gradients=gradients, weights=weights, breakpoints=breakpoints,
+                         capacity=capacity)
+        self.optimizers = dict(optimizers)
+        self._local = _SharedState()
+        self._writes = threading.local()
+        self._slot_index = {}
+        self._slot_resets = []
+        self._vector = None
+        self._active = None
+        self._frozen = None
+        self._row_function = None
+        self._traces = {}
+        self._warned = set()
+        self.warnings = []  # (message, step) the run turns into events
+
+    # ---- installing --------------------------------------------------------
+
+    def install(self):
+        """Patches each optimizer's `apply` and update step (instance attributes)."""
+        if self.installed:
+            return
+        for name, optimizer in self.optimizers.items():
+            if getattr(getattr(optimizer, "apply", None), "_lab_probe", None) is not None:
+                raise RuntimeError(
+                    f"The optimizer {name!r} is already watched (another `lab.watch` block "
+                    "or a Recorder is attached). Leave that block first."
+                )
+        self._variable_keys = variable_keys(self.model.trainable_variables)
+        self._optimizer_names = list(self.optimizers)
+        self._allocate_slots()
+        for name, optimizer in self.optimizers.items():
+            apply = optimizer.apply
+            if self.breakpoints:
+                apply = self._wrap_apply(optimizer, apply)
+            self._patch(optimizer, "apply", self._wrap_checks(name, optimizer, apply))
+            inner = getattr(optimizer, "inner_optimizer", None) or optimizer
+            self._patch(inner, "_backend_update_step", self._wrap_update_step(name, inner._backend_update_step))
+            if hasattr(inner, "_all_reduce_sum_gradients"):
+                self._patch(inner, "_all_reduce_sum_gradients",
+                            self._wrap_all_reduce(inner._all_reduce_sum_gradients))
+        self._active.assign(1.0)
+
+    def uninstall(self):
+        """Restores every patched method; graphs traced meanwhile stop gating."""
+        super().uninstall()
+        if self._active is not None:
+            self._active.assign(0.0)
+        self.release()
+
+    def _allocate_slots(self):
+        names = [(f"_lr/{name}", np.nan) for name in self.optimizers]
+        names += [("_updates", 0.0), ("_grad_square", 0.0)]
+        keys = list(self._variable_keys.values())
+        if self.gradients:
+            names += [(f"grad_norm/{key}", np.nan) for key in keys]
+        if self.weights:
+            names += [(f"{kind}/{key}", np.nan) for kind in ("weight_norm", "update_ratio") for key in keys]
+        if self.breakpoints:
+            names += [("_hit", 0.0), ("_held", 0.0)]
+        spare = _SPARE_SLOTS if self.model.built else _SPARE_SLOTS_UNBUILT
+        self._slot_index = {name: index for index, (name, _) in enumerate(names)}
+        self._slot_resets = [reset for _, reset in names] + [np.nan] * spare
+        self._vector = self._make_variable("lab_loop_slots", np.array(self._slot_resets, np.float32))
+        self._active = self._make_variable("lab_loop_active", 0.0)
+
+    # ---- values into slots -------------------------------------------------
+
+    def _index(self, name):
+        index = self._slot_index.get(name)
+        if index is not None:
+            return index
+        if self._frozen is None and len(self._slot_index) < len(self._slot_resets):
+            index = self._slot_index[name] = len(self._slot_index)
+            return index
+        self._warn_once(("slot", name), (
+            f"The lab cannot record {name!r}: it appeared after recording started or "
+            "there are too many variables. Build the model (call it on one batch) "
+            "before `lab.watch` begins."), RuntimeWarning)
+        return None
+
+    def _emit(self, state, name, value, reset=np.nan, accumulate=False):
+        index = self._index(name)
+        if index is None:
+            return
+        item = (index, tf.cast(value, tf.float32), accumulate)
+        batch = getattr(self._writes, "batch", None)
+        if batch is not None:
+            batch.append(item)
+        else:
+            self._scatter([item])
+
+    def _scatter(self, items):
+        for accumulate in (False, True):
+            chosen = [(i, v) for i, v, a in items if a == accumulate]
+            if not chosen:
+                continue
+            indices = tf.constant([[i] for i, _ in chosen], tf.int32)
+            values = tf.stack([v for _, v in chosen])
+            if accumulate:
+                self._vector.scatter_nd_add(indices, values)
+            else:
+                self._vector.scatter_nd_update(indices, values)
+
+    def _emit_update(self, state, name, variables, grads, learning_rate, before):
+        # One scatter per kind instead of one op per value: eager steps pay per op.
+        self._writes.batch = []
+        try:
+            super()._emit_update(state, name, variables, grads, learning_rate, before)
+            items = self._writes.batch
+        finally:
+            self._writes.batch = None
+        self._scatter(items)
+
+    def _gate(self, state, grads):
+        skip = super()._gate(state, grads)
+        # A graph traced while watching keeps this gate; it stops skipping after the block.
+        return tf.logical_and(skip, self._active.read_value() > 0)
+
+    # ---- checks on what the loop hands the optimizer ---------------------
+
+    def _wrap_checks(self, name, optimizer, apply):
+        probe = self
+
+        def apply_checked(grads, trainable_variables=None):
+            grads = list(grads)
+            variables = list(trainable_variables) if trainable_variables is not None else None
+            if variables is None and optimizer.built:
+                variables = list(optimizer._trainable_variables)
+            probe._check_gradients(name, grads, variables)
+            if not tf.executing_eagerly():
+                probe._note_trace()
+            return apply(grads, trainable_variables if variables is None else variables)
+
+        return apply_checked
+
+    def _check_gradients(self, name, grads, variables):
+        missing = [i for i, g in enumerate(grads) if g is None]
+        if not grads or not missing:
+            return
+        if len(missing) == len(grads):
+            raise ValueError(ALL_NONE_MESSAGE.format(name=name, count=len(grads)))
+        paths = ", ".join(self._key(variables[i]) if variables else f"#{i}" for i in missing)
+        self._warn_once(("none", name, paths), SOME_NONE_MESSAGE.format(
+            name=name, missing=len(missing), count=len(grads), paths=paths), UserWarning)
+
+    def _note_trace(self):
+        found = _calling_tf_function()
+        if found is None:
+            return
+        function, arguments = found
+        record = self._traces.setdefault(id(function), {"function": function, "traces": {}})
+        trace = function.experimental_get_tracing_count()
+        if trace in record["traces"]:
+            return  # a second optimizer in the same trace
+        record["traces"][trace] = arguments
+        if len(record["traces"]) >= RETRACE_WARNING:
+            self._warn_once(("retrace", id(function)), _retrace_message(function, list(record["traces"].values()),
+                                                                        self.steps_seen), RuntimeWarning)
+
+    steps_seen = 0  # the run keeps it current, for messages
+
+    def _warn_once(self, key, message, category):
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        self.warnings.append((message, self.steps_seen))
+        warnings.warn(message, category, stacklevel=4)
+
+    # ---- the row -------------------------------------------------------------
+
+    def freeze(self, given):
+        """Fixes the row's columns: the loop's own values, then the slots."""
+        several = len(self.optimizers) > 1
+        slot_columns, gather = [], []
+        for name, index in self._slot_index.items():
+            if name in ("_updates", "_grad_square"):
+                continue
+            if name.startswith("_lr/"):
+                name = f"learning_rate/{name[4:]}" if several else "learning_rate"
+            slot_columns.append(name)
+            gather.append(index)
+        self._frozen = (list(given), slot_columns, gather)
+        self.columns = list(given) + slot_columns + ["updated"]
+        if self.gradients:
+            self.columns.append("grad_norm")
+        self.columns += [f"_iterations/{name}" for name in self.optimizers]
+        self.buffer = StepBuffer(len(self.columns), self.capacity)
+        self._row_function = tf.function(self._close_row, reduce_retracing=True)
+
+    def close_row(self, values):
+        """Writes one row (the loop's values in column order); returns the hit index tensor."""
+        return self._row_function(tuple(values))
+
+    def _close_row(self, values):
+        _, _, gather = self._frozen
+        slots = tf.identity(self._vector.read_value())
+        with tf.control_dependencies([slots]):
+            self._vector.assign(tf.constant(self._slot_resets, tf.float32))
+        updates = slots[self._slot_index["_updates"]]
+        parts = [tf.reshape(tf.reduce_mean(tf.cast(v, tf.float32)), [1]) for v in values]
+        parts.append(tf.gather(slots, gather))
+        parts.append(tf.reshape(tf.cast(updates > 0, tf.float32), [1]))
+        if self.gradients:
+            norm = tf.where(updates > 0, tf.sqrt(slots[self._slot_index["_grad_square"]]), np.float32(np.nan))
+            parts.append(tf.reshape(norm, [1]))
+        parts += [tf.reshape(tf.cast(tf.convert_to_tensor(o.iterations), tf.float32), [1])
+                  for o in self.optimizers.values()]
+        self.buffer.write(tf.concat(parts, 0))
+        if "_hit" in self._slot_index:
+            return slots[self._slot_index["_hit"]]
+        return tf.constant(0.0)
+
+
+def _calling_tf_function():
+    """The tf.function being traced and its call's arguments (name -> value)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, tf.types.experimental.PolymorphicFunction) and "args" in frame.f_locals:
+            args, kwargs = frame.f_locals["args"], frame.f_locals.get("kwds") or {}
+            try:
+                bound = inspect.signature(owner.python_function).bind(*args, **kwargs)
+                arguments = dict(bound.arguments)
+            except (TypeError, ValueError, AttributeError):
+                arguments = {f"#{i}": a for i, a in enumerate(args)} | dict(kwargs)
+            return owner, {name: _describe(value) for name, value in arguments.items()}
+        frame = frame.f_back
+    return None
+
+
+def _describe(value):
+    if isinstance(value, (tf.Tensor, tf.Variable, np.ndarray, keras.Variable)):
+        return ("tensor", tuple(value.shape), str(value.dtype))
+    if isinstance(value, (bool, int, float, str, np.generic)) or value is None:
+        return ("python", value)
+    return ("object", type(value).__name__)
+
+
+def _retrace_message(function, traces, steps):
+    name = getattr(function, "__name__", None) or getattr(function, "name", "the step")
+    head = (f"The @tf.function `{name}` was traced {len(traces)} times in {max(steps, 1)} steps: "
+            "it builds a new graph for every new Python value and every new input shape.")
+    for kind, advice in (
+        ("python", "is a Python value that changed between traces ({values}): pass it as a "
+                   "tensor (`tf.constant(...)`) or leave it out of the call."),
+        ("tensor", "changed shape between traces ({values}): give the batches one shape "
+                   "(`dataset.batch(n, drop_remainder=True)`) or trace for any batch size "
+                   "with `@tf.function(reduce_retracing=True)`."),
+    ):
+        for argument in traces[0]:
+            seen = [t.get(argument) for t in traces]
+            if seen[0] and seen[0][0] == kind and len(set(seen)) > 1:
+                values = ", ".join(repr(s[1]) for s in seen[:5] if s)
+                return f"{head} Its argument `{argument}` " + advice.format(values=values)
+    return head + " Pass tensors of one shape and dtype, and no changing Python values."
+
+
+class WatchedRun(Run):
+    """The `lab.Run` a `lab.watch` block yields; `run.step(...)` closes each step's row.
+
+    Args:
+        probe: LoopProbe, installed on the loop's optimizers.
+        breakpoints: sequence of `lab.Breakpoint` (device-side and row conditions).
+        flush_every: float, seconds between reads of the device buffer.
+        name: str, the run's label.
+    """
+
+    def __init__(self, probe, breakpoints=(), flush_every=0.25, name="run"):
+        super().__init__(name=name)
+        self.probe = probe
+        self.flush_every = flush_every
+        self._row_points = [p for p in breakpoints if not getattr(p, "on_device", False)]
+        self._pending = []  # host-side facts of rows still on the device
+        self._steps = 0
+        self._last = time.perf_counter()
+        self._last_flush = time.monotonic()
+        self._flush_lock = threading.Lock()
+        self._given = None
+        self._iterations = None
+        self._constant_checked = False
+        self._closed = False
+
+    def step(self, loss=None, **metrics):
+        """Closes this step's row: the loss and metrics given, the probes' values.
+
+        Does not wait for the device unless breakpoints are set (then it reads
+        one value to know whether to raise).
+
+        Args:
+            loss: scalar tensor, float or None; a tensor of per-example losses
+                is averaged.
+            **metrics: name -> scalar tensor, float or `keras.metrics.Metric`
+                (its `result()`); `epoch=` and `batch=` are kept as ints.
+
+        Returns:
+            int, this step's index in the run (from 0).
+
+        Raises:
+            lab.BreakpointHit: when a breakpoint hits at this step.
+        """
+        if self._closed:
+            raise RuntimeError("This run's `lab.watch` block has ended; call run.step inside it.")
+        seconds = time.perf_counter() - self._last
+        try:
+            return self._close(seconds, loss, metrics)
+        finally:
+            # The next step's time starts here: the lab's own work is not the loop's.
+            self._last = time.perf_counter()
+
+    def _close(self, seconds, loss, metrics):
+        host = {k: int(metrics.pop(k)) for k in _HOST_COLUMNS if k in metrics}
+        if loss is not None:
+            metrics = {"loss": loss, **metrics}
+        if self._given is None:
+            self._start(metrics)
+        values = []
+        for name in self._given:
+            values.append(_value(name, metrics[name]) if name in metrics else np.float32(np.nan))
+        new = [name for name in metrics if name not in self._given]
+        if new:
+            self.probe._warn_once(("new", tuple(new)), (
+                f"run.step got {new} after the first step, which set the columns "
+                f"{self._given}: they are not recorded. Pass every value from the first step "
+                "on (or a new `lab.watch` block)."), RuntimeWarning)
+        hit = self.probe.close_row(values)
+        index = self._steps
+        self._steps += 1
+        self.probe.steps_seen = self._steps
+        self._pending.append(dict(host, seconds=seconds))
+        self._note_warnings()
+        if self.probe.breakpoints and float(hit.numpy()) > 0:
+            self.flush()
+            self._device_hit(index, int(hit.numpy()))
+        if self._row_points:
+            start = len(self)
+            self.flush()
+            self._check_rows(start)
+        elif (time.monotonic() - self._last_flush >= self.flush_every
+              or 2 * len(self._pending) >= self.probe.capacity):
+            self.flush()
+        return index
+
+    def _start(self, metrics):
+        for name in metrics:
+            if name in _RESERVED or name.startswith(("_", "grad_norm/", "weight_norm/", "update_ratio/",
+                                                     "learning_rate/")):
+                raise ValueError(
+                    f"run.step(... {name}=...) uses a name the lab fills in itself; "
+                    f"rename it (e.g. `my_{name.lstrip('_')}`).")
+        self._given = list(metrics)
+        self.probe.freeze(self._given)
+
+    # ---- reading the device ------------------------------------------------
+
+    def flush(self):
+        """Moves the rows recorded on the device into the run; returns how many."""
+        if not self._flush_lock.acquire(blocking=False):
+            return 0  # a subscriber reading the run while rows are being moved
+        try:
+            self._last_flush = time.monotonic()
+            rows = self.probe.read()
+            count = len(next(iter(rows.values()))) if rows else 0
+            if count == 0:
+                return 0
+            meta, self._pending = self._pending[:count], self._pending[count:]
+            columns = {"seconds": np.array([m["seconds"] for m in meta])}
+            for key in _HOST_COLUMNS:
+                if any(key in m for m in meta):
+                    columns[key] = np.array([m.get(key, -1) for m in meta])
+            columns.update(rows)
+            self._check_unseen_updates(rows)
+            self.append_batches(columns)
+            self._check_constant_metrics()
+            return count
+        finally:
+            self._flush_lock.release()
+
+    def batches(self):
+        if not self._closed:
+            self.flush()
+        return super().batches()
+
+    def column(self, name):
+        if not self._closed:
+            self.flush()
+        return super().column(name)
+
+    # ---- breakpoints and checks -------------------------------------------
+
+    def _device_hit(self, index, number):
+        point = self.probe.breakpoints[number - 1]
+        detail = f"{point.name} at step {index}; update skipped"
+        self.add_event("nonfinite" if point.name == "nonfinite" else "breakpoint", detail, step=index)
+        self.probe.release()
+        raise BreakpointHit(index, point.name, detail, skipped=True)
+
+    def _check_rows(self, start):
+        frame = super().batches().iloc[start:]
+        for _, row in frame.iterrows():
+            for point in self._row_points:
+                if point.hit(row):
+                    detail = point.describe(row)
+                    self.add_event("breakpoint", detail, step=int(row["step"]))
+                    raise BreakpointHit(int(row["step"]), point.name, detail, skipped=False)
+
+    def _note_warnings(self):
+        while self.probe.warnings:
+            message, step = self.probe.warnings.pop(0)
+            self.add_event("warning", message, step=step)
+
+    def _check_unseen_updates(self, rows):
+        for name in self.probe.optimizers:
+            iterations = rows[f"_iterations/{name}"]
+            before = np.concatenate([[self._iterations[name]], iterations[:-1]])
+            self._iterations[name] = iterations[-1]
+            held = rows.get("_held", np.zeros_like(iterations))
+            unseen = int(((iterations > before) & (rows["updated"] == 0) & (held == 0)).sum())
+            if unseen:
+                self.probe._warn_once(("unseen", name), UNSEEN_UPDATE_MESSAGE.format(name=name, count=unseen),
+                                      RuntimeWarning)
+        self._note_warnings()
+
+    def _check_constant_metrics(self):
+        if self._constant_checked or len(self) < CONSTANT_METRIC_STEPS:
+            return
+        self._constant_checked = True
+        loss = super().column("loss") if "loss" in self.columns else None
+        if loss is None or np.nanmax(loss) == np.nanmin(loss):
+            return
+        for name in self._given:
+            values = super().column(name)
+            if name != "loss" and np.isfinite(values).all() and (values == values[0]).all():
+                self.probe._warn_once(("constant", name), CONSTANT_METRIC_MESSAGE.format(
+                    metric=name, value=float(values[0]), steps=len(values)), UserWarning)
+        self._note_warnings()
+
+    # ---- the block's end ---------------------------------------------------
+
+    def _begin(self):
+        self._iterations = {name: float(o.iterations.numpy()) for name, o in self.probe.optimizers.items()}
+        self._last = time.perf_counter()
+
+    def _end(self, error=None):
+        try:
+            self.flush()
+        finally:
+            self.probe.uninstall()
+            self._closed = True
+        if self._steps == 0 and error is None:
+            updates = float(self.probe._vector[self.probe._slot_index["_updates"]].numpy())
+            if updates > 0:
+                self.probe._warn_once("no step", (
+                    f"The optimizers updated {updates:g} times but run.step(...) was never "
+                    "called: the run has no rows. Call `run.step(loss=loss)` once per step."),
+                    RuntimeWarning)
+                self._note_warnings()
+        if isinstance(error, KeyboardInterrupt):
+            self.add_event("interrupt", "KeyboardInterrupt")
+        elif error is not None and not isinstance(error, BreakpointHit):
+            self.add_event("error", f"{type(error).__name__}: {error}".strip())
+
+
+def _value(name, value):
+    """A value for run.step as a tensor or float32 array (never a Python float,
+    which would make the row function trace again for each new value)."""
+    if isinstance(value, keras.metrics.Metric):
+        value = value.result()
+    if isinstance(value, keras.Variable):
+        value = value.value
+    if isinstance(value, (tf.Tensor, tf.Variable)):
+        if not (value.dtype.is_floating or value.dtype.is_integer or value.dtype.is_bool):
+            raise TypeError(f"run.step({name}=...) needs a number; got a {value.dtype.name} tensor.")
+        return value
+    try:
+        return np.asarray(np.mean(np.asarray(value, np.float32)), np.float32)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"run.step({name}=...) needs a number, a tensor or a keras metric; got "
+            f"{type(value).__name__}.") from None
+
+
+def _name_optimizers(model, optimizers, named):
+    attributes = {id(v): k for k, v in vars(model).items()
+                  if isinstance(v, keras.optimizers.Optimizer) and k != "_optimizer"}
+    if getattr(model, "optimizer", None) is not None:
+        attributes.setdefault(id(model.optimizer), "optimizer")
+    result = {}
+    for position, optimizer in enumerate(optimizers):
+        if not isinstance(optimizer, keras.optimizers.Optimizer):
+            raise TypeError(
+                f"lab.watch(model, *optimizers): argument {position + 1} after the model is a "
+                f"{type(optimizer).__name__}, not a keras optimizer. Pass the optimizers your "
+                "loop calls `apply_gradients` on.")
+        name = attributes.get(id(optimizer))
+        if name is None:
+            name = "optimizer" if len(optimizers) == 1 else f"optimizer_{position}"
+        result[name] = optimizer
+    for name, optimizer in named.items():
+        if not isinstance(optimizer, keras.optimizers.Optimizer):
+            raise TypeError(
+                f"lab.watch() got an unexpected keyword {name}={type(optimizer).__name__}: keywords "
+                "other than gradients, weights, breakpoints, flush_every and capacity name "
+                "optimizers (e.g. `lab.watch(model, generator=g_opt, discriminator=d_opt)`).")
+        result[name] = optimizer
+    if not result:
+        result = find_optimizers(model)
+    if not result:
+        raise ValueError(
+            "lab.watch found no optimizer: pass the one your loop uses, "
+            "`lab.watch(model, optimizer)`.")
+    if len({id(o) for o in result.values()}) < len(result):
+        raise ValueError("lab.watch got the same optimizer twice; pass each one once.")
+    return result
+
+
+@contextlib.contextmanager
+def watch(model, *optimizers, gradients=True, weights=False, breakpoints=(), flush_every=0.25,
+          capacity=1024, **named_optimizers):
+    """Watches a training loop you wrote; yields a `lab.Run`.
+
+    Inside the block, call `run.step(loss=..., **metrics)` once per step,
+    after the optimizer's update. Each call closes that step's row: `step`,
+    `seconds` (host time since the previous call), the values given,
+    `learning_rate` (`learning_rate/<name>` with several optimizers),
+    `updated`, and with `gradients=True` `grad_norm` and
+    `grad_norm/<variable.path>` of the gradients the optimizers applied; with
+    `weights=True` also `weight_norm/<path>` and `update_ratio/<path>`. The
+    step may be eager, a `tf.function` or `tf.function(jit_compile=True)`;
+    trace it inside the block (a graph traced before has no probes). Rows
+    reach the run in blocks (every `flush_every` seconds and when it is read).
+    The probes are removed when the block ends, also when the loop raises.
+
+    Optimizers are named by the model attribute that holds them
+    (`optimizer`, `d_opt`), else `optimizer` for a single one and
+    `optimizer_0`, `optimizer_1`, ... by position; or name them with
+    keywords: `lab.watch(model, generator=g_opt, discriminator=d_opt)`.
+    With none given, the model's own optimizers are watched.
+
+    Args:
+        model: keras.Model, whose `trainable_variables` name the gradient columns.
+        *optimizers: keras optimizers the loop applies gradients with.
+        gradients: bool, record the norms of the applied gradients.
+        weights: bool, record weight norms and update/weight ratios.
+        breakpoints: sequence; `lab.breakpoints.nonfinite()` is checked on the
+            device before each update and keeps a bad update out of the weights;
+            a `lab.Breakpoint(condition)` sees each row after its update. A hit
+            raises `lab.BreakpointHit` from that step's `run.step`.
+        flush_every: float, seconds between reads of the device buffer.
+        capacity: int, rows the device buffer holds between reads.
+        **named_optimizers: name -> keras optimizer.
+
+    Example:
+
+    ```python
+    with lab.watch(model, optimizer) as run:
+        for x, y in dataset:
+            loss = train_step(x, y)
+            run.step(loss=loss)
+    run.batches()
+    ```
+    """
+    points = list(breakpoints)
+    for point in points:
+        if isinstance(point, breakpoints_module._LossSpike):
+            raise ValueError(
+                "loss_spike needs the loss before the update, and a hand-written loop hands "
+                "the loss to the lab only at run.step(), after it. Use a condition on the row "
+                "instead: `lab.Breakpoint(lambda row: row['loss'] > 10, name='loss above 10')`.")
+        if not isinstance(point, breakpoints_module.Breakpoint):
+            raise TypeError(
+                f"breakpoints must be lab.Breakpoint objects (or lab.breakpoints.nonfinite()); "
+                f"got {type(point).__name__}.")
+    chosen = _name_optimizers(model, optimizers, named_optimizers)
+    probe = LoopProbe(model, chosen, gradients=gradients, weights=weights,
+                      breakpoints=[p for p in points if getattr(p, "on_device", False)], capacity=capacity)
+    run = WatchedRun(probe, points, flush_every=flush_every)
+    run.metadata.update(model=model.name, model_class=type(model).__name__, loop="watch",
+                        optimizer=", ".join(f"{k}: {type(o).__name__}" for k, o in chosen.items()),
+                        tensorflow=tf.__version__, keras=keras.__version__)
+    run._begin()
+    probe.install()
+    try:
+        yield run
+    except BaseException as error:
+        run._end(error)
+        raise
+    run._end()
