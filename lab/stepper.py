@@ -111,7 +111,10 @@ class Stepper:
         shuffle: bool, reshuffle arrays every epoch; False keeps data order.
         seed: int or None, makes the shuffled order reproducible.
         mode: str, "eager" (every value inspectable) or "graph" (the step is
-            a `tf.function`; values come out of the compiled step).
+            a `tf.function`; values come out of the compiled step). In graph
+            mode, variables that only the first trace creates (a model that
+            cannot be built symbolically) keep their values when that first
+            step is rewound; step it once in eager mode to avoid that.
         history: int, how many steps `rewind` can undo (see the module's memory note).
         steps_per_epoch: int or None, batches per epoch (needed for a
             generator to run more than one epoch).
@@ -152,7 +155,6 @@ class Stepper:
         self._state = {}  # variable id -> (variable, array): the model's state as last seen
         self._created = {}  # variable id -> (variable, initial array), made during steps
         self._graph_step = None
-        self._graph_failed_build = False
         self._step_function = None  # set by from_step
         self.last_trace = None
 
@@ -279,11 +281,17 @@ class Stepper:
                 f"Cannot rewind {n} steps: only the last {len(self._snapshots)} are kept "
                 f"(history={self.history}). Create the Stepper with a larger history=... to go further back."
             )
+        if self._refresh_state():
+            self._snapshots.clear()
+            raise ValueError(
+                "The model changed outside the stepper since its last step (a fit(), "
+                "set_weights, ...), so its history no longer applies and was dropped. "
+                "Step again to start a new history."
+            )
         undone = [self._snapshots.pop() for _ in range(n)]
         restore = {}
         for snapshot in undone:  # newest first, so the oldest value wins
             restore.update(snapshot.before)
-        self._refresh_state()
         for key, array in restore.items():
             variable = self._state[key][0]
             variable.assign(array)
@@ -379,7 +387,7 @@ class Stepper:
         try:
             build(data_batch=data)
         except Exception:  # noqa: BLE001 - a custom model may not build symbolically
-            self._graph_failed_build = True
+            pass  # its variables are then made in the first trace (see `mode` in the docstring)
 
     def _traced(self, data, capture):
         with capture:

@@ -436,3 +436,15 @@ def test_a_blocking_fit_stopped_by_a_breakpoint_opens_a_stepper_on_that_batch():
     np.testing.assert_array_equal(trace.x, X[16:24])
     assert (trace.index, trace.epoch, trace.batch) == (2, 0, 2)
     assert trace.loss == pytest.approx(float(recorder.run.batches()["loss"].iloc[2]), rel=1e-5)
+
+
+def test_rewinding_after_the_model_changed_elsewhere_raises():
+    model = make_model()
+    stepper = lab.Stepper(model, (X, Y), batch_size=8)
+    stepper.step(2)
+    model.fit(X, Y, batch_size=8, epochs=1, verbose=0)
+    fitted = model.layers[0].kernel.numpy().copy()
+    with pytest.raises(ValueError, match="changed outside the stepper"):
+        stepper.rewind()
+    # Stepping goes on from where fit() left the model.
+    np.testing.assert_array_equal(stepper.step().weights_before[model.layers[0].kernel.path], fitted)
