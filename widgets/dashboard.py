@@ -156,9 +156,10 @@ class Dashboard(Recorder):
         self.header.value = self._header_html()
         if status in _TERMINAL:
             self.refresh()
-            bundle = self._repr_mimebundle_()
-            for handle in self._handles:
-                handle.update(bundle, raw=True)
+            if self._handles:
+                bundle = self._repr_mimebundle_()
+                for handle in self._handles:
+                    handle.update(bundle, raw=True)
 
     def _header_html(self):
         status = getattr(self, "status", "idle")
@@ -225,10 +226,17 @@ class Dashboard(Recorder):
                 f"<b>Training Lab dashboard</b> ({status}), {len(self.run)} steps</p>{charts}</div>")
 
     def _repr_mimebundle_(self, include=None, exclude=None, **kwargs):
-        bundle = dict(self.widget._repr_mimebundle_(include=include, exclude=exclude, **kwargs) or {})
-        bundle["text/plain"] = self.summary()
-        bundle["text/html"] = self.static_html()
-        return bundle
+        # The widget view is built here rather than by the VBox's own
+        # _repr_mimebundle_, whose text/plain is the repr of every child,
+        # plotly figure included: a tenth of a second, and replaced anyway.
+        bundle = {
+            "application/vnd.jupyter.widget-view+json": {
+                "version_major": 2, "version_minor": 0, "model_id": self.widget.model_id},
+            "text/plain": self.summary(),
+            "text/html": self.static_html(),
+        }
+        return {k: v for k, v in bundle.items()
+                if (include is None or k in include) and (exclude is None or k not in exclude)}
 
     def _ipython_display_(self):
         # Published with a display id so the output can be updated when

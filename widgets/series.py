@@ -296,6 +296,8 @@ class ChartState:
         max_points: int, the most points per line.
         heatmap_bins: int, the most step columns of the heatmap (one more
             while a bin fills).
+        follow: bool, subscribe to the run to learn when epochs and events
+            change (off for a one-off reading).
 
     Example:
 
@@ -305,7 +307,7 @@ class ChartState:
     ```
     """
 
-    def __init__(self, run, max_points=MAX_POINTS, heatmap_bins=HEATMAP_BINS):
+    def __init__(self, run, max_points=MAX_POINTS, heatmap_bins=HEATMAP_BINS, follow=True):
         if max_points < 8:
             raise ValueError(f"max_points must be at least 8; got {max_points}.")
         self.run = run
@@ -315,6 +317,21 @@ class ChartState:
         self._lines = {}  # (panel, name) -> (columns, combine, Envelope)
         self._bins = None
         self._bin_layers = ()
+        # Epoch rows and events change rarely; building their DataFrames
+        # on every refresh would cost more than all the lines together.
+        self._tables = {}
+        if follow:
+            run.subscribe(self._on_rows)
+
+    def _on_rows(self, run, table, start, stop):
+        if table != "batches":
+            self._tables.pop(table, None)
+
+    def _table(self, table):
+        if table not in self._tables:
+            frame = self.run.epochs() if table == "epochs" else self.run.events()
+            self._tables[table] = frame
+        return self._tables[table]
 
     def _plan(self, columns):
         """The lines the run's columns call for; new ones start from the first row."""
@@ -345,7 +362,7 @@ class ChartState:
         run = self.run
         stop = len(run)
         if stop < self._read:  # not the run this state followed: start over
-            self.__init__(run, self.max_points, self.heatmap_bins)
+            self.__init__(run, self.max_points, self.heatmap_bins, follow=False)
         if self._plan(run.columns):
             # A line or layer appeared: rebuild every summary from row 0 so
             # all of them (and the heatmap's bins) cover the same rows.
@@ -372,7 +389,7 @@ class ChartState:
         panels = {"loss": [], "metrics": [], "gradients": [], "update_ratios": []}
         for (panel, name), (_, _, envelope) in self._lines.items():
             panels[panel].append(Series(name, *envelope.points(self.max_points)))
-        epochs = self.run.epochs()
+        epochs = self._table("epochs")
         if len(epochs):
             epoch_steps = epochs["step"].to_numpy()
             for name in [c for c in epochs.columns if c.startswith("val_")]:
@@ -387,7 +404,7 @@ class ChartState:
 
     def _events(self, stop):
         """Markers for events worth seeing on the loss chart, at the loss of their step."""
-        events = self.run.events()
+        events = self._table("events")
         events = events[events["kind"].isin(MARKED_EVENTS)].tail(MAX_EVENTS)
         x = events["step"].to_numpy().astype(np.float32)
         y = np.full(len(x), np.nan, np.float32)
@@ -414,4 +431,4 @@ def chart_data(run, max_points=MAX_POINTS, heatmap_bins=HEATMAP_BINS):
     data.loss[0].y  # the per-batch loss, downsampled
     ```
     """
-    return ChartState(run, max_points, heatmap_bins).update()
+    return ChartState(run, max_points, heatmap_bins, follow=False).update()
