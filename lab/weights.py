@@ -2,8 +2,10 @@
 
 Keras 3's `model.load_weights` names the layers whose variables do not fit,
 but it has already assigned every layer that did: the model is left half
-loaded. And a file saved from a bigger model loads without a word, the
-layers the model lacks silently ignored. This module closes both gaps.
+loaded. A file saved from a bigger model loads without a word, the layers
+the model lacks silently ignored. And the optimizer state in the file is
+skipped, with only a warning, unless the optimizer was built before the
+load. This module closes the three gaps.
 """
 
 import os
@@ -12,6 +14,9 @@ import zipfile
 
 def load_weights_checked(model, path):
     """Loads `.weights.h5` or `.keras` weights into `model`, all or nothing.
+
+    The model's optimizer, if it has one, is built first, so the optimizer
+    state saved in the file (slots, iterations) is loaded, not skipped.
 
     Args:
         model: keras.Model, built, with the architecture the file was saved from.
@@ -33,7 +38,9 @@ def load_weights_checked(model, path):
         raise FileNotFoundError(f"No weights file at {path!r}.")
     variables = list(model.weights)
     optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None and getattr(optimizer, "built", False):
+    if optimizer is not None:
+        if not optimizer.built:
+            optimizer.build(model.trainable_variables)
         variables += list(optimizer.variables)
     saved = [v.numpy() for v in variables]
     try:

@@ -1,5 +1,7 @@
 """Keras 3 weight formats: round trips, wrong shapes, safe_mode."""
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -92,12 +94,15 @@ def test_a_file_from_a_bigger_model_is_refused_not_silently_half_used(tmp_path, 
         np.testing.assert_array_equal(a, b)
 
 
-def test_checked_loading_of_a_matching_file_loads_it(tmp_path, trained, x):
+def test_checked_loading_of_a_matching_file_loads_it_optimizer_state_included(tmp_path, trained, x):
     path = tmp_path / "model.weights.h5"
     trained.save_weights(path)
     fresh = mlp()
-    lab.load_weights_checked(fresh, path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # Keras warns when it skips optimizer state
+        lab.load_weights_checked(fresh, path)
     np.testing.assert_array_equal(fresh.predict(x, verbose=0), trained.predict(x, verbose=0))
+    assert int(fresh.optimizer.iterations) == 4
     with pytest.raises(FileNotFoundError, match="absent"):
         lab.load_weights_checked(fresh, tmp_path / "absent.weights.h5")
 
