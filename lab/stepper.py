@@ -55,6 +55,14 @@ class StepTrace:
             `learning_rate`, `grad_norm/<key>`, `grad_norm`).
         no_gradient: list of str, keys of variables passed to the optimizer with a None gradient.
         sample_weight: ndarray or None.
+
+    Example:
+
+    ```python
+    trace = stepper.step()
+    trace.loss, trace.y_pred[:4], trace.gradients["dense/kernel"]
+    trace.weight_deltas()  # what the step changed, per variable
+    ```
     """
 
     index: int
@@ -134,10 +142,11 @@ class Stepper:
     """
 
     def __init__(self, model, data, batch_size=None, shuffle=True, seed=None, *, mode="eager",
-                 history=16, steps_per_epoch=None, run=None, start_step=0, start_batch=(0, 0)):
+                 history=16, steps_per_epoch=None, run=None, start_step=0, start_batch=(0, 0),
+                 _step_fn=None, _optimizers=()):
         if not isinstance(model, keras.Model):
             raise TypeError(f"Stepper needs a keras.Model, got {type(model).__name__}.")
-        if not getattr(model, "compiled", False):
+        if _step_fn is None and not getattr(model, "compiled", False):
             raise ValueError(
                 "The model is not compiled. Call model.compile(optimizer=..., loss=...) "
                 "before stepping it, as fit() would require."
@@ -155,7 +164,8 @@ class Stepper:
         self._state = {}  # variable id -> (variable, array): the model's state as last seen
         self._created = {}  # variable id -> (variable, initial array), made during steps
         self._graph_step = None
-        self._step_function = None  # set by from_step
+        self._step_function = _step_fn  # from_step: the user's step instead of train_step
+        self._extra_optimizers = list(_optimizers)
         self.last_trace = None
 
     # ---- public ------------------------------------------------------------
@@ -187,16 +197,7 @@ class Stepper:
         """
         if not callable(step_fn):
             raise TypeError(f"step_fn must be callable as step_fn(x, y), got {type(step_fn).__name__}.")
-        stepper = cls.__new__(cls)
-        compiled = getattr(model, "compiled", False)
-        try:
-            model.compiled = True  # from_step needs no compile(); skip that check only
-            cls.__init__(stepper, model, data, **kwargs)
-        finally:
-            model.compiled = compiled
-        stepper._step_function = step_fn
-        stepper._extra_optimizers = list(optimizers)
-        return stepper
+        return cls(model, data, _step_fn=step_fn, _optimizers=optimizers, **kwargs)
 
     @property
     def traces(self):
@@ -417,7 +418,7 @@ class Stepper:
 
     def _optimizers(self):
         found = dict(find_optimizers(self.model))
-        for i, optimizer in enumerate(getattr(self, "_extra_optimizers", [])):
+        for i, optimizer in enumerate(self._extra_optimizers):
             if all(optimizer is not o for o in found.values()):
                 found[f"optimizer_{i}"] = optimizer
         for name, optimizer in list(found.items()):
