@@ -17,7 +17,8 @@ from lab.predict import predict_stream  # noqa: E402
 from lab.recorder import Recorder  # noqa: E402
 from lab.run import Run  # noqa: E402
 from lab.stepper import Stepper, StepTrace  # noqa: E402
+from lab.watch import BreakpointHit, watch  # noqa: E402
 from lab.weights import load_weights_checked  # noqa: E402
 
-__all__ = ["Breakpoint", "Recorder", "Run", "breakpoints", "compare", "datasets", "export", "predict_stream", "load_weights_checked", "devices", "ModeError", "ModeSwitcher", "compare_modes", "set_mode", "StepTrace", "Stepper", "strategy", "virtual_cpus"]
+__all__ = ["Breakpoint", "Recorder", "Run", "breakpoints", "compare", "datasets", "export", "predict_stream", "load_weights_checked", "devices", "ModeError", "ModeSwitcher", "compare_modes", "set_mode", "StepTrace", "Stepper", "strategy", "virtual_cpus", "BreakpointHit", "watch"]
 __version__ = "0.1.0"

@@ -1,0 +1,266 @@
+"""lab.watch: a hand-written training loop recorded, checked and stopped by the lab."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import lab
+
+BATCH = 16
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+@pytest.fixture(scope="module")
+def digits():
+    (x, y), _ = lab.datasets.digits()
+    return x[: 4 * BATCH].astype("float32"), y[: 4 * BATCH]
+
+
+def batches(x, y, n):
+    return [(x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH]) for i in range(n)]
+
+
+def make_mlp(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((64,)), keras.layers.Dense(8, activation="tanh"),
+                             keras.layers.Dense(10)])
+
+
+def make_step(model, optimizer, mode="eager"):
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = LOSS(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    return step if mode == "eager" else tf.function(step, jit_compile=mode == "xla")
+
+
+def tape_norms(model, x, y):
+    with tf.GradientTape() as tape:
+        loss = LOSS(y, model(x, training=True))
+    grads = tape.gradient(loss, model.trainable_variables)
+    return float(loss), {v.path: np.linalg.norm(g.numpy()) for v, g in zip(model.trainable_variables, grads)}
+
+
+def weights_of(model):
+    return [w.numpy().copy() for w in model.trainable_variables]
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
+def test_rows_hold_the_gradients_the_tape_gives_on_the_same_batch(digits, mode):
+    model, optimizer = make_mlp(), keras.optimizers.SGD(0.05)
+    step = make_step(model, optimizer, mode)
+    data = batches(*digits, 3)
+    expected = []
+    with lab.watch(model, optimizer) as run:
+        for x, y in data:
+            expected.append(tape_norms(model, x, y))
+            run.step(loss=step(x, y), seen=float(len(x)))
+    frame = run.batches()
+    assert list(frame["step"]) == [0, 1, 2]
+    assert (frame["seconds"] > 0).all()
+    for (loss, norms), (_, row) in zip(expected, frame.iterrows()):
+        np.testing.assert_allclose(row["loss"], loss, rtol=1e-5)
+        for path, norm in norms.items():
+            np.testing.assert_allclose(row[f"grad_norm/{path}"], norm, rtol=1e-4)
+        np.testing.assert_allclose(row["grad_norm"], np.sqrt(sum(n**2 for n in norms.values())), rtol=1e-4)
+    np.testing.assert_allclose(frame["learning_rate"], 0.05)
+    assert (frame["seen"] == BATCH).all()
+    assert "apply" not in vars(optimizer) and "_backend_update_step" not in vars(optimizer)
+
+
+def test_several_optimizers_are_named_by_keyword_and_each_reports_its_own_variables(digits):
+    keras.utils.set_random_seed(1)
+    encoder = keras.Sequential([keras.Input((64,)), keras.layers.Dense(6, name="enc")])
+    head = keras.Sequential([keras.Input((6,)), keras.layers.Dense(10, name="head")])
+    model = keras.Sequential([encoder, head])
+    fast, slow = keras.optimizers.SGD(0.1), keras.optimizers.Adam(1e-3)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape(persistent=True) as tape:
+            loss = LOSS(y, model(x, training=True))
+        fast.apply_gradients(zip(tape.gradient(loss, encoder.trainable_variables), encoder.trainable_variables))
+        slow.apply_gradients(zip(tape.gradient(loss, head.trainable_variables), head.trainable_variables))
+        return loss
+
+    with lab.watch(model, encoder_opt=fast, head_opt=slow) as run:
+        for x, y in batches(*digits, 2):
+            run.step(loss=step(x, y))
+    frame = run.batches()
+    np.testing.assert_allclose(frame["learning_rate/encoder_opt"], 0.1)
+    np.testing.assert_allclose(frame["learning_rate/head_opt"], 1e-3)
+    grads = [c for c in frame if c.startswith("grad_norm/")]
+    assert len(grads) == 4 and frame[grads].notna().all().all()
+    assert "apply" not in vars(fast) and "apply" not in vars(slow)
+
+
+def test_optimizers_given_by_position_are_named_by_position(digits):
+    model, first, second = make_mlp(), keras.optimizers.SGD(0.1), keras.optimizers.SGD(0.2)
+    step = make_step(model, second)
+    with lab.watch(model, first, second) as run:
+        x, y = batches(*digits, 1)[0]
+        run.step(loss=step(x, y))
+    row = run.batches().iloc[0]
+    assert np.isnan(row["learning_rate/optimizer_0"])  # the first one did not update
+    np.testing.assert_allclose(row["learning_rate/optimizer_1"], 0.2)
+
+
+def test_probes_are_removed_and_the_error_recorded_when_the_loop_raises(digits):
+    model, optimizer = make_mlp(), keras.optimizers.SGD(0.1)
+    step = make_step(model, optimizer)
+    with pytest.raises(RuntimeError, match="data ran out"):
+        with lab.watch(model, optimizer) as run:
+            for x, y in batches(*digits, 2):
+                run.step(loss=step(x, y))
+            raise RuntimeError("data ran out")
+    assert len(run) == 2
+    assert list(run.events()["kind"]) == ["error"]
+    assert not {"apply", "_backend_update_step"} & set(vars(optimizer))
+    with lab.watch(model, optimizer) as again:  # watchable again
+        run_x, run_y = batches(*digits, 1)[0]
+        again.step(loss=step(run_x, run_y))
+    assert len(again.batches()) == 1
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_nonfinite_skips_the_update_and_raises_at_that_step(digits, mode):
+    model, optimizer = make_mlp(), keras.optimizers.SGD(0.1)
+    step = make_step(model, optimizer, mode)
+    (x, y), (x2, y2) = batches(*digits, 2)
+    bad = x2.copy()
+    bad[0, 0] = np.nan
+    with lab.watch(model, optimizer, breakpoints=[lab.breakpoints.nonfinite()]) as run:
+        run.step(loss=step(x, y))
+        before, iterations = weights_of(model), int(optimizer.iterations.numpy())
+        with pytest.raises(lab.BreakpointHit, match="nonfinite at step 1") as hit:
+            run.step(loss=step(bad, y2))
+        assert hit.value.step == 1 and hit.value.skipped
+        for old, new in zip(before, weights_of(model)):
+            np.testing.assert_array_equal(old, new)
+        assert int(optimizer.iterations.numpy()) == iterations
+        run.step(loss=step(x2, y2))  # caught: the loop goes on from the weights before the bad step
+    assert any(not np.array_equal(o, n) for o, n in zip(before, weights_of(model)))
+    events = run.events()
+    assert list(events["kind"]) == ["nonfinite"] and list(events["step"]) == [1]
+    assert len(run.batches()) == 3 and list(run.batches()["updated"]) == [1, 0, 1]
+
+
+def test_a_row_condition_raises_after_its_update(digits):
+    model, optimizer = make_mlp(), keras.optimizers.SGD(0.1)
+    step = make_step(model, optimizer)
+    point = lab.Breakpoint(lambda row: row["step"] >= 1, name="second step")
+    with pytest.raises(lab.BreakpointHit, match="second step") as hit:
+        with lab.watch(model, optimizer, breakpoints=[point]) as run:
+            for x, y in batches(*digits, 3):
+                run.step(loss=step(x, y))
+    assert hit.value.step == 1 and not hit.value.skipped
+    assert len(run) == 2 and list(run.events()["kind"]) == ["breakpoint"]
+
+
+def test_loss_computed_outside_the_tape_names_the_fix(digits):
+    model, optimizer = make_mlp(), keras.optimizers.SGD(0.1)
+    x, y = batches(*digits, 1)[0]
+    with pytest.raises(ValueError, match="inside the `with tf.GradientTape"):
+        with lab.watch(model, optimizer) as run:
+            loss = LOSS(y, model(x, training=True))
+            with tf.GradientTape() as tape:
+                pass
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            run.step(loss=loss)
+    assert list(run.events()["kind"]) == ["error"]
+
+
+def test_none_gradients_name_the_variables_that_never_train(digits):
+    keras.utils.set_random_seed(0)
+    used = keras.layers.Dense(10, name="used")
+    unused = keras.layers.Dense(10, name="unused")
+    inputs = keras.Input((64,))
+    model = keras.Model(inputs, [used(inputs), unused(inputs)])
+    optimizer = keras.optimizers.SGD(0.1)
+    x, y = batches(*digits, 1)[0]
+    with lab.watch(model, optimizer) as run:
+        with tf.GradientTape() as tape:
+            loss = LOSS(y, model(x)[0])
+        grads = tape.gradient(loss, model.trainable_variables)
+        with pytest.warns(UserWarning, match=r"2 of 4 variables.*unused/kernel"):
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        run.step(loss=loss)
+    assert "warning" in set(run.events()["kind"])
+
+
+def test_a_metric_that_never_changes_is_reported(digits):
+    model, optimizer = make_mlp(), keras.optimizers.SGD(0.1)
+    step = make_step(model, optimizer, "graph")
+    accuracy = keras.metrics.SparseCategoricalAccuracy(name="accuracy")
+    data = batches(*digits, 2) * 5
+    with pytest.warns(UserWarning, match=r"'accuracy' has been 0 for all 10 steps.*update_state"):
+        with lab.watch(model, optimizer) as run:
+            for x, y in data:
+                run.step(loss=step(x, y), accuracy=accuracy)  # never updated: the mistake
+    assert "accuracy.update_state" in run.events()["detail"].iloc[-1]
+
+
+def test_a_step_that_retraces_on_a_python_value_names_the_argument(digits):
+    model, optimizer = make_mlp(), keras.optimizers.SGD(0.1)
+
+    @tf.function
+    def train_step(x, y, step):
+        with tf.GradientTape() as tape:
+            loss = LOSS(y, model(x, training=True)) * (1.0 + 0.0 * step)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    x, y = batches(*digits, 1)[0]
+    with pytest.warns(RuntimeWarning, match=r"traced 4 times.*argument `step` is a Python value.*0, 1, 2, 3"):
+        with lab.watch(model, optimizer) as run:
+            for i in range(4):
+                run.step(loss=train_step(x, y, i))
+    assert run.events()["kind"].tolist() == ["warning"]
+
+
+def test_a_step_traced_before_watching_is_reported(digits):
+    model, optimizer = make_mlp(), keras.optimizers.SGD(0.1)
+    step = make_step(model, optimizer, "graph")
+    x, y = batches(*digits, 1)[0]
+    step(x, y)  # traced without the lab
+    with pytest.warns(RuntimeWarning, match="traced before `lab.watch` began"):
+        with lab.watch(model, optimizer) as run:
+            run.step(loss=step(x, y))
+    assert np.isnan(run.batches()["grad_norm"].iloc[0])
+
+
+def test_weights_adds_norms_and_update_ratios(digits):
+    model, optimizer = make_mlp(), keras.optimizers.SGD(0.1)
+    step = make_step(model, optimizer, "graph")
+    with lab.watch(model, optimizer, weights=True) as run:
+        for x, y in batches(*digits, 2):
+            run.step(loss=step(x, y))
+    row = run.batches().iloc[-1]
+    kernel = model.trainable_variables[0]
+    np.testing.assert_allclose(row[f"weight_norm/{kernel.path}"], np.linalg.norm(kernel.numpy()), rtol=1e-5)
+    assert 0 < row[f"update_ratio/{kernel.path}"] < 1
+
+
+def test_bad_arguments_name_the_fix():
+    model = make_mlp()
+    with pytest.raises(TypeError, match="not a keras optimizer"):
+        with lab.watch(model, "sgd"):
+            pass
+    with pytest.raises(TypeError, match="unexpected keyword gradient=bool"):
+        with lab.watch(model, keras.optimizers.SGD(), gradient=True):
+            pass
+    with pytest.raises(ValueError, match="pass the one your loop uses"):
+        with lab.watch(model):
+            pass
+    with pytest.raises(ValueError, match=r"lab.Breakpoint\(lambda row"):
+        with lab.watch(model, keras.optimizers.SGD(), breakpoints=[lab.breakpoints.loss_spike(3)]):
+            pass
+    with pytest.raises(ValueError, match="rename it"):
+        with lab.watch(model, keras.optimizers.SGD()) as run:
+            run.step(loss=1.0, grad_norm=2.0)
