@@ -22,7 +22,9 @@ def predict_stream(model, data, batch_size=32, collect=None, steps=None):
     """Predicts batch by batch, yielding each batch's predictions as numpy.
 
     Only one batch of inputs and outputs is alive at a time (plus what the
-    caller keeps), whatever the size of `data`.
+    caller keeps), whatever the size of `data`. A model built under a
+    tf.distribute strategy is predicted on one device, as `predict_step`
+    called outside the strategy reads its mirrored variables.
 
     Args:
         model: keras.Model, built or buildable on the data.
