@@ -236,3 +236,20 @@ def test_interrupt_inside_a_step_shows_interrupted(digits, make_model):
     assert dashboard.status == "interrupted"
     assert "interrupted" in dashboard.header.value
     assert len(dashboard.run) == 2
+
+
+def test_header_shows_progress_rate_and_time_left_while_running(digits, make_model):
+    (x, y), _ = digits
+    model = make_model()
+    dashboard = widgets.Dashboard(gradients=False, refresh_every=0, refresh_budget=1.0)
+    seen = []
+
+    class Spy(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(dashboard.header.value)
+
+    model.fit(x, y, epochs=2, batch_size=32, callbacks=[dashboard, Spy()], verbose=0)
+    during = seen[14]  # epoch 2, batch 5
+    assert "running" in during and "epoch 2/2" in during and "batch 5/10" in during
+    assert "steps/s" in during and "left" in during
+    assert "left" not in dashboard.header.value  # finished: nothing left to estimate
