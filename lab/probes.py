@@ -149,6 +149,7 @@ class _StepState:
         self.slotted = {}
         self.optimizers = []
         self.pending = None
+        self.batch_gradients = False
 
     def nested(self):
         return self.graph is not None and tf.compat.v1.get_default_graph() is not self.graph
@@ -208,6 +209,10 @@ class Probe:
             if self.breakpoints:
                 self._patch(optimizer, "apply", self._wrap_apply(optimizer, optimizer.apply))
             inner = getattr(optimizer, "inner_optimizer", None) or optimizer
+            if getattr(inner, "gradient_accumulation_steps", None) and self.gradients:
+                # Updates happen every k-th step; each row still shows its batch's gradient.
+                self._patch(inner, "_backend_apply_gradients",
+                            self._wrap_accumulating(inner._backend_apply_gradients))
             self._patch(inner, "_backend_update_step", self._wrap_update_step(name, inner._backend_update_step))
             if hasattr(inner, "_all_reduce_sum_gradients"):
                 self._patch(
@@ -281,6 +286,25 @@ class Probe:
             return result
 
         return _backend_update_step
+
+    def _wrap_accumulating(self, original):
+        probe = self
+
+        def _backend_apply_gradients(grads, trainable_variables):
+            state = getattr(probe._local, "state", None)
+            if state is not None:
+                state.batch_gradients = True
+                squares = []
+                for variable, grad in zip(trainable_variables, grads):
+                    if grad is not None:
+                        square = tf.reduce_sum(tf.square(tf.cast(grad, tf.float32)))
+                        squares.append(square)
+                        probe._emit(state, f"grad_norm/{probe._key(variable)}", tf.sqrt(square))
+                if squares:
+                    probe._emit(state, "_batch_grad_square", tf.add_n(squares), reset=0.0, accumulate=True)
+            return original(grads, trainable_variables)
+
+        return _backend_apply_gradients
 
     def _wrap_all_reduce(self, original):
         probe = self
@@ -404,10 +428,11 @@ class Probe:
         if not (self.gradients or self.weights):
             return
         squares = []
+        record_gradients = self.gradients and not state.batch_gradients
         for index, variable in enumerate(variables):
             key = self._key(variable)
             grad = grads[index] if index < len(grads) else None
-            if self.gradients and grad is not None:
+            if record_gradients and grad is not None:
                 square = tf.reduce_sum(tf.square(tf.cast(grad, tf.float32)))
                 squares.append(square)
                 self._emit(state, f"grad_norm/{key}", tf.sqrt(square))
@@ -470,9 +495,12 @@ class Probe:
             values[column] = produced.pop(f"_lr/{name}")
         updates = produced.pop("_updates", None)
         square = produced.pop("_grad_square", None)
+        batch_square = produced.pop("_batch_grad_square", None)
         if updates is not None:
             values["updated"] = tf.cast(updates > 0, tf.float32)
-        if self.gradients and square is not None:
+        if self.gradients and batch_square is not None:
+            values["grad_norm"] = tf.sqrt(batch_square)
+        elif self.gradients and square is not None:
             values["grad_norm"] = tf.where(updates > 0, tf.sqrt(square), np.float32(np.nan))
         values.update(produced)
 

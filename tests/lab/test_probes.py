@@ -254,3 +254,30 @@ def test_loss_spike_stops_before_the_spiking_update(digits):
 def test_loss_spike_needs_a_factor_above_one():
     with pytest.raises(ValueError, match="factor above 1"):
         lab.breakpoints.loss_spike(0.5)
+
+
+def test_learning_rate_is_the_value_each_step_used(digits):
+    x, y = digits
+    schedule = keras.optimizers.schedules.PiecewiseConstantDecay([1, 2], [0.3, 0.2, 0.1])
+    model = make_mlp()
+    model.compile(optimizer=keras.optimizers.SGD(schedule), loss=LOSS)
+    rec = lab.Recorder()
+    model.fit(x, y, batch_size=BATCH, callbacks=[rec], verbose=0)
+    # PiecewiseConstantDecay: steps <= 1 use 0.3, step 2 uses 0.2, later steps 0.1.
+    np.testing.assert_allclose(rec.run.column("learning_rate"), [0.3, 0.3, 0.2, 0.1], rtol=1e-6)
+
+
+def test_gradient_accumulation_rows_carry_each_batch_and_mark_updates(digits):
+    x, y = digits
+    model = make_mlp()
+    model.compile(optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=2), loss=LOSS)
+    twin = make_mlp()
+    twin.compile(optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=2), loss=LOSS)
+    twin.set_weights(model.get_weights())
+    first = tape_gradients(twin, x[:BATCH], y[:BATCH])
+    rec = lab.Recorder(gradients=True)
+    model.fit(x, y, batch_size=BATCH, shuffle=False, callbacks=[rec], verbose=0)
+    rows = rec.run.batches()
+    assert rows["updated"].tolist() == [0, 1, 0, 1]
+    assert np.isfinite(rows["grad_norm"]).all()
+    np.testing.assert_allclose(rows["grad_norm"].iloc[0], np.sqrt(sum(n**2 for n in first.values())), rtol=1e-4)
