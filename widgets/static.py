@@ -14,7 +14,7 @@ import html
 
 import numpy as np
 
-from widgets.series import downsample
+from widgets.downsampling import downsample
 
 SANITIZE_SVG = r"<svg[\s\S]*?</svg>"
 POINTS = 400

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from widgets import charts, series
+from widgets import charts, downsampling, series
 
 
 def test_downsample_bounds_100k_steps_and_keeps_extremes():
@@ -12,7 +12,7 @@ def test_downsample_bounds_100k_steps_and_keeps_extremes():
     loss = rng.random(100_000).astype(np.float32)
     loss[31_337] = 50.0  # a spike a user must not miss
     loss[77_001] = -3.0
-    x, y = series.downsample(steps, loss, n_out=2000)
+    x, y = downsampling.downsample(steps, loss, n_out=2000)
     assert len(x) == len(y) <= 2000
     assert x.dtype == y.dtype == np.float32
     assert y.max() == 50.0 and y.min() == -3.0
@@ -21,15 +21,15 @@ def test_downsample_bounds_100k_steps_and_keeps_extremes():
 
 
 def test_downsample_keeps_short_series_whole_and_drops_nonfinite():
-    x, y = series.downsample(np.arange(5), np.array([1.0, np.nan, 3.0, np.inf, 5.0]))
+    x, y = downsampling.downsample(np.arange(5), np.array([1.0, np.nan, 3.0, np.inf, 5.0]))
     assert x.tolist() == [0, 2, 4] and y.tolist() == [1, 3, 5]
 
 
 def test_downsample_bad_input_names_the_problem():
     with pytest.raises(ValueError, match="n_out must be at least 8"):
-        series.downsample(np.arange(10), np.arange(10), n_out=2)
+        downsampling.downsample(np.arange(10), np.arange(10), n_out=2)
     with pytest.raises(ValueError, match="one length"):
-        series.downsample(np.arange(10), np.arange(9))
+        downsampling.downsample(np.arange(10), np.arange(9))
 
 
 def test_layer_norm_combines_a_layers_variables_and_keeps_missing_as_nan():
