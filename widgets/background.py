@@ -3,7 +3,8 @@
 While a cell runs a blocking `fit()`, ipykernel handles widget clicks only
 after the cell ends. `BackgroundFit` runs `model.fit(...)` on a daemon thread
 and returns at once; Pause, Continue, Stop and Step act at the next batch
-boundary through a `threading.Event` checked in a callback.
+boundary through a `threading.Event` checked in a callback, and so does a
+mode switch asked for with `lab.modes.request_mode` (the ModeSwitch widget).
 
 Threading rules kept here: widget callbacks only set flags (never run model
 ops) while training runs; model ops from the panel happen only while the
@@ -18,6 +19,7 @@ import time
 import keras
 
 from lab.in_flight import BatchInFlight
+from lab.modes import ModeSwitcher
 from lab.recorder import Recorder
 from lab.state import read_state, write_state
 
@@ -139,6 +141,10 @@ class BackgroundFit:
     def _train(self):
         self._keeper = BatchInFlight(armed=lambda: self.breakpoints_armed)
         callbacks = [self._keeper] + self.callbacks + [_Control(self)]
+        if not any(isinstance(c, ModeSwitcher) for c in self.callbacks):
+            # First, so a switch asked for meanwhile (the ModeSwitch widget) is
+            # applied before the batch is kept and run.
+            callbacks.insert(0, ModeSwitcher())
         try:
             self.history = self.model.fit(*self.args, callbacks=callbacks, **self.kwargs)
         except BaseException as error:  # noqa: BLE001 - reported through state, not print

@@ -140,3 +140,18 @@ def test_controls_buttons_follow_the_state(training):
     controls.stop_button.click()
     assert training.join(TIMEOUT) and training.state == "stopped"
     assert controls.stop_button.disabled
+
+
+def test_a_mode_switch_asked_for_while_training_runs_lands_at_a_batch():
+    from lab import modes
+
+    recorder = lab.Recorder()
+    run = fit_in_background(make_model(), epochs=50, callbacks=[recorder])
+    run.pause()
+    run.start()
+    assert run.wait_for("paused", timeout=TIMEOUT)
+    assert modes.request_mode(run.model, "eager") == "pending"  # not applied from this thread
+    run.resume()
+    assert wait_until(lambda: "eager" in set(recorder.run.batches()["mode"]))
+    run.stop()
+    assert run.join(TIMEOUT) and run.state == "stopped"  # switched before training ended
