@@ -35,6 +35,7 @@ _lock = threading.Lock()
 _pending = weakref.WeakKeyDictionary()  # model -> mode asked for while it trains
 _training = weakref.WeakKeyDictionary()  # model -> the thread running its fit()
 _unverified = weakref.WeakKeyDictionary()  # model -> (settings, mode) to revert to, new mode
+_listeners = []  # weak references to fn(model, mode), told of every switch and revert
 
 
 class ModeError(RuntimeError):
@@ -112,7 +113,34 @@ def set_mode(model, mode, steps_per_execution=None):
         last_good = _unverified.get(model, (saved, previous))
         _unverified[model] = (last_good[0], last_good[1], mode)
     guard_first_step(model)
+    _notify(model, mode)
     return previous
+
+
+def add_mode_listener(fn):
+    """Calls `fn(model, mode)` after every switch and every revert, on the thread that made it.
+
+    Only a weak reference is kept, so a view that goes away stops listening.
+
+    Args:
+        fn: callable `(keras.Model, str) -> None`, e.g. a widget's bound method.
+    """
+    ref = weakref.WeakMethod(fn) if hasattr(fn, "__self__") else weakref.ref(fn)
+    with _lock:
+        _listeners.append(ref)
+
+
+def _notify(model, mode):
+    with _lock:
+        _listeners[:] = [ref for ref in _listeners if ref() is not None]
+        listeners = [ref() for ref in _listeners]
+    for fn in listeners:
+        if fn is None:
+            continue
+        try:
+            fn(model, mode)
+        except Exception:  # noqa: BLE001 - a view must not stop training
+            pass
 
 
 def _rebuild(model):
@@ -205,6 +233,7 @@ def _revert(model, saved):
         _unverified.pop(model, None)
     saved.restore(model, functions=False)
     _rebuild(model)
+    _notify(model, current_mode(model))
 
 
 def _first_step_message(mode, previous, error):

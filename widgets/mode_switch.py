@@ -16,7 +16,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from lab.mode_comparison import compare_modes
-from lab.modes import MODES, ModeError, current_mode, pending_mode, request_mode
+from lab.modes import MODES, ModeError, add_mode_listener, current_mode, pending_mode, request_mode
 
 _LABELS = {"eager": "eager", "graph": "graph", "xla": "XLA"}
 _TOOLTIPS = (
@@ -66,6 +66,7 @@ class ModeSwitch(ipywidgets.VBox):
         self.status = ipywidgets.HTML()
         self.figure = _empty_figure()
         self.toggle.observe(self._on_toggle, names="value")
+        add_mode_listener(self._on_mode_changed)
         self.compare_button.on_click(lambda _button: self.compare())
         super().__init__([ipywidgets.HBox([self.toggle, self.compare_button]), self.status])
         self._say(f"{_LABELS[self.toggle.value]}: the model's current mode.")
@@ -86,6 +87,12 @@ class ModeSwitch(ipywidgets.VBox):
             self._say(f"{_LABELS[mode]} requested: training switches at the next batch.")
         else:
             self._say(f"{_LABELS[mode]}: the next batch runs in this mode.")
+
+    def _on_mode_changed(self, model, mode):
+        # Switches made elsewhere (a schedule, a revert after a failed first
+        # step, a pending click applied by the training thread) show here too.
+        if model is self.model and pending_mode(model) is None:
+            self.refresh()
 
     def refresh(self):
         """Shows the model's mode (or the pending one) on the toggle, e.g. after a reverted switch."""

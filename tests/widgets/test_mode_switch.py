@@ -23,6 +23,13 @@ def test_toggle_switches_an_idle_model_at_once(comm_log, make_model):
     assert "next batch" in switch.status.value
 
 
+def test_toggle_follows_a_switch_made_elsewhere(comm_log, make_model):
+    model = make_model()
+    switch = ModeSwitch(model)
+    lab.set_mode(model, "eager")
+    assert switch.toggle.value == "eager"
+
+
 def test_toggle_refuses_a_mode_that_cannot_run_and_shows_why(comm_log, make_model):
     model = make_model()
     switch = ModeSwitch(model)
