@@ -1,0 +1,213 @@
+"""A private JupyterLab server and a headless Chromium page for browser tests.
+
+The server binds 127.0.0.1 on a free port with a random token, runs as root
+if need be, and keeps everything it writes (settings, runtime files, kernels'
+IPython and Keras homes, the browser profile) in a temporary folder. The
+notebooks it serves are copies with their outputs cleared, so a run never
+writes into the repository, and what a test sees in the page comes from that
+run alone.
+"""
+
+import json
+import os
+import pathlib
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import nbformat
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CHROMIUM = pathlib.Path(os.environ.get("TRAINING_LAB_CHROMIUM", "/usr/bin/chromium"))
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+SERVER_START_SECONDS = 180
+
+# User settings that keep a scripted session quiet and the repository untouched.
+LAB_SETTINGS = {
+    # No news toast over the screenshots, no request to the network.
+    "@jupyterlab/apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
+    # Outputs of the run must not be saved into the notebook under test.
+    "@jupyterlab/docmanager-extension/plugin": {"autosave": False},
+    # Every cell stays in the DOM, so the page can be read wherever it is scrolled;
+    # the notebook's kernel starts without a "Select Kernel" dialog.
+    "@jupyterlab/notebook-extension/tracker": {"windowingMode": "none",
+                                               "autoStartDefaultKernel": True},
+}
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "browser: runs JupyterLab and drives it from headless Chromium (/usr/bin/chromium)")
+
+
+def artifacts_dir():
+    """Where screenshots go: $TRAINING_LAB_ARTIFACTS, else artifacts/ at the repository root."""
+    path = pathlib.Path(os.environ.get("TRAINING_LAB_ARTIFACTS", ROOT / "artifacts"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _write_settings(settings_dir):
+    for plugin, values in LAB_SETTINGS.items():
+        path = settings_dir / f"{plugin}.jupyterlab-settings"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(values))
+
+
+class LabServer:
+    """A running JupyterLab: its URL, token, served folder, environment and log."""
+
+    def __init__(self, base, notebook_dir):
+        self.base = base
+        self.notebook_dir = notebook_dir
+        self.token = secrets.token_hex(16)
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = base / "jupyterlab.log"
+        self.env = self._environment()
+        self.process = None
+
+    def _environment(self):
+        env = dict(os.environ)
+        dirs = {"HOME": "home", "JUPYTER_CONFIG_DIR": "config", "JUPYTER_DATA_DIR": "data",
+                "JUPYTER_RUNTIME_DIR": "runtime", "JUPYTERLAB_SETTINGS_DIR": "settings",
+                "JUPYTERLAB_WORKSPACES_DIR": "workspaces", "IPYTHONDIR": "ipython",
+                "KERAS_HOME": "keras", "XDG_CONFIG_HOME": "home/.config",
+                "XDG_CACHE_HOME": "home/.cache"}
+        for name, relative in dirs.items():
+            path = self.base / relative
+            path.mkdir(parents=True, exist_ok=True)
+            env[name] = str(path)
+        env.pop("JUPYTER_PATH", None)
+        env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+        env["PYTHONNOUSERSITE"] = "1"
+        _write_settings(self.base / "settings")
+        return env
+
+    def start(self):
+        command = [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root",
+                   "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={self.port}",
+                   "--ServerApp.port_retries=0", f"--IdentityProvider.token={self.token}",
+                   f"--ServerApp.root_dir={self.notebook_dir}",
+                   "--LabApp.expose_app_in_browser=True"]
+        log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(command, cwd=self.notebook_dir, env=self.env, stdout=log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + SERVER_START_SECONDS
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"JupyterLab exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                self.api("GET", "status")
+                return self
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.5)
+        raise RuntimeError(f"JupyterLab did not answer in {SERVER_START_SECONDS} s:\n{self.log_tail()}")
+
+    def api(self, method, path):
+        request = urllib.request.Request(f"{self.url}/api/{path}", method=method,
+                                         headers={"Authorization": f"token {self.token}"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            body = response.read()
+        return json.loads(body) if body else None
+
+    def delete_sessions(self):
+        """A kernel outlives its page: without this a new page reconnects to an old kernel."""
+        for session in self.api("GET", "sessions"):
+            self.api("DELETE", f"sessions/{session['id']}")
+
+    def page_url(self, notebook):
+        return f"{self.url}/lab/tree/{notebook}?token={self.token}"
+
+    def log_tail(self, lines=60):
+        if not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self):
+        if self.process is None or self.process.poll() is not None:
+            return
+        try:
+            self.api("POST", "shutdown")  # also shuts its kernels down
+            self.process.wait(timeout=60)
+        except (urllib.error.URLError, ConnectionError, subprocess.TimeoutExpired):
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+
+def copy_without_outputs(source, folder):
+    """A copy of notebook `source` in `folder`, outputs and execution counts cleared."""
+    notebook = nbformat.read(source, as_version=4)
+    for cell in notebook.cells:
+        if cell.cell_type == "code":
+            cell.outputs = []
+            cell.execution_count = None
+    target = folder / source.name
+    nbformat.write(notebook, target)
+    return target
+
+
+@pytest.fixture(scope="session")
+def artifacts():
+    """The folder where a browser test leaves its screenshots."""
+    return artifacts_dir()
+
+
+@pytest.fixture(scope="session")
+def chromium_path():
+    if not CHROMIUM.exists():
+        pytest.skip(f"no Chromium at {CHROMIUM} (install Debian's `chromium` package, "
+                    "or set TRAINING_LAB_CHROMIUM)")
+    pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
+    return CHROMIUM
+
+
+@pytest.fixture(scope="session")
+def lab_server(chromium_path, tmp_path_factory):
+    base = tmp_path_factory.mktemp("jupyterlab")
+    notebook_dir = base / "notebooks"
+    notebook_dir.mkdir()
+    for source in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        copy_without_outputs(source, notebook_dir)
+    server = LabServer(base, notebook_dir).start()
+    yield server
+    server.stop()
+    if os.environ.get("TRAINING_LAB_KEEP_SERVER_LOG"):
+        shutil.copy(server.log_path, artifacts_dir() / "jupyterlab.log")
+
+
+@pytest.fixture
+def page(lab_server):
+    from playwright.sync_api import sync_playwright
+
+    lab_server.delete_sessions()
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True,
+                                             args=CHROMIUM_FLAGS, env=lab_server.env)
+        context = browser.new_context(viewport={"width": 1280, "height": 1000})
+        page = context.new_page()
+        page.set_default_timeout(120_000)
+        try:
+            yield page
+        finally:
+            context.close()
+            browser.close()
