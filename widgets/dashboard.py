@@ -141,6 +141,7 @@ class Dashboard(Recorder):
         if self._view_failed:
             return
         started = time.monotonic()
+        self._rate_samples.append((started, self._progress["done"]))
         try:
             self.chart.update(self._series.update())
             self.header.value = self._header_html()
@@ -190,9 +191,10 @@ class Dashboard(Recorder):
         return " · ".join(parts)
 
     def steps_per_second(self):
-        """Training steps per second over the last few refreshes (None before two samples)."""
+        """Training steps per second over the last few refreshes (None until steps were timed)."""
+        if not self._rate_samples:
+            return None
         now = time.monotonic()
-        self._rate_samples.append((now, self._progress["done"]))
         t0, n0 = self._rate_samples[0]
         if now - t0 <= 0 or self._progress["done"] <= n0:
             return None
