@@ -154,12 +154,14 @@ class BackgroundFit:
         self._set_state("stopped" if self._stop_requested else "finished", self.detail)
 
     def _set_state(self, state, detail=""):
-        self.state, self.detail = state, detail
+        # Views first, then the state: whoever waits for "paused" finds the
+        # panel of that pause already built.
         for fn in list(self._listeners):
             try:
                 fn(state, detail)
             except Exception:  # noqa: BLE001 - a view must not stop training
                 self._listeners.remove(fn)
+        self.state, self.detail = state, detail
 
     @property
     def breakpoints_armed(self):

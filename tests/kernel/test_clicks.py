@@ -115,3 +115,32 @@ def test_pause_continue_and_stop_clicks_act_while_training_runs(kernel):
     stopped_at = wait_for(kernel, "stopped")
     assert paused_at < stopped_at < total
     assert execute(kernel, "print(training.join(10))") == "True"
+
+
+BREAKPOINT_SETUP = """
+recorder = lab.Recorder(breakpoints=[lab.Breakpoint(lambda row: row["step"] == 5, name="step 5")])
+paused_training = widgets.BackgroundFit(model, x, y, batch_size=8, epochs=3, callbacks=[recorder])
+paused_controls = paused_training.controls()
+paused_training.start()
+print(paused_training.wait_for("paused", timeout=60))
+"""
+
+
+def test_a_breakpoint_opens_the_panel_whose_step_and_continue_clicks_act(kernel):
+    assert execute(kernel, BREAKPOINT_SETUP) == "True"
+    ids = execute(kernel, "panel = paused_controls.panel\n"
+                          "print(panel.step_button.model_id, panel.continue_button.model_id)").split()
+    step, resume = ids
+    click(kernel, step)
+    deadline = time.monotonic() + TIMEOUT
+    stepped = ""
+    while time.monotonic() < deadline:
+        stepped = execute(kernel, "print(panel.stepper.next_index, len(panel.stepper.traces))")
+        if stepped == "6 1":
+            break
+        time.sleep(0.05)
+    assert stepped == "6 1"  # the panel stepped the batch in flight (step 5)
+    click(kernel, resume)
+    assert execute(kernel, "print(paused_training.join(60), paused_training.state)") == "True finished"
+    sources = execute(kernel, "print(list(recorder.run.batches()['source'].fillna('fit')).count('stepper'))")
+    assert sources == "1"
