@@ -51,6 +51,24 @@ def record(strategy, x, y):
     }
 
 
+def breakpoint_run(strategy, x, y):
+    """A NaN in one replica's share of batch 2: the nonfinite breakpoint must
+    catch it, skip that update on every replica and stop fit()."""
+    x = x.copy()
+    x[40] = np.nan
+    with strategy.scope():
+        model = make_model()
+    recorder = lab.Recorder(gradients=True, breakpoints=[lab.breakpoints.nonfinite()])
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[recorder])
+    events = recorder.run.events()
+    return {
+        "rows": len(recorder.run.batches()),
+        "events": events[["step", "kind"]].values.tolist(),
+        "iterations": int(model.optimizer.iterations.numpy()),
+        "finite_weights": all(bool(np.isfinite(w).all()) for w in model.get_weights()),
+    }
+
+
 def half_batches(x, y):
     """Loss and gradient norm of the untrained model on each half of the first batch:
     what each of two replicas computes at step 0."""
@@ -89,6 +107,7 @@ def main():
             out["one"] = record(lab.strategy("cpu"), x, y)
             out["mirrored"] = record(mirrored, x, y)
             out["halves"] = half_batches(x, y)
+            out["breakpoint"] = breakpoint_run(mirrored, x, y)
         except Exception as error:  # noqa: BLE001 - reported, so the other checks still run
             out["fit_error"] = f"{type(error).__name__}: {error}"
     print(json.dumps(out))
