@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 
 import keras
 import numpy as np
@@ -67,10 +68,17 @@ CONSTANT_METRIC_MESSAGE = (
 )
 UNSEEN_UPDATE_MESSAGE = (
     "The optimizer {name!r} updated the weights in {count} step(s) without the lab "
-    "seeing it: the @tf.function step was traced before `lab.watch` began (or under "
-    "another watch), so its graph has no probes. Enter `with lab.watch(...)` before "
-    "the first call of the step, or wrap it anew inside the block: "
+    "seeing it: the @tf.function step was traced before `lab.watch` first watched "
+    "this model, so its graph has no probes. Enter `with lab.watch(...)` before the "
+    "first call of the step, or wrap it anew inside the block: "
     "`train_step = tf.function(train_step.python_function)`."
+)
+
+UNGATED_MESSAGE = (
+    "This step updated the weights without the device breakpoints being checked: the "
+    "@tf.function step was traced in a `lab.watch` block without breakpoints (or before "
+    "any). Wrap it anew inside this block, `train_step = tf.function(train_step.python_function)`, "
+    "so its graph checks them."
 )
 
 
@@ -110,6 +118,34 @@ class _SharedState:
         self.state = _LoopState()
 
 
+class _LoopSlots:
+    """One model's slots, kept for the model's life (never on it) across watch blocks.
+
+    A `tf.function` step traced inside one block keeps that block's hooks in
+    its graph: it writes these same variables when a later block runs it, so
+    a step may be watched again without tracing it again.
+    """
+
+    def __init__(self, names, spare, make_variable):
+        self.index = {name: position for position, (name, _) in enumerate(names)}
+        self.resets = [reset for _, reset in names] + [np.nan] * spare
+        self.vector = make_variable("lab_loop_slots", np.array(self.resets, np.float32))
+        self.active = make_variable("lab_loop_active", 0.0)
+        self.hold = make_variable("lab_hold", 0.0)
+
+    def add(self, name):
+        """Gives `name` a free slot (its reset is NaN); None when none is left."""
+        if name not in self.index and len(self.index) < len(self.resets):
+            self.index[name] = len(self.index)
+        return self.index.get(name)
+
+    def reset(self):
+        self.vector.assign(np.array(self.resets, np.float32))
+
+
+_SLOTS = weakref.WeakKeyDictionary()  # model -> _LoopSlots
+
+
 class LoopProbe(Probe):
     """A Probe on the optimizers of a hand-written loop, its values in slots.
 
@@ -128,10 +164,7 @@ class LoopProbe(Probe):
         self.optimizers = dict(optimizers)
         self._local = _SharedState()
         self._writes = threading.local()
-        self._slot_index = {}
-        self._slot_resets = []
-        self._vector = None
-        self._active = None
+        self._slots = None
         self._frozen = None
         self._row_function = None
         self._traces = {}
@@ -163,40 +196,43 @@ class LoopProbe(Probe):
             if hasattr(inner, "_all_reduce_sum_gradients"):
                 self._patch(inner, "_all_reduce_sum_gradients",
                             self._wrap_all_reduce(inner._all_reduce_sum_gradients))
-        self._active.assign(1.0)
+        self._slots.active.assign(1.0)
 
     def uninstall(self):
         """Restores every patched method; graphs traced meanwhile stop gating."""
         super().uninstall()
-        if self._active is not None:
-            self._active.assign(0.0)
+        if self._slots is not None:
+            self._slots.active.assign(0.0)
         self.release()
 
     def _allocate_slots(self):
         names = [(f"_lr/{name}", np.nan) for name in self.optimizers]
         names += [("_updates", 0.0), ("_grad_square", 0.0)]
         keys = list(self._variable_keys.values())
-        if self.gradients:
-            names += [(f"grad_norm/{key}", np.nan) for key in keys]
-        if self.weights:
-            names += [(f"{kind}/{key}", np.nan) for kind in ("weight_norm", "update_ratio") for key in keys]
-        if self.breakpoints:
-            names += [("_hit", 0.0), ("_held", 0.0)]
-        spare = _SPARE_SLOTS if self.model.built else _SPARE_SLOTS_UNBUILT
-        self._slot_index = {name: index for index, (name, _) in enumerate(names)}
-        self._slot_resets = [reset for _, reset in names] + [np.nan] * spare
-        self._vector = self._make_variable("lab_loop_slots", np.array(self._slot_resets, np.float32))
-        self._active = self._make_variable("lab_loop_active", 0.0)
+        # Every kind, whatever this block records: a later block may ask for them.
+        names += [(f"{kind}/{key}", np.nan) for kind in ("grad_norm", "weight_norm", "update_ratio")
+                  for key in keys]
+        names += [("_hit", 0.0), ("_held", 0.0), ("_gated", 0.0)]
+        slots = _SLOTS.get(self.model)
+        if slots is None:
+            spare = _SPARE_SLOTS if self.model.built else _SPARE_SLOTS_UNBUILT
+            slots = _SLOTS[self.model] = _LoopSlots(names, spare, self._make_variable)
+        for name, _ in names:
+            slots.add(name)
+        slots.reset()
+        self._slots = slots
+        self._hold = slots.hold
 
     # ---- values into slots -------------------------------------------------
 
     def _index(self, name):
-        index = self._slot_index.get(name)
+        index = self._slots.index.get(name)
         if index is not None:
             return index
-        if self._frozen is None and len(self._slot_index) < len(self._slot_resets):
-            index = self._slot_index[name] = len(self._slot_index)
-            return index
+        if self._frozen is None:
+            index = self._slots.add(name)
+            if index is not None:
+                return index
         self._warn_once(("slot", name), (
             f"The lab cannot record {name!r}: it appeared after recording started or "
             "there are too many variables. Build the model (call it on one batch) "
@@ -222,9 +258,9 @@ class LoopProbe(Probe):
             indices = tf.constant([[i] for i, _ in chosen], tf.int32)
             values = tf.stack([v for _, v in chosen])
             if accumulate:
-                self._vector.scatter_nd_add(indices, values)
+                self._slots.vector.scatter_nd_add(indices, values)
             else:
-                self._vector.scatter_nd_update(indices, values)
+                self._slots.vector.scatter_nd_update(indices, values)
 
     def _emit_update(self, state, name, variables, grads, learning_rate, before):
         # One scatter per kind instead of one op per value: eager steps pay per op.
@@ -238,8 +274,9 @@ class LoopProbe(Probe):
 
     def _gate(self, state, grads):
         skip = super()._gate(state, grads)
-        # A graph traced while watching keeps this gate; it stops skipping after the block.
-        return tf.logical_and(skip, self._active.read_value() > 0)
+        self._emit(state, "_gated", 1.0, reset=0.0, accumulate=True)
+        # A graph traced while watching keeps this gate; it skips only inside a block.
+        return tf.logical_and(skip, self._slots.active.read_value() > 0)
 
     # ---- checks on what the loop hands the optimizer ---------------------
 
@@ -297,8 +334,8 @@ class LoopProbe(Probe):
         """Fixes the row's columns: the loop's own values, then the slots."""
         several = len(self.optimizers) > 1
         slot_columns, gather = [], []
-        for name, index in self._slot_index.items():
-            if name in ("_updates", "_grad_square"):
+        for name, index in self._slots.index.items():
+            if not self._records(name):
                 continue
             if name.startswith("_lr/"):
                 name = f"learning_rate/{name[4:]}" if several else "learning_rate"
@@ -312,28 +349,36 @@ class LoopProbe(Probe):
         self.buffer = StepBuffer(len(self.columns), self.capacity)
         self._row_function = tf.function(self._close_row, reduce_retracing=True)
 
+    def _records(self, name):
+        kind = name.split("/", 1)[0]
+        if kind == "_lr":
+            return name[4:] in self.optimizers
+        if kind in ("_hit", "_held"):
+            return bool(self.breakpoints)
+        return ((kind == "grad_norm" and self.gradients)
+                or (kind in ("weight_norm", "update_ratio") and self.weights))
+
     def close_row(self, values):
         """Writes one row (the loop's values in column order); returns the hit index tensor."""
         return self._row_function(tuple(values))
 
     def _close_row(self, values):
         _, _, gather = self._frozen
-        slots = tf.identity(self._vector.read_value())
+        index = self._slots.index
+        slots = tf.identity(self._slots.vector.read_value())
         with tf.control_dependencies([slots]):
-            self._vector.assign(tf.constant(self._slot_resets, tf.float32))
-        updates = slots[self._slot_index["_updates"]]
+            self._slots.vector.assign(tf.constant(self._slots.resets, tf.float32))
+        updates = slots[index["_updates"]]
         parts = [tf.reshape(tf.reduce_mean(tf.cast(v, tf.float32)), [1]) for v in values]
         parts.append(tf.gather(slots, gather))
         parts.append(tf.reshape(tf.cast(updates > 0, tf.float32), [1]))
         if self.gradients:
-            norm = tf.where(updates > 0, tf.sqrt(slots[self._slot_index["_grad_square"]]), np.float32(np.nan))
+            norm = tf.where(updates > 0, tf.sqrt(slots[index["_grad_square"]]), np.float32(np.nan))
             parts.append(tf.reshape(norm, [1]))
         parts += [tf.reshape(tf.cast(tf.convert_to_tensor(o.iterations), tf.float32), [1])
                   for o in self.optimizers.values()]
         self.buffer.write(tf.concat(parts, 0))
-        if "_hit" in self._slot_index:
-            return slots[self._slot_index["_hit"]]
-        return tf.constant(0.0)
+        return tf.stack([slots[index["_hit"]], slots[index["_gated"]], updates])
 
 
 def _calling_tf_function():
@@ -453,9 +498,14 @@ class WatchedRun(Run):
         self.probe.steps_seen = self._steps
         self._pending.append(dict(host, seconds=seconds))
         self._note_warnings()
-        if self.probe.breakpoints and float(hit.numpy()) > 0:
-            self.flush()
-            self._device_hit(index, int(hit.numpy()))
+        if self.probe.breakpoints:
+            hit, gated, updates = hit.numpy()
+            if updates > 0 and gated == 0:
+                self.probe._warn_once("ungated", UNGATED_MESSAGE, RuntimeWarning)
+                self._note_warnings()
+            if hit > 0:
+                self.flush()
+                self._device_hit(index, int(hit))
         if self._row_points:
             start = len(self)
             self.flush()
@@ -572,7 +622,8 @@ class WatchedRun(Run):
             self.probe.uninstall()
             self._closed = True
         if self._steps == 0 and error is None:
-            updates = float(self.probe._vector[self.probe._slot_index["_updates"]].numpy())
+            slots = self.probe._slots
+            updates = float(slots.vector[slots.index["_updates"]].numpy())
             if updates > 0:
                 self.probe._warn_once("no step", (
                     f"The optimizers updated {updates:g} times but run.step(...) was never "
@@ -645,13 +696,15 @@ def watch(model, *optimizers, gradients=True, weights=False, breakpoints=(), flu
 
     Inside the block, call `run.step(loss=..., **metrics)` once per step,
     after the optimizer's update. Each call closes that step's row: `step`,
-    `seconds` (host time since the previous call), the values given,
+    `seconds` (host time from the end of the previous call), the values given,
     `learning_rate` (`learning_rate/<name>` with several optimizers),
     `updated`, and with `gradients=True` `grad_norm` and
     `grad_norm/<variable.path>` of the gradients the optimizers applied; with
     `weights=True` also `weight_norm/<path>` and `update_ratio/<path>`. The
     step may be eager, a `tf.function` or `tf.function(jit_compile=True)`;
-    trace it inside the block (a graph traced before has no probes). Rows
+    trace it inside a block (a graph traced before the model's first block
+    has no probes; one traced in a block is watched again in later blocks,
+    with the settings it was traced under). Rows
     reach the run in blocks (every `flush_every` seconds and when it is read).
     The probes are removed when the block ends, also when the loop raises.
 

@@ -264,3 +264,33 @@ def test_bad_arguments_name_the_fix():
     with pytest.raises(ValueError, match="rename it"):
         with lab.watch(model, keras.optimizers.SGD()) as run:
             run.step(loss=1.0, grad_norm=2.0)
+
+
+def test_a_step_traced_in_one_block_is_watched_again_in_the_next(digits):
+    model, optimizer = make_mlp(), keras.optimizers.SGD(0.1)
+    step = make_step(model, optimizer, "graph")
+    (x, y), (x2, y2) = batches(*digits, 2)
+    with lab.watch(model, optimizer, breakpoints=[lab.breakpoints.nonfinite()]) as first:
+        first.step(loss=step(x, y))
+    step(x2, y2)  # between blocks: the graph's gate lets it through
+    bad = x2.copy()
+    bad[0, 0] = np.inf
+    before = weights_of(model)
+    with lab.watch(model, optimizer, breakpoints=[lab.breakpoints.nonfinite()]) as second:
+        second.step(loss=step(x, y))
+        with pytest.raises(lab.BreakpointHit):
+            second.step(loss=step(bad, y2))
+    assert second.batches()["grad_norm"].notna().tolist() == [True, False]
+    assert any(not np.array_equal(o, n) for o, n in zip(before, weights_of(model)))
+    assert np.isfinite(np.concatenate([w.ravel() for w in weights_of(model)])).all()
+
+
+def test_a_step_traced_without_breakpoints_is_reported_when_they_are_asked_for(digits):
+    model, optimizer = make_mlp(), keras.optimizers.SGD(0.1)
+    step = make_step(model, optimizer, "graph")
+    x, y = batches(*digits, 1)[0]
+    with lab.watch(model, optimizer) as run:
+        run.step(loss=step(x, y))
+    with pytest.warns(RuntimeWarning, match="without the device breakpoints being checked"):
+        with lab.watch(model, optimizer, breakpoints=[lab.breakpoints.nonfinite()]) as run:
+            run.step(loss=step(x, y))
