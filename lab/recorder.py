@@ -325,6 +325,8 @@ class Recorder(keras.callbacks.Callback):
                 except BaseException as error:
                     if recorder._active:
                         recorder._on_failure(error)
+                    elif recorder._probe is not None and recorder._probe.installed:
+                        recorder._detach()  # failed before training began
                     raise
 
             object.__setattr__(callbacks, name, guarded)
@@ -420,7 +422,7 @@ class Recorder(keras.callbacks.Callback):
 
 
 _CALLBACK_METHODS = (
-    "on_epoch_begin", "on_epoch_end", "on_train_batch_begin", "on_train_batch_end",
+    "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_train_batch_begin", "on_train_batch_end",
     "on_test_begin", "on_test_end", "on_test_batch_begin", "on_test_batch_end",
 )
 

@@ -184,7 +184,6 @@ class RaiseAtTrainEnd(keras.callbacks.Callback):
         raise RuntimeError("report failed")
 
 
-@pytest.mark.xfail(strict=True, reason="lab/recorder.py _CALLBACK_METHODS lacks 'on_train_end' (issue 7 report)")
 def test_an_error_in_another_callbacks_on_train_end_still_frees_the_model():
     model = model_with()
     recorder = lab.Recorder()
