@@ -164,6 +164,7 @@ class Stepper:
         self._state = {}  # variable id -> (variable, array): the model's state as last seen
         self._created = {}  # variable id -> (variable, initial array), made during steps
         self._graph_step = None
+        self._condition_state = {}
         self._step_function = _step_fn  # from_step: the user's step instead of train_step
         self._extra_optimizers = list(_optimizers)
         self.last_trace = None
@@ -238,26 +239,43 @@ class Stepper:
         """Steps until `condition` holds, a step fails, or `max_steps` ran.
 
         Args:
-            condition: callable `condition(trace) -> bool`, or a
-                `lab.Breakpoint` (checked against the step's row).
+            condition: callable `condition(trace) -> bool`, a
+                `lab.Breakpoint` (or a list of them: the first that holds) (checked against the step's row), or a
+                device-side breakpoint (`lab.breakpoints.nonfinite()`,
+                `loss_spike(...)`), whose hit is undone: the offending
+                update is kept out and its batch comes next again.
             max_steps: int, the most steps to run.
 
         Returns:
             StepTrace, the last step's; `stepper.hit` says whether the condition held.
         """
-        check = trace_condition(condition)
+        conditions = list(condition) if isinstance(condition, (list, tuple)) else [condition]
+        checks = [(c, trace_condition(c, self._breakpoint_variables)) for c in conditions]
         trace = None
         self.hit = False
         for _ in range(int(max_steps)):
             trace = self._step_once()
             if trace.error is not None:
                 break
-            if check(trace):
+            hit = next((c for c, check in checks if check(trace)), None)
+            if hit is not None:
                 self.hit = True
-                if getattr(condition, "skips_update", False):
+                if self.run is not None:
+                    self.run.add_event("breakpoint", f"{getattr(hit, 'name', 'condition')} at step {trace.index}",
+                                       step=trace.index)
+                if getattr(hit, "on_device", False):
+                    # A device-side breakpoint keeps its batch's update out: the
+                    # step is undone and its batch comes next again.
                     self.rewind(1)
                 break
         return trace
+
+    def _breakpoint_variables(self, name, value):
+        # State a device-side breakpoint keeps across steps (a running loss
+        # average) lives on the stepper, never on the model.
+        if name not in self._condition_state:
+            self._condition_state[name] = tf.Variable(value, trainable=False, name=name)
+        return self._condition_state[name]
 
     def rewind(self, n=1):
         """Restores the model and data position to before the last `n` steps.
@@ -527,8 +545,34 @@ def _scalar_or_array(value):
     return float(array) if array.ndim == 0 and array.dtype.kind in "fiub" else array
 
 
-def trace_condition(condition):
-    """`condition` as a callable on a StepTrace; a Breakpoint is checked against the step's row."""
+def trace_condition(condition, make_variable=None):
+    """`condition` as a callable on a StepTrace.
+
+    Args:
+        condition: callable `condition(trace)`, a `lab.Breakpoint` (checked
+            against the step's row), or a device-side breakpoint
+            (`lab.breakpoints.nonfinite()`, `loss_spike(...)`), checked on the
+            step's loss and applied gradients.
+        make_variable: callable `(name, value) -> tf.Variable` for the state of
+            a device-side breakpoint.
+    """
+    if getattr(condition, "on_device", False):
+        variables = {}
+
+        def keep(name, value):
+            if make_variable is not None:
+                return make_variable(f"{name}_{id(condition)}", value)
+            if name not in variables:
+                variables[name] = tf.Variable(value, trainable=False)
+            return variables[name]
+
+        def check_on_device(trace):
+            loss = trace.row.get("loss")
+            loss = None if loss is None else tf.constant(loss, tf.float32)
+            gradients = [tf.constant(g) for g in trace.gradients.values()]
+            return bool(condition.check(loss, gradients, keep))
+
+        return check_on_device
     if hasattr(condition, "hit") and callable(condition.hit):
         return lambda trace: condition.hit(pd.Series({"step": trace.index, "epoch": trace.epoch,
                                                        "batch": trace.batch, **trace.row}))

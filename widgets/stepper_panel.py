@@ -43,7 +43,8 @@ class StepperPanel(ipywidgets.VBox):
     def __init__(self, stepper, breakpoints=(), on_continue=None, max_steps=500):
         self.stepper = stepper
         self.breakpoints = list(breakpoints)
-        self._checks = [trace_condition(b) for b in self.breakpoints]
+        for point in self.breakpoints:
+            trace_condition(point)  # a clear error now for something that is not a condition
         self.max_steps = int(max_steps)
         self.step_button = ipywidgets.Button(description="Step", icon="step-forward")
         self.step_n_button = ipywidgets.Button(description="Step ×N", icon="forward")
@@ -100,8 +101,7 @@ class StepperPanel(ipywidgets.VBox):
         self.run_button.disabled = not (enabled and self.breakpoints)
 
     def _run_to_breakpoint(self):
-        trace = self.stepper.run_until(lambda t: any(check(t) for check in self._checks), max_steps=self.max_steps)
-        return trace
+        return self.stepper.run_until(self.breakpoints, max_steps=self.max_steps)
 
     def _act(self, action):
         try:

@@ -448,3 +448,17 @@ def test_rewinding_after_the_model_changed_elsewhere_raises():
         stepper.rewind()
     # Stepping goes on from where fit() left the model.
     np.testing.assert_array_equal(stepper.step().weights_before[model.layers[0].kernel.path], fitted)
+
+
+def test_a_device_side_breakpoint_keeps_the_offending_update_out():
+    x = X.copy()
+    x[26] = np.nan  # batch 3 at batch_size=8 without shuffling
+    model = make_model()
+    run = lab.Run()
+    stepper = lab.Stepper(model, (x, Y), batch_size=8, shuffle=False, run=run)
+    trace = stepper.run_until([lambda t: False, lab.breakpoints.nonfinite()], max_steps=10)
+    assert stepper.hit and trace.index == 3 and not np.isfinite(trace.loss)
+    assert stepper.next_index == 3  # the bad batch comes next again
+    assert int(model.optimizer.iterations.numpy()) == 3
+    assert all(np.isfinite(v.numpy()).all() for v in model.weights)
+    assert "breakpoint" in set(run.events()["kind"])
