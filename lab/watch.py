@@ -98,10 +98,10 @@ class BreakpointHit(Exception):
 
     def __init__(self, step, breakpoint, detail, skipped):
         self.step, self.breakpoint, self.detail, self.skipped = step, breakpoint, detail, skipped
-        then = ("the update of this step was skipped: the weights are as before it"
-                if skipped else "this step's update is in the weights")
-        super().__init__(f"{detail}; {then}. Catch lab.BreakpointHit to stop or go on; "
-                         "run.events() has the event.")
+        then = ("the update was skipped, the weights are as before this step" if skipped
+                else "this step's update is in the weights")
+        super().__init__(f"{breakpoint} at step {step}: {then}. Catch lab.BreakpointHit to stop "
+                         "or go on; run.events() has the event.")
 
 
 class _LoopState(_StepState):
@@ -317,7 +317,7 @@ class LoopProbe(Probe):
         record["traces"][trace] = arguments
         if len(record["traces"]) >= RETRACE_WARNING:
             self._warn_once(("retrace", id(function)), _retrace_message(function, list(record["traces"].values()),
-                                                                        self.steps_seen), RuntimeWarning)
+                                                                        self.steps_seen + 1), RuntimeWarning)
 
     steps_seen = 0  # the run keeps it current, for messages
 
@@ -406,9 +406,9 @@ def _describe(value):
     return ("object", type(value).__name__)
 
 
-def _retrace_message(function, traces, steps):
+def _retrace_message(function, traces, calls):
     name = getattr(function, "__name__", None) or getattr(function, "name", "the step")
-    head = (f"The @tf.function `{name}` was traced {len(traces)} times in {max(steps, 1)} steps: "
+    head = (f"The @tf.function `{name}` was traced {len(traces)} times in {calls} calls: "
             "it builds a new graph for every new Python value and every new input shape.")
     for kind, advice in (
         ("python", "is a Python value that changed between traces ({values}): pass it as a "

@@ -1,0 +1,128 @@
+"""What watching costs: a hand-written training loop under `lab.watch` against the same loop unwatched.
+
+The loop is the one the TensorFlow guides teach: a `@tf.function` step with a
+`tf.GradientTape` and `optimizer.apply_gradients`, a Python `for` over the
+batches. Every configuration runs in this one process, interleaved and
+repeated, each on its own model and optimizer with its own watch block open
+for the whole measurement (the step is traced inside it, in a warm-up pass);
+each is reported as the median ratio of its loop time to the unwatched loop's
+in the same round (the machines are shared and noisy: absolute times from
+different runs are not comparable).
+
+Usage:
+    python benchmarks/watch_overhead.py           # full: graph and eager steps, 5 rounds
+    python benchmarks/watch_overhead.py --quick   # CI's short form
+"""
+
+import argparse
+import contextlib
+import os
+import statistics
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import lab  # noqa: E402
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def make_mlp():
+    return keras.Sequential([keras.Input((64,)), keras.layers.Dense(256, activation="relu"),
+                             keras.layers.Dense(256, activation="relu"), keras.layers.Dense(10)])
+
+
+class Unwatched:
+    """Stands in for a watched run: the loop calls `step` and nothing happens."""
+
+    def step(self, **values):
+        pass
+
+
+class FloatLoss:
+    """What people write without the lab: the loss as a Python float each step."""
+
+    def __init__(self):
+        self.losses = []
+
+    def step(self, loss):
+        self.losses.append(float(loss))
+
+
+CONFIGS = {
+    "unwatched": lambda model, opt: contextlib.nullcontext(Unwatched()),
+    "watch(gradients=False)": lambda model, opt: lab.watch(model, opt, gradients=False),
+    "watch()": lambda model, opt: lab.watch(model, opt),
+    "watch(weights=True)": lambda model, opt: lab.watch(model, opt, weights=True),
+    "watch(nonfinite)": lambda model, opt: lab.watch(model, opt, breakpoints=[lab.breakpoints.nonfinite()]),
+    "per-step float(loss)": lambda model, opt: contextlib.nullcontext(FloatLoss()),
+}
+
+
+def make_loop(model, optimizer, compiled):
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = LOSS(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    step = tf.function(train_step) if compiled else train_step
+
+    def loop(run, data):
+        for x, y in data:
+            run.step(loss=step(x, y))
+
+    return loop
+
+
+def measure(compiled, rounds, steps):
+    (x, y), _ = lab.datasets.digits()
+    data = [(tf.constant(x[i:i + 32], tf.float32), tf.constant(y[i:i + 32]))
+            for i in range(0, 32 * steps, 32) if i + 32 <= len(x)]
+    data = (data * (steps // len(data) + 1))[:steps]
+    with contextlib.ExitStack() as stack:
+        loops = {}
+        for name, make in CONFIGS.items():
+            keras.utils.set_random_seed(0)
+            model, optimizer = make_mlp(), keras.optimizers.Adam(1e-3)
+            run = stack.enter_context(make(model, optimizer))
+            loop = make_loop(model, optimizer, compiled)
+            loop(run, data[:2])  # warm-up: traces the step inside the block
+            loops[name] = (loop, run)
+        ratios = {name: [] for name in CONFIGS}
+        bare = []
+        for _ in range(rounds):
+            times = {}
+            for name, (loop, run) in loops.items():
+                start = time.perf_counter()
+                loop(run, data)
+                if hasattr(run, "flush"):
+                    run.flush()  # the rows reach the run inside the measured time
+                times[name] = time.perf_counter() - start
+            bare.append(times["unwatched"])
+            for name in CONFIGS:
+                ratios[name].append(times[name] / times["unwatched"])
+    return {name: statistics.median(r) for name, r in ratios.items()}, statistics.median(bare)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a short form for CI")
+    args = parser.parse_args(argv)
+    shapes = [("tf.function", True, 200)] if args.quick else [("tf.function", True, 400), ("eager", False, 60)]
+    rounds = 2 if args.quick else 5
+    print(f"{'step':12} {'configuration':26} {'time / unwatched':>17}")
+    for label, compiled, steps in shapes:
+        ratios, bare = measure(compiled, rounds, steps)
+        for name, ratio in ratios.items():
+            print(f"{label:12} {name:26} {ratio:>16.3f}x")
+        print(f"{'':12} (unwatched: {steps} steps in {bare:.2f} s, {1000 * bare / steps:.2f} ms/step)")
+
+
+if __name__ == "__main__":
+    main()
