@@ -80,6 +80,8 @@ class BatchInFlight(keras.callbacks.Callback):
     def stepper(self, **kwargs):
         """A `lab.Stepper` on the kept batch, with the model put back to before it.
 
+        Its data is that one batch: stepping past it replays it as a new epoch.
+
         Args:
             **kwargs: passed to `lab.Stepper` (`run`, `start_step`, `mode`, ...).
 
