@@ -229,7 +229,7 @@ def test_a_step_traced_before_watching_is_reported(digits):
     step = make_step(model, optimizer, "graph")
     x, y = batches(*digits, 1)[0]
     step(x, y)  # traced without the lab
-    with pytest.warns(RuntimeWarning, match="traced before `lab.watch` began"):
+    with pytest.warns(RuntimeWarning, match="traced before `lab.watch` first watched this model"):
         with lab.watch(model, optimizer) as run:
             run.step(loss=step(x, y))
     assert np.isnan(run.batches()["grad_norm"].iloc[0])
