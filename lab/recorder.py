@@ -119,6 +119,9 @@ class Recorder(keras.callbacks.Callback):
         self._probe.release()
         self._fill_metadata()
         self._mode = modes.current_mode(self.model)
+        modes.training_began(self.model)
+        # set_model dropped the function a mode switch had armed: arm it again.
+        modes.guard_first_step(self.model)
         self._guard()
         self._set_status("running")
 
@@ -126,6 +129,7 @@ class Recorder(keras.callbacks.Callback):
         self._epoch = epoch
 
     def on_train_batch_begin(self, batch, logs=None):
+        modes.apply_pending_mode(self.model)  # a switch asked for from another thread
         if self.model.train_function is not self._guarded:
             self._guard()
         self._begin_step = batch
@@ -356,6 +360,7 @@ class Recorder(keras.callbacks.Callback):
         if function is not None and status in ("finished", "stopped"):
             self._cached = (_signature(model), function)
         self._detach()
+        modes.training_ended(self.model)
         if self.path:
             self._save()
 
@@ -404,6 +409,21 @@ class Recorder(keras.callbacks.Callback):
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None:
             meta.setdefault("optimizer", type(optimizer).__name__)
+        meta.setdefault("started", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+        meta.setdefault("mode", modes.current_mode(model))
+        if optimizer is not None:
+            try:
+                meta.setdefault("optimizer_config", optimizer.get_config())
+            except (NotImplementedError, TypeError, ValueError):
+                pass
+        lines = []
+        try:
+            model.summary(print_fn=lambda line, **kwargs: lines.append(line), line_length=100)
+            meta.setdefault("summary", "\n".join(lines))
+        except ValueError:
+            pass
+        meta.setdefault("devices", [d.name for d in tf.config.list_logical_devices()])
+        meta.setdefault("numpy", np.__version__)
         meta.setdefault("steps_per_execution", int(model.steps_per_execution))
         meta.setdefault("strategy", type(model.distribute_strategy).__name__)
         meta.setdefault("tensorflow", tf.__version__)

@@ -103,8 +103,10 @@ class Run:
 
     @staticmethod
     def _dtype_for(name, values):
-        if name in _INDEX_COLUMNS:
+        if name == "step":
             return np.int64
+        if name in _INDEX_COLUMNS:
+            return np.int32
         if name == "mode" or (len(values) and isinstance(values[0], str)):
             return object
         if name == "seconds":
@@ -142,10 +144,11 @@ class Run:
         with self._lock:
             return list(self._columns)
 
-    def column(self, name):
-        """One batch column as a numpy array (a copy)."""
+    def column(self, name, start=0, stop=None):
+        """One batch column (rows `start` to `stop`) as a numpy array (a copy)."""
         with self._lock:
-            return self._columns[name].data[: self._length].copy()
+            stop = self._length if stop is None else min(stop, self._length)
+            return self._columns[name].data[start:stop].copy()
 
     def batches(self):
         """One row per training batch, as a DataFrame (see DESIGN.md for columns)."""
