@@ -148,28 +148,11 @@ def _time_run(model, mode, spe, batches, steps):
         if mode == "xla":
             _check_xla(model)
         _set_attributes(model, mode, spe)
-        function, traces = _counted_train_function(model)
-        iterator = iter(_distributed(model, batches))
-        start = time.perf_counter()
-        logs = function(iterator)
-        done = min(spe, steps)
-        losses[done] = _loss(logs)
-        row["trace_seconds"] = time.perf_counter() - start
-        per_step = []
-        while done < steps:
-            start = time.perf_counter()
-            logs = function(iterator)
-            loss = _loss(logs)
-            elapsed = time.perf_counter() - start
-            count = min(spe, steps - done)
-            done += count
-            losses[done] = loss
-            if count == spe:
-                per_step.append(elapsed / spe)
-        row["step_ms"] = 1000.0 * statistics.median(per_step)
-        # What the first call costs beyond a later full one: tracing, compiling.
-        row["trace_seconds"] = max(0.0, row["trace_seconds"] - statistics.median(per_step) * spe)
-        row["traces"] = 0 if mode == "eager" else traces[0]
+        function, traces, restore = _counted_train_function(model)
+        try:
+            row, losses = _timed_calls(function, model, batches, spe, steps, row, traces, mode)
+        finally:
+            restore()
     except ModeError as error:
         row["error"] = str(error)
     except _END_OF_DATA:
@@ -183,6 +166,33 @@ def _time_run(model, mode, spe, batches, steps):
     return row, losses
 
 
+def _timed_calls(function, model, batches, spe, steps, row, traces, mode):
+    """Calls the train function `steps` times: the first call, then timed ones."""
+    losses = {}
+    iterator = iter(_distributed(model, batches))
+    start = time.perf_counter()
+    logs = function(iterator)
+    done = min(spe, steps)
+    losses[done] = _loss(logs)
+    row["trace_seconds"] = time.perf_counter() - start
+    per_step = []
+    while done < steps:
+        start = time.perf_counter()
+        logs = function(iterator)
+        loss = _loss(logs)
+        elapsed = time.perf_counter() - start
+        count = min(spe, steps - done)
+        done += count
+        losses[done] = loss
+        if count == spe:
+            per_step.append(elapsed / spe)
+    row["step_ms"] = 1000.0 * statistics.median(per_step)
+    # What the first call costs beyond a later full one: tracing, compiling.
+    row["trace_seconds"] = max(0.0, row["trace_seconds"] - statistics.median(per_step) * spe)
+    row["traces"] = 0 if mode == "eager" else traces[0]
+    return row, losses
+
+
 def _counted_train_function(model):
     """A fresh train function whose train_step counts its Python runs (traces)."""
     traces = [0]
@@ -193,17 +203,23 @@ def _counted_train_function(model):
         traces[0] += 1
         return step(data)
 
-    # The counter goes on the instance only while the function is built:
-    # make_train_function reads model.train_step once, at build time.
+    # Newer Keras reads model.train_step once, when the function is built;
+    # Keras before 3.6 reads it when the step is traced. So the counter stays
+    # on the instance until the run is over (`restore`).
     object.__setattr__(model, "train_step", counted)
-    try:
-        model.make_train_function(force=True)
-    finally:
+
+    def restore():
         if previous is _MISSING:
             object.__delattr__(model, "train_step")
         else:
             object.__setattr__(model, "train_step", previous)
-    return model.train_function, traces
+
+    try:
+        model.make_train_function(force=True)
+    except BaseException:
+        restore()
+        raise
+    return model.train_function, traces, restore
 
 
 _MISSING = object()
