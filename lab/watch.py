@@ -2,13 +2,14 @@
 
 A hand-written loop has no `train_step` for the lab to bracket, so a step's
 values cannot be gathered inside one graph the way the Recorder gathers them.
-Instead the optimizer hooks (the Probe's, unchanged) write what they measure
-into one device-side vector of slots, in whatever graph the user's step runs
-(eager, `tf.function`, XLA). Once per step the user calls
-`run.step(loss=..., **metrics)`: one compiled call joins those values with
-the slots into a row, appends it to the device ring buffer and resets the
-slots, without waiting for the device. Rows reach the Run in blocks: on a
-timer, when the ring is half full, when the run is read and at the end.
+Instead the optimizer hooks (the Probe's, through `lab.loop_probe.LoopProbe`)
+write what they measure into one device-side vector of slots, in whatever
+graph the user's step runs (eager, `tf.function`, XLA). Once per step the
+user calls `run.step(loss=..., **metrics)`: one compiled call joins those
+values with the slots into a row, appends it to the device ring buffer and
+resets the slots, without waiting for the device. Rows reach the Run in
+blocks: on a timer, when the ring is half full, when the run is read and at
+the end.
 
 While watching, the lab also names the fix for the mistakes hand-written
 steps are known for: a loss computed outside the tape (no gradient at all),
@@ -18,48 +19,23 @@ lab was watching.
 """
 
 import contextlib
-import inspect
-import sys
 import threading
 import time
-import warnings
-import weakref
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from lab import breakpoints as breakpoints_module
-from lab.buffer import StepBuffer
-from lab.probes import Probe, _StepState, find_optimizers, variable_keys
+from lab.loop_probe import LoopProbe
+from lab.probes import find_optimizers
 from lab.run import Run
 
-# Slots kept free for variables the model did not list when watching began
-# (a subclassed model is often built by its first step).
-_SPARE_SLOTS = 32
-_SPARE_SLOTS_UNBUILT = 256
-# Traces of one tf.function after which the lab says why it keeps tracing.
-RETRACE_WARNING = 4
 # Steps after which a metric that never changed is reported.
 CONSTANT_METRIC_STEPS = 10
 _RESERVED = ("step", "seconds", "mode", "updated", "grad_norm", "learning_rate")
 _HOST_COLUMNS = ("epoch", "batch")
 
-ALL_NONE_MESSAGE = (
-    "The optimizer {name!r} got no gradient for any of its {count} variables: the "
-    "loss does not depend on them through the tape. Compute the loss inside the "
-    "`with tf.GradientTape() as tape:` block (the forward pass `y_pred = model(x, "
-    "training=True)` and `loss = loss_fn(y, y_pred)` both go inside it), then call "
-    "`tape.gradient(loss, model.trainable_variables)` after the block."
-)
-SOME_NONE_MESSAGE = (
-    "The optimizer {name!r} got `None` gradients for {missing} of {count} variables, "
-    "so they never train: {paths}. If they should train, make sure the loss uses "
-    "them inside the tape (a layer called outside the `GradientTape` block, or a "
-    "branch the step never takes); if they are frozen on purpose, set "
-    "`layer.trainable = False` or leave them out of `tape.gradient(...)` and "
-    "`apply_gradients(...)`."
-)
 CONSTANT_METRIC_MESSAGE = (
     "The metric {metric!r} has been {value:g} for all {steps} steps while the loss "
     "changed: it is probably never updated. Call `{metric}.update_state(y, y_pred)` "
@@ -73,7 +49,6 @@ UNSEEN_UPDATE_MESSAGE = (
     "first call of the step, or wrap it anew inside the block: "
     "`train_step = tf.function(train_step.python_function)`."
 )
-
 UNGATED_MESSAGE = (
     "This step updated the weights without the device breakpoints being checked: the "
     "@tf.function step was traced in a `lab.watch` block without breakpoints (or before "
@@ -102,327 +77,6 @@ class BreakpointHit(Exception):
                 else "this step's update is in the weights")
         super().__init__(f"{breakpoint} at step {step}: {then}. Catch lab.BreakpointHit to stop "
                          "or go on; run.events() has the event.")
-
-
-class _LoopState(_StepState):
-    """The one step state of a watched loop: every value goes to a slot."""
-
-    def nested(self):
-        return True
-
-
-class _SharedState:
-    """Stands in for the Probe's per-thread step state: always present."""
-
-    def __init__(self):
-        self.state = _LoopState()
-
-
-class _LoopSlots:
-    """One model's slots, kept for the model's life (never on it) across watch blocks.
-
-    A `tf.function` step traced inside one block keeps that block's hooks in
-    its graph: it writes these same variables when a later block runs it, so
-    a step may be watched again without tracing it again.
-    """
-
-    def __init__(self, names, spare, make_variable):
-        self.index = {name: position for position, (name, _) in enumerate(names)}
-        self.resets = [reset for _, reset in names] + [np.nan] * spare
-        self.vector = make_variable("lab_loop_slots", np.array(self.resets, np.float32))
-        self.active = make_variable("lab_loop_active", 0.0)
-        self.hold = make_variable("lab_hold", 0.0)
-
-    def add(self, name):
-        """Gives `name` a free slot (its reset is NaN); None when none is left."""
-        if name not in self.index and len(self.index) < len(self.resets):
-            self.index[name] = len(self.index)
-        return self.index.get(name)
-
-    def reset(self):
-        self.vector.assign(np.array(self.resets, np.float32))
-
-
-_SLOTS = weakref.WeakKeyDictionary()  # model -> _LoopSlots
-
-
-class LoopProbe(Probe):
-    """A Probe on the optimizers of a hand-written loop, its values in slots.
-
-    Args:
-        model: keras.Model, whose `trainable_variables` name the columns.
-        optimizers: dict, name -> keras optimizer the loop uses.
-        gradients: bool, record per-variable norms of the applied gradients.
-        weights: bool, record weight norms and update/weight ratios.
-        breakpoints: sequence of device-side breakpoints (`nonfinite()`).
-        capacity: int, rows of the device ring buffer.
-    """
-
-    def __init__(self, model, optimizers, gradients=True, weights=False, breakpoints=(), capacity=1024):
-        super().__init__(model, gradients=gradients, weights=weights, breakpoints=breakpoints,
-                         capacity=capacity)
-        self.optimizers = dict(optimizers)
-        self._local = _SharedState()
-        self._writes = threading.local()
-        self._slots = None
-        self._frozen = None
-        self._row_function = None
-        self._traces = {}
-        self._warned = set()
-        self.warnings = []  # (message, step) the run turns into events
-
-    # ---- installing --------------------------------------------------------
-
-    def install(self):
-        """Patches each optimizer's `apply` and update step (instance attributes)."""
-        if self.installed:
-            return
-        for name, optimizer in self.optimizers.items():
-            if getattr(getattr(optimizer, "apply", None), "_lab_probe", None) is not None:
-                raise RuntimeError(
-                    f"The optimizer {name!r} is already watched (another `lab.watch` block "
-                    "or a Recorder is attached). Leave that block first."
-                )
-        self._variable_keys = variable_keys(self.model.trainable_variables)
-        self._optimizer_names = list(self.optimizers)
-        self._allocate_slots()
-        for name, optimizer in self.optimizers.items():
-            apply = optimizer.apply
-            if self.breakpoints:
-                apply = self._wrap_apply(optimizer, apply)
-            self._patch(optimizer, "apply", self._wrap_checks(name, optimizer, apply))
-            inner = getattr(optimizer, "inner_optimizer", None) or optimizer
-            self._patch(inner, "_backend_update_step", self._wrap_update_step(name, inner._backend_update_step))
-            if hasattr(inner, "_all_reduce_sum_gradients"):
-                self._patch(inner, "_all_reduce_sum_gradients",
-                            self._wrap_all_reduce(inner._all_reduce_sum_gradients))
-        self._slots.active.assign(1.0)
-
-    def uninstall(self):
-        """Restores every patched method; graphs traced meanwhile stop gating."""
-        super().uninstall()
-        if self._slots is not None:
-            self._slots.active.assign(0.0)
-        self.release()
-
-    def _allocate_slots(self):
-        names = [(f"_lr/{name}", np.nan) for name in self.optimizers]
-        names += [("_updates", 0.0), ("_grad_square", 0.0)]
-        keys = list(self._variable_keys.values())
-        # Every kind, whatever this block records: a later block may ask for them.
-        names += [(f"{kind}/{key}", np.nan) for kind in ("grad_norm", "weight_norm", "update_ratio")
-                  for key in keys]
-        names += [("_hit", 0.0), ("_held", 0.0), ("_gated", 0.0)]
-        slots = _SLOTS.get(self.model)
-        if slots is None:
-            spare = _SPARE_SLOTS if self.model.built else _SPARE_SLOTS_UNBUILT
-            slots = _SLOTS[self.model] = _LoopSlots(names, spare, self._make_variable)
-        for name, _ in names:
-            slots.add(name)
-        slots.reset()
-        self._slots = slots
-        self._hold = slots.hold
-
-    # ---- values into slots -------------------------------------------------
-
-    def _index(self, name):
-        index = self._slots.index.get(name)
-        if index is not None:
-            return index
-        if self._frozen is None:
-            index = self._slots.add(name)
-            if index is not None:
-                return index
-        self._warn_once(("slot", name), (
-            f"The lab cannot record {name!r}: it appeared after recording started or "
-            "there are too many variables. Build the model (call it on one batch) "
-            "before `lab.watch` begins."), RuntimeWarning)
-        return None
-
-    def _emit(self, state, name, value, reset=np.nan, accumulate=False):
-        index = self._index(name)
-        if index is None:
-            return
-        item = (index, tf.cast(value, tf.float32), accumulate)
-        batch = getattr(self._writes, "batch", None)
-        if batch is not None:
-            batch.append(item)
-        else:
-            self._scatter([item])
-
-    def _scatter(self, items):
-        for accumulate in (False, True):
-            chosen = [(i, v) for i, v, a in items if a == accumulate]
-            if not chosen:
-                continue
-            indices = tf.constant([[i] for i, _ in chosen], tf.int32)
-            values = tf.stack([v for _, v in chosen])
-            if accumulate:
-                self._slots.vector.scatter_nd_add(indices, values)
-            else:
-                self._slots.vector.scatter_nd_update(indices, values)
-
-    def _emit_update(self, state, name, variables, grads, learning_rate, before):
-        # One scatter per kind instead of one op per value: eager steps pay per op.
-        self._writes.batch = []
-        try:
-            super()._emit_update(state, name, variables, grads, learning_rate, before)
-            items = self._writes.batch
-        finally:
-            self._writes.batch = None
-        self._scatter(items)
-
-    def _gate(self, state, grads):
-        skip = super()._gate(state, grads)
-        self._emit(state, "_gated", 1.0, reset=0.0, accumulate=True)
-        # A graph traced while watching keeps this gate; it skips only inside a block.
-        return tf.logical_and(skip, self._slots.active.read_value() > 0)
-
-    # ---- checks on what the loop hands the optimizer ---------------------
-
-    def _wrap_checks(self, name, optimizer, apply):
-        probe = self
-
-        def apply_checked(grads, trainable_variables=None):
-            grads = list(grads)
-            variables = list(trainable_variables) if trainable_variables is not None else None
-            if variables is None and optimizer.built:
-                variables = list(optimizer._trainable_variables)
-            probe._check_gradients(name, grads, variables)
-            if not tf.executing_eagerly():
-                probe._note_trace()
-            return apply(grads, trainable_variables if variables is None else variables)
-
-        return apply_checked
-
-    def _check_gradients(self, name, grads, variables):
-        missing = [i for i, g in enumerate(grads) if g is None]
-        if not grads or not missing:
-            return
-        if len(missing) == len(grads):
-            raise ValueError(ALL_NONE_MESSAGE.format(name=name, count=len(grads)))
-        paths = ", ".join(self._key(variables[i]) if variables else f"#{i}" for i in missing)
-        self._warn_once(("none", name, paths), SOME_NONE_MESSAGE.format(
-            name=name, missing=len(missing), count=len(grads), paths=paths), UserWarning)
-
-    def _note_trace(self):
-        found = _calling_tf_function()
-        if found is None:
-            return
-        function, arguments = found
-        record = self._traces.setdefault(id(function), {"function": function, "traces": {}})
-        trace = function.experimental_get_tracing_count()
-        if trace in record["traces"]:
-            return  # a second optimizer in the same trace
-        record["traces"][trace] = arguments
-        if len(record["traces"]) >= RETRACE_WARNING:
-            self._warn_once(("retrace", id(function)), _retrace_message(function, list(record["traces"].values()),
-                                                                        self.steps_seen + 1), RuntimeWarning)
-
-    steps_seen = 0  # the run keeps it current, for messages
-
-    def _warn_once(self, key, message, category):
-        if key in self._warned:
-            return
-        self._warned.add(key)
-        self.warnings.append((message, self.steps_seen))
-        warnings.warn(message, category, stacklevel=4)
-
-    # ---- the row -------------------------------------------------------------
-
-    def freeze(self, given):
-        """Fixes the row's columns: the loop's own values, then the slots."""
-        several = len(self.optimizers) > 1
-        slot_columns, gather = [], []
-        for name, index in self._slots.index.items():
-            if not self._records(name):
-                continue
-            if name.startswith("_lr/"):
-                name = f"learning_rate/{name[4:]}" if several else "learning_rate"
-            slot_columns.append(name)
-            gather.append(index)
-        self._frozen = (list(given), slot_columns, gather)
-        self.columns = list(given) + slot_columns + ["updated"]
-        if self.gradients:
-            self.columns.append("grad_norm")
-        self.columns += [f"_iterations/{name}" for name in self.optimizers]
-        self.buffer = StepBuffer(len(self.columns), self.capacity)
-        self._row_function = tf.function(self._close_row, reduce_retracing=True)
-
-    def _records(self, name):
-        kind = name.split("/", 1)[0]
-        if kind == "_lr":
-            return name[4:] in self.optimizers
-        if kind in ("_hit", "_held"):
-            return bool(self.breakpoints)
-        return ((kind == "grad_norm" and self.gradients)
-                or (kind in ("weight_norm", "update_ratio") and self.weights))
-
-    def close_row(self, values):
-        """Writes one row (the loop's values in column order); returns the hit index tensor."""
-        return self._row_function(tuple(values))
-
-    def _close_row(self, values):
-        _, _, gather = self._frozen
-        index = self._slots.index
-        slots = tf.identity(self._slots.vector.read_value())
-        with tf.control_dependencies([slots]):
-            self._slots.vector.assign(tf.constant(self._slots.resets, tf.float32))
-        updates = slots[index["_updates"]]
-        parts = [tf.reshape(tf.reduce_mean(tf.cast(v, tf.float32)), [1]) for v in values]
-        parts.append(tf.gather(slots, gather))
-        parts.append(tf.reshape(tf.cast(updates > 0, tf.float32), [1]))
-        if self.gradients:
-            norm = tf.where(updates > 0, tf.sqrt(slots[index["_grad_square"]]), np.float32(np.nan))
-            parts.append(tf.reshape(norm, [1]))
-        parts += [tf.reshape(tf.cast(tf.convert_to_tensor(o.iterations), tf.float32), [1])
-                  for o in self.optimizers.values()]
-        self.buffer.write(tf.concat(parts, 0))
-        return tf.stack([slots[index["_hit"]], slots[index["_gated"]], updates])
-
-
-def _calling_tf_function():
-    """The tf.function being traced and its call's arguments (name -> value)."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, tf.types.experimental.PolymorphicFunction) and "args" in frame.f_locals:
-            args, kwargs = frame.f_locals["args"], frame.f_locals.get("kwds") or {}
-            try:
-                bound = inspect.signature(owner.python_function).bind(*args, **kwargs)
-                arguments = dict(bound.arguments)
-            except (TypeError, ValueError, AttributeError):
-                arguments = {f"#{i}": a for i, a in enumerate(args)} | dict(kwargs)
-            return owner, {name: _describe(value) for name, value in arguments.items()}
-        frame = frame.f_back
-    return None
-
-
-def _describe(value):
-    if isinstance(value, (tf.Tensor, tf.Variable, np.ndarray, keras.Variable)):
-        return ("tensor", tuple(value.shape), str(value.dtype))
-    if isinstance(value, (bool, int, float, str, np.generic)) or value is None:
-        return ("python", value)
-    return ("object", type(value).__name__)
-
-
-def _retrace_message(function, traces, calls):
-    name = getattr(function, "__name__", None) or getattr(function, "name", "the step")
-    head = (f"The @tf.function `{name}` was traced {len(traces)} times in {calls} calls: "
-            "it builds a new graph for every new Python value and every new input shape.")
-    for kind, advice in (
-        ("python", "is a Python value that changed between traces ({values}): pass it as a "
-                   "tensor (`tf.constant(...)`) or leave it out of the call."),
-        ("tensor", "changed shape between traces ({values}): give the batches one shape "
-                   "(`dataset.batch(n, drop_remainder=True)`) or trace for any batch size "
-                   "with `@tf.function(reduce_retracing=True)`."),
-    ):
-        for argument in traces[0]:
-            seen = [t.get(argument) for t in traces]
-            if seen[0] and seen[0][0] == kind and len(set(seen)) > 1:
-                values = ", ".join(repr(s[1]) for s in seen[:5] if s)
-                return f"{head} Its argument `{argument}` " + advice.format(values=values)
-    return head + " Pass tensors of one shape and dtype, and no changing Python values."
 
 
 class WatchedRun(Run):
