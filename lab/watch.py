@@ -274,6 +274,7 @@ class WatchedRun(Run):
             self.flush()
         finally:
             self.probe.uninstall()
+            self.probe._traces.clear()  # the user's functions, kept only while watching
             self._closed = True
         if self._steps == 0 and error is None:
             slots = self.probe._slots

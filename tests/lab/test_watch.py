@@ -294,3 +294,31 @@ def test_a_step_traced_without_breakpoints_is_reported_when_they_are_asked_for(d
     with pytest.warns(RuntimeWarning, match="without the device breakpoints being checked"):
         with lab.watch(model, optimizer, breakpoints=[lab.breakpoints.nonfinite()]) as run:
             run.step(loss=step(x, y))
+
+
+def test_rows_reach_the_run_when_read_and_the_model_keeps_no_trace(digits, tmp_path):
+    model, optimizer = make_mlp(), keras.optimizers.SGD(0.1)
+    step = make_step(model, optimizer, "graph")
+    paths = [w.path for w in model.weights]
+    with lab.watch(model, optimizer, flush_every=3600) as run:
+        for epoch in range(2):
+            for x, y in batches(*digits, 2):
+                run.step(loss=step(x, y), epoch=epoch)
+            assert len(run.batches()) == 2 * (epoch + 1)  # read mid-loop: rows are there
+    assert list(run.batches()["epoch"]) == [0, 0, 1, 1]
+    assert [w.path for w in model.weights] == paths
+    assert not any("lab" in v.name for v in optimizer.variables)
+    run.save(tmp_path / "loop.h5")
+    np.testing.assert_allclose(lab.Run.load(tmp_path / "loop.h5").batches()["loss"], run.batches()["loss"])
+
+
+def test_an_interrupted_loop_leaves_an_interrupt_event(digits):
+    model, optimizer = make_mlp(), keras.optimizers.SGD(0.1)
+    step = make_step(model, optimizer)
+    with pytest.raises(KeyboardInterrupt):
+        with lab.watch(model, optimizer) as run:
+            x, y = batches(*digits, 1)[0]
+            run.step(loss=step(x, y))
+            raise KeyboardInterrupt
+    assert list(run.events()["kind"]) == ["interrupt"] and len(run) == 1
+    assert "apply" not in vars(optimizer)
