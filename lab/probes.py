@@ -455,7 +455,8 @@ class Probe:
     def _metric_delta(self, metric, before):
         total = _all_reduce(tf.cast(tf.identity(metric.total.value) - before[0], tf.float32), "SUM")
         count = _all_reduce(tf.cast(tf.identity(metric.count.value) - before[1], tf.float32), "SUM")
-        return tf.math.divide_no_nan(total, count)
+        # A metric the step did not update has no value for this batch (not 0).
+        return tf.where(count > 0, tf.math.divide_no_nan(total, count), np.float32(np.nan))
 
     def _record(self, state, totals, logs, batch_size):
         values = {"_batch_size": _all_reduce(batch_size, "SUM")}

@@ -34,6 +34,14 @@ OLD_STYLE_WARNING = (
 )
 
 
+TRACKER_UNUSED_WARNING = (
+    "This train_step never updates the loss tracker, so Keras reports no loss (or 0) "
+    "for it; the lab records the loss compute_loss returned. Update it in the step, "
+    "e.g. `for metric in self.metrics: metric.update_state(loss) if metric.name == "
+    "'loss' else metric.update_state(y, y_pred)`."
+)
+
+
 class Recorder(keras.callbacks.Callback):
     """Records one row per training batch into `recorder.run`.
 
@@ -264,6 +272,12 @@ class Recorder(keras.callbacks.Callback):
         if "_tracker_loss" not in rows or self.model in _WARNED_OLD_STYLE:
             return
         true, tracked = rows["loss"], rows["_tracker_loss"]
+        if len(tracked) and np.isnan(tracked).all() and np.isfinite(true).any():
+            _WARNED_OLD_STYLE.add(self.model)
+            self.run.add_event("warning", "loss tracker never updated")
+            warnings.warn(TRACKER_UNUSED_WARNING, UserWarning, stacklevel=2)
+            return
+        true, tracked = true[np.isfinite(tracked)], tracked[np.isfinite(tracked)]
         scale = max(1e-6, float(abs(true).max()) if len(true) else 1.0)
         if len(true) and float(abs(true - tracked).max()) > 1e-3 * scale:
             _WARNED_OLD_STYLE.add(self.model)

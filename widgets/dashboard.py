@@ -17,6 +17,7 @@ from run to run only inside `<svg>` elements, which
 
 import collections
 import html
+import threading
 import time
 import warnings
 
@@ -118,7 +119,8 @@ class Dashboard(Recorder):
         self._progress = dict(epoch=0, batch=-1, done=0)
         self._rate_samples.clear()
         self._rate_samples.append((time.monotonic(), 0))
-        if not self._handles and _frontend_available():
+        # From a background thread a display would land in whatever cell runs then.
+        if not self._handles and _frontend_available() and threading.current_thread() is threading.main_thread():
             self._ipython_display_()
         self.refresh()
 

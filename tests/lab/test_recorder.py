@@ -312,3 +312,27 @@ def test_python_breakpoint_stops_fit_after_its_batch(digits):
 def test_breakpoint_needs_a_callable():
     with pytest.raises(TypeError, match="callable condition"):
         lab.Breakpoint(0.5)
+
+
+class TrackerNeverUpdated(Keras3Step):
+    def train_step(self, data):
+        x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return self.compute_metrics(x, y, y_pred)
+
+
+def test_a_step_that_never_updates_the_loss_tracker_is_named(digits):
+    x, y, _, _ = digits
+    model = _built(TrackerNeverUpdated)
+    rec = lab.Recorder()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=BATCH, callbacks=[rec], verbose=0)
+    assert np.isfinite(rec.run.column("loss")).all() and (rec.run.column("loss") > 0).all()
+    messages = [str(w.message) for w in caught if "loss tracker" in str(w.message)]
+    assert len(messages) == 1 and "never updates the loss tracker" in messages[0]
+    assert "compiled_metrics" not in messages[0]
