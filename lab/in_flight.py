@@ -64,8 +64,9 @@ class BatchInFlight(keras.callbacks.Callback):
         def keep_batch(iterator):
             data = next(iter(iterator))
             keeper.data, keeper.before = data, read_state(keeper.model)
-            # Keras' train function runs a plain iterable of batches one by one.
-            return function([data])
+            # Keras' train function runs a plain iterable of batches one by one;
+            # Keras before 3.6 calls next() on it, so it is an iterator too.
+            return function(iter([data]))
 
         keep_batch._lab_keep_batch = True
         keep_batch._lab_inner = function
