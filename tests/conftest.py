@@ -2,3 +2,24 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_HOME", os.path.join(os.path.dirname(__file__), "..", ".keras-home"))
+
+import pathlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+_END_TO_END = ("browser", "kernel")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "kernel: drives a real ipykernel through jupyter_client")
+
+
+def pytest_collection_modifyitems(config, items):
+    # End-to-end tests drive a real JupyterLab/Chromium or kernel on a shared
+    # 2-core machine; a rerun tells a slow machine from a broken feature.
+    if not config.pluginmanager.hasplugin("rerunfailures"):
+        return
+    for item in items:
+        parts = pathlib.Path(str(item.fspath)).parts
+        if any(part in _END_TO_END for part in parts[-2:-1]):
+            item.add_marker(pytest.mark.flaky(reruns=2, reruns_delay=5))
