@@ -98,6 +98,23 @@ def test_mirrored_recording_equals_one_device(mirrored):
         np.testing.assert_allclose(w2, w1, rtol=1e-4, atol=1e-6)
 
 
+def test_stepper_and_mode_switch_on_a_mirrored_model(mirrored):
+    assert "tools_error" not in mirrored, mirrored["tools_error"]
+    tools = mirrored["tools"]
+    assert tools["step_error"] == "None" and tools["step_index"] == 0
+    assert np.isfinite(tools["step_loss"]) and tools["step_gradients"] == 4
+    assert tools["traces_after_rewind"] == 1
+    assert "XLA under MirroredStrategy" in tools["xla"]
+
+
+@PENDING_PROBE_FIX
+def test_eager_recording_on_a_mirrored_model(mirrored):
+    assert "tools_error" not in mirrored, mirrored["tools_error"]
+    tools = mirrored["tools"]
+    assert "eager_error" not in tools, tools["eager_error"]
+    assert len(tools["eager_grad_norms"]) == 4 and np.isfinite(tools["eager_grad_norms"]).all()
+
+
 @PENDING_PROBE_FIX
 def test_nonfinite_breakpoint_on_one_replica_holds_every_replica(mirrored):
     assert "fit_error" not in mirrored, mirrored["fit_error"]

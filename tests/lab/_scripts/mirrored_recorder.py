@@ -69,6 +69,28 @@ def breakpoint_run(strategy, x, y):
     }
 
 
+def stepper_and_modes(strategy, x, y):
+    """The Stepper, and set_mode's eager mode and XLA refusal, on a mirrored model."""
+    with strategy.scope():
+        model = make_model()
+    stepper = lab.Stepper(model, (x, y), batch_size=16, shuffle=False)
+    trace = stepper.step()
+    stepper.step()
+    stepper.rewind(1)
+    out = {"step_index": trace.index, "step_loss": float(trace.logs["loss"]),
+           "step_gradients": len(trace.gradients or {}), "step_error": repr(trace.error),
+           "traces_after_rewind": len(stepper.traces)}
+    out["xla"] = errors(lambda: lab.set_mode(model, "xla"))
+    lab.set_mode(model, "eager")
+    try:
+        recorder = lab.Recorder(gradients=True)
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[recorder])
+        out["eager_grad_norms"] = recorder.run.batches()["grad_norm"].astype(float).tolist()
+    except Exception as error:  # noqa: BLE001 - reported, so the other checks still run
+        out["eager_error"] = f"{type(error).__name__}: {error}"
+    return out
+
+
 def half_batches(x, y):
     """Loss and gradient norm of the untrained model on each half of the first batch:
     what each of two replicas computes at step 0."""
@@ -83,6 +105,11 @@ def half_batches(x, y):
         grads = tape.gradient(loss, model.trainable_variables)
         halves.append([float(loss), float(tf.linalg.global_norm(grads))])
     return halves
+
+
+def data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(64, 8)).astype("float32"), rng.integers(0, 3, 64).astype("int32")
 
 
 def main():
@@ -100,9 +127,7 @@ def main():
     out["virtual_again"] = errors(lambda: lab.virtual_cpus(2))
     out["virtual_other"] = errors(lambda: lab.virtual_cpus(3))
     if "--no-fit" not in sys.argv:
-        rng = np.random.default_rng(0)
-        x = rng.normal(size=(64, 8)).astype("float32")
-        y = rng.integers(0, 3, 64).astype("int32")
+        x, y = data()
         try:
             out["one"] = record(lab.strategy("cpu"), x, y)
             out["mirrored"] = record(mirrored, x, y)
@@ -110,6 +135,10 @@ def main():
             out["breakpoint"] = breakpoint_run(mirrored, x, y)
         except Exception as error:  # noqa: BLE001 - reported, so the other checks still run
             out["fit_error"] = f"{type(error).__name__}: {error}"
+        try:
+            out["tools"] = stepper_and_modes(mirrored, x, y)
+        except Exception as error:  # noqa: BLE001 - reported, so the other checks still run
+            out["tools_error"] = f"{type(error).__name__}: {error}"
     print(json.dumps(out))
 
 
