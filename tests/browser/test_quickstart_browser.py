@@ -28,7 +28,9 @@ SAMPLE_JS = """() => {
     const errors = outputs.filter(o => o.getAttribute('data-mime-type') === 'application/vnd.jupyter.stderr')
         .map(o => o.textContent).filter(t => /Error|Traceback/.test(t));
     const dialog = document.querySelector('.jp-Dialog');
+    const header = document.querySelector('.training-lab-status');
     return {
+        header: header ? header.textContent : null,
         dialog: dialog ? dialog.textContent : null,
         plots: plots.length,
         traces: traces,
@@ -105,6 +107,10 @@ def test_dashboard_draws_the_loss_live_while_the_quickstart_trains(page, lab_ser
         page.wait_for_timeout(500)
         _screenshot(page, artifacts, "quickstart.png")
 
+    headers = [s["header"] for s in samples if s["header"]]
+    assert any(h.startswith("running") for h in headers), (
+        f"the Dashboard's status line never read 'running' during training: {headers[-1:]}")
+    assert headers[-1].startswith("finished") and "epoch 8/8" in headers[-1], headers[-1]
     assert any(s["plots"] for s in samples), "the Dashboard's plotly chart never appeared in the page"
     assert any(s["traces"] for s in samples), (
         "the Dashboard's chart is in the page but holds no trace: the FigureWidget's "
