@@ -161,7 +161,7 @@ def test_stored_outputs_are_small_and_hold_no_widget_state(notebook, notebook_pa
 
 
 def test_stored_outputs_name_no_local_paths(notebook):
-    local = [str(ROOT), str(pathlib.Path.home())]
+    local = [str(path) for path in (ROOT, pathlib.Path.home()) if len(path.parts) > 1]
     for index, cell in enumerate(_code_cells(notebook)):
         text = json.dumps(cell.outputs)
         assert not [p for p in local if p in text], f"code cell {index} output names a local path"
