@@ -22,7 +22,6 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from lab.buffer import StepBuffer
 from lab.probes import Probe, _StepState, variable_keys
 
 # Slots kept free for variables the model did not list when watching began
@@ -74,18 +73,23 @@ class _LoopSlots:
     def __init__(self, names, spare, make_variable):
         self.index = {name: position for position, (name, _) in enumerate(names)}
         self.resets = [reset for _, reset in names] + [np.nan] * spare
+        with tf.init_scope():
+            self.reset_values = tf.constant(self.resets, tf.float32)
         self.vector = make_variable("lab_loop_slots", np.array(self.resets, np.float32))
         self.active = make_variable("lab_loop_active", 0.0)
         self.hold = make_variable("lab_hold", 0.0)
 
-    def add(self, name):
-        """Gives `name` a free slot (its reset is NaN); None when none is left."""
+    def add(self, name, reset=np.nan):
+        """Gives `name` a free slot; None when none is left."""
         if name not in self.index and len(self.index) < len(self.resets):
             self.index[name] = len(self.index)
+            self.resets[self.index[name]] = reset
+            with tf.init_scope():  # may be called while a step is traced
+                self.reset_values = tf.constant(self.resets, tf.float32)
         return self.index.get(name)
 
     def reset(self):
-        self.vector.assign(np.array(self.resets, np.float32))
+        self.vector.assign(self.reset_values)
 
 
 _SLOTS = weakref.WeakKeyDictionary()  # model -> _LoopSlots
@@ -111,7 +115,6 @@ class LoopProbe(Probe):
         self._writes = threading.local()
         self._slots = None
         self._frozen = None
-        self._row_function = None
         self._traces = {}
         self._warned = set()
         self.warnings = []  # (message, step) the run turns into events
@@ -152,6 +155,7 @@ class LoopProbe(Probe):
 
     def _allocate_slots(self):
         names = [(f"_lr/{name}", np.nan) for name in self.optimizers]
+        names += [(f"_updates/{name}", 0.0) for name in self.optimizers]
         names += [("_updates", 0.0), ("_grad_square", 0.0)]
         keys = list(self._variable_keys.values())
         # Every kind, whatever this block records: a later block may ask for them.
@@ -162,20 +166,20 @@ class LoopProbe(Probe):
         if slots is None:
             spare = _SPARE_SLOTS if self.model.built else _SPARE_SLOTS_UNBUILT
             slots = _SLOTS[self.model] = _LoopSlots(names, spare, self._make_variable)
-        for name, _ in names:
-            slots.add(name)
+        for name, reset in names:
+            slots.add(name, reset)
         slots.reset()
         self._slots = slots
         self._hold = slots.hold
 
     # ---- values into slots -------------------------------------------------
 
-    def _index(self, name):
+    def _index(self, name, reset):
         index = self._slots.index.get(name)
         if index is not None:
             return index
         if self._frozen is None:
-            index = self._slots.add(name)
+            index = self._slots.add(name, reset)
             if index is not None:
                 return index
         self._warn_once(("slot", name), (
@@ -185,7 +189,7 @@ class LoopProbe(Probe):
         return None
 
     def _emit(self, state, name, value, reset=np.nan, accumulate=False):
-        index = self._index(name)
+        index = self._index(name, reset)
         if index is None:
             return
         item = (index, tf.cast(value, tf.float32), accumulate)
@@ -212,6 +216,7 @@ class LoopProbe(Probe):
         self._writes.batch = []
         try:
             super()._emit_update(state, name, variables, grads, learning_rate, before)
+            self._emit(state, f"_updates/{name}", 1.0, reset=0.0, accumulate=True)
             items = self._writes.batch
         finally:
             self._writes.batch = None
@@ -275,55 +280,56 @@ class LoopProbe(Probe):
 
     # ---- the row -------------------------------------------------------------
 
-    def freeze(self, given):
-        """Fixes the row's columns: the loop's own values, then the slots."""
+    def freeze(self):
+        """Fixes which slots become columns (names appearing later are not recorded)."""
         several = len(self.optimizers) > 1
-        slot_columns, gather = [], []
+        self._frozen = {}
         for name, index in self._slots.index.items():
-            if not self._records(name):
-                continue
-            if name.startswith("_lr/"):
-                name = f"learning_rate/{name[4:]}" if several else "learning_rate"
-            slot_columns.append(name)
-            gather.append(index)
-        self._frozen = (list(given), slot_columns, gather)
-        self.columns = list(given) + slot_columns + ["updated"]
-        if self.gradients:
-            self.columns.append("grad_norm")
-        self.columns += [f"_iterations/{name}" for name in self.optimizers]
-        self.buffer = StepBuffer(len(self.columns), self.capacity)
-        self._row_function = tf.function(self._close_row, reduce_retracing=True)
+            if self._records(name):
+                if name.startswith("_lr/"):
+                    name = f"learning_rate/{name[4:]}" if several else "learning_rate"
+                self._frozen[name] = index
 
     def _records(self, name):
         kind = name.split("/", 1)[0]
         if kind == "_lr":
             return name[4:] in self.optimizers
-        if kind in ("_hit", "_held"):
-            return bool(self.breakpoints)
+        if kind in ("_hit", "_held", "_updates"):
+            return kind != "_updates" or "/" in name
         return ((kind == "grad_norm" and self.gradients)
                 or (kind in ("weight_norm", "update_ratio") and self.weights))
 
-    def close_row(self, values):
-        """Writes one row (the loop's values in column order); returns the hit index tensor."""
-        return self._row_function(tuple(values))
+    def take(self):
+        """This step's slot values as a device tensor (nothing waits for it); resets the slots.
 
-    def _close_row(self, values):
-        _, _, gather = self._frozen
+        Two eager ops per step: the read keeps its own copy (the next write
+        copies the variable's buffer rather than change a tensor still held).
+        """
+        # The raw ops: a variable's Python methods cost more than the ops themselves.
+        handle = self._slots.vector.handle
+        values = tf.raw_ops.ReadVariableOp(resource=handle, dtype=tf.float32)
+        tf.raw_ops.AssignVariableOp(resource=handle, value=self._slots.reset_values)
+        return values
+
+    def hit(self, taken):
+        """(hit breakpoint number or 0, whether the gate ran, updates) of one step; waits for it."""
+        values = taken.numpy()
         index = self._slots.index
-        slots = tf.identity(self._slots.vector.read_value())
-        with tf.control_dependencies([slots]):
-            self._slots.vector.assign(tf.constant(self._slots.resets, tf.float32))
-        updates = slots[index["_updates"]]
-        parts = [tf.reshape(tf.reduce_mean(tf.cast(v, tf.float32)), [1]) for v in values]
-        parts.append(tf.gather(slots, gather))
-        parts.append(tf.reshape(tf.cast(updates > 0, tf.float32), [1]))
+        return int(values[index["_hit"]]), values[index["_gated"]] > 0, values[index["_updates"]]
+
+    def waiting_updates(self, name):
+        """Updates by optimizer `name` since the last `take()` (waits for the device)."""
+        return self._slots.vector[self._slots.index[f"_updates/{name}"]].numpy()
+
+    def row_columns(self, taken):
+        """Row columns from stacked slot values (steps x slots, numpy)."""
+        index = self._slots.index
+        columns = {name: taken[:, i] for name, i in self._frozen.items()}
+        updates = taken[:, index["_updates"]]
+        columns["updated"] = (updates > 0).astype(np.float32)
         if self.gradients:
-            norm = tf.where(updates > 0, tf.sqrt(slots[index["_grad_square"]]), np.float32(np.nan))
-            parts.append(tf.reshape(norm, [1]))
-        parts += [tf.reshape(tf.cast(tf.convert_to_tensor(o.iterations), tf.float32), [1])
-                  for o in self.optimizers.values()]
-        self.buffer.write(tf.concat(parts, 0))
-        return tf.stack([slots[index["_hit"]], slots[index["_gated"]], updates])
+            columns["grad_norm"] = np.where(updates > 0, np.sqrt(taken[:, index["_grad_square"]]), np.nan)
+        return columns
 
 
 def _calling_tf_function():

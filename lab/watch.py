@@ -146,15 +146,16 @@ class WatchedRun(Run):
                 f"run.step got {new} after the first step, which set the columns "
                 f"{self._given}: they are not recorded. Pass every value from the first step "
                 "on (or a new `lab.watch` block)."), RuntimeWarning)
-        hit = self.probe.close_row(values)
+        taken = self.probe.take()
         index = self._steps
         self._steps += 1
         self.probe.steps_seen = self._steps
-        self._pending.append(dict(host, seconds=seconds))
-        self._note_warnings()
+        self._pending.append((host, seconds, values, taken))
+        if self.probe.warnings:
+            self._note_warnings()
         if self.probe.breakpoints:
-            hit, gated, updates = hit.numpy()
-            if updates > 0 and gated == 0:
+            hit, gated, updates = self.probe.hit(taken)
+            if updates > 0 and not gated:
                 self.probe._warn_once("ungated", UNGATED_MESSAGE, RuntimeWarning)
                 self._note_warnings()
             if hit > 0:
@@ -165,7 +166,7 @@ class WatchedRun(Run):
             self.flush()
             self._check_rows(start)
         elif (time.monotonic() - self._last_flush >= self.flush_every
-              or 2 * len(self._pending) >= self.probe.capacity):
+              or len(self._pending) >= self.probe.capacity):
             self.flush()
         return index
 
@@ -177,30 +178,34 @@ class WatchedRun(Run):
                     f"run.step(... {name}=...) uses a name the lab fills in itself; "
                     f"rename it (e.g. `my_{name.lstrip('_')}`).")
         self._given = list(metrics)
-        self.probe.freeze(self._given)
+        self.probe.freeze()
 
     # ---- reading the device ------------------------------------------------
 
     def flush(self):
-        """Moves the rows recorded on the device into the run; returns how many."""
+        """Moves the steps taken since the last flush into the run; returns how many.
+
+        The only wait for the device: the steps' values are read in one block.
+        """
         if not self._flush_lock.acquire(blocking=False):
             return 0  # a subscriber reading the run while rows are being moved
         try:
             self._last_flush = time.monotonic()
-            rows = self.probe.read()
-            count = len(next(iter(rows.values()))) if rows else 0
-            if count == 0:
+            pending, self._pending = self._pending, []
+            if not pending:
                 return 0
-            meta, self._pending = self._pending[:count], self._pending[count:]
-            columns = {"seconds": np.array([m["seconds"] for m in meta])}
+            columns = {"seconds": np.array([p[1] for p in pending])}
             for key in _HOST_COLUMNS:
-                if any(key in m for m in meta):
-                    columns[key] = np.array([m.get(key, -1) for m in meta])
+                if any(key in p[0] for p in pending):
+                    columns[key] = np.array([p[0].get(key, -1) for p in pending])
+            for position, name in enumerate(self._given):
+                columns[name] = _to_numpy([p[2][position] for p in pending])
+            rows = self.probe.row_columns(tf.stack([p[3] for p in pending]).numpy())
             columns.update(rows)
             self._check_unseen_updates(rows)
             self.append_batches(columns)
             self._check_constant_metrics()
-            return count
+            return len(pending)
         finally:
             self._flush_lock.release()
 
@@ -238,13 +243,15 @@ class WatchedRun(Run):
             self.add_event("warning", message, step=step)
 
     def _check_unseen_updates(self, rows):
-        for name in self.probe.optimizers:
-            iterations = rows[f"_iterations/{name}"]
-            before = np.concatenate([[self._iterations[name]], iterations[:-1]])
-            self._iterations[name] = iterations[-1]
-            held = rows.get("_held", np.zeros_like(iterations))
-            unseen = int(((iterations > before) & (rows["updated"] == 0) & (held == 0)).sum())
-            if unseen:
+        for name, optimizer in self.probe.optimizers.items():
+            iterations = int(optimizer.iterations.numpy())
+            seen = int(np.nansum(rows[f"_updates/{name}"]))
+            # Updates since the last run.step(...) belong to the next rows.
+            waiting = int(self.probe.waiting_updates(name))
+            # Steps that ran in graphs without hooks advance `iterations` only.
+            unseen = iterations - self._iterations[name] - seen - waiting
+            self._iterations[name] = iterations - waiting
+            if unseen > 0:
                 self.probe._warn_once(("unseen", name), UNSEEN_UPDATE_MESSAGE.format(name=name, count=unseen),
                                       RuntimeWarning)
         self._note_warnings()
@@ -266,7 +273,7 @@ class WatchedRun(Run):
     # ---- the block's end ---------------------------------------------------
 
     def _begin(self):
-        self._iterations = {name: float(o.iterations.numpy()) for name, o in self.probe.optimizers.items()}
+        self._iterations = {name: int(o.iterations.numpy()) for name, o in self.probe.optimizers.items()}
         self._last = time.perf_counter()
 
     def _end(self, error=None):
@@ -291,6 +298,16 @@ class WatchedRun(Run):
             self.add_event("error", f"{type(error).__name__}: {error}".strip())
 
 
+def _to_numpy(values):
+    """One float32 array from one column's values (tensors read in one block)."""
+    tensors = [v for v in values if isinstance(v, tf.Tensor)]
+    if len(tensors) == len(values) and len({(t.dtype, t.shape.rank) for t in tensors}) == 1 \
+            and tensors[0].shape.rank == 0:
+        return tf.cast(tf.stack(tensors), tf.float32).numpy()
+    return np.array([np.mean(v.numpy() if isinstance(v, (tf.Tensor, tf.Variable)) else v)
+                     for v in values], np.float32)
+
+
 def _value(name, value):
     """A value for run.step as a tensor or float32 array (never a Python float,
     which would make the row function trace again for each new value)."""
@@ -301,9 +318,11 @@ def _value(name, value):
     if isinstance(value, (tf.Tensor, tf.Variable)):
         if not (value.dtype.is_floating or value.dtype.is_integer or value.dtype.is_bool):
             raise TypeError(f"run.step({name}=...) needs a number; got a {value.dtype.name} tensor.")
+        if isinstance(value, tf.Variable):
+            value = value.read_value()  # this step's value, not the variable's later one
         return value
     try:
-        return np.asarray(np.mean(np.asarray(value, np.float32)), np.float32)
+        return float(np.mean(np.asarray(value, np.float32)))
     except (TypeError, ValueError):
         raise TypeError(
             f"run.step({name}=...) needs a number, a tensor or a keras metric; got "
