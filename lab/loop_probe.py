@@ -2,9 +2,9 @@
 
 There is no `train_step` to bracket, so every value an optimizer hook
 measures goes into one device-side vector of slots, whatever graph the
-user's step runs in (eager, `tf.function`, XLA); `close_row` turns the slots
-and the values the loop hands over into one row of the device ring buffer
-and resets them. The slots belong to the model's life, not to one watch
+user's step runs in (eager, `tf.function`, XLA); `take()` hands over this
+step's values as one device tensor and resets the slots, and `row_columns`
+turns a block of them into row columns on the host. The slots belong to the model's life, not to one watch
 block: a step traced inside one block keeps writing them in later blocks.
 
 The hook on `apply` also names the fix for what a hand-written step gets
@@ -104,7 +104,7 @@ class LoopProbe(Probe):
         gradients: bool, record per-variable norms of the applied gradients.
         weights: bool, record weight norms and update/weight ratios.
         breakpoints: sequence of device-side breakpoints (`nonfinite()`).
-        capacity: int, rows of the device ring buffer.
+        capacity: int, steps kept on the device between reads.
     """
 
     def __init__(self, model, optimizers, gradients=True, weights=False, breakpoints=(), capacity=1024):

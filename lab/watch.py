@@ -5,11 +5,11 @@ values cannot be gathered inside one graph the way the Recorder gathers them.
 Instead the optimizer hooks (the Probe's, through `lab.loop_probe.LoopProbe`)
 write what they measure into one device-side vector of slots, in whatever
 graph the user's step runs (eager, `tf.function`, XLA). Once per step the
-user calls `run.step(loss=..., **metrics)`: one compiled call joins those
-values with the slots into a row, appends it to the device ring buffer and
-resets the slots, without waiting for the device. Rows reach the Run in
-blocks: on a timer, when the ring is half full, when the run is read and at
-the end.
+user calls `run.step(loss=..., **metrics)`: two eager ops take the slots'
+values (a device tensor) and reset them; the loss and metrics are kept as
+the tensors they are. Nothing waits for the device until the rows are read,
+in one block: on a timer, every `capacity` steps, when the run is read and
+at the end.
 
 While watching, the lab also names the fix for the mistakes hand-written
 steps are known for: a loss computed outside the tape (no gradient at all),
@@ -85,7 +85,7 @@ class WatchedRun(Run):
     Args:
         probe: LoopProbe, installed on the loop's optimizers.
         breakpoints: sequence of `lab.Breakpoint` (device-side and row conditions).
-        flush_every: float, seconds between reads of the device buffer.
+        flush_every: float, seconds between reads of the steps' values.
         name: str, the run's label.
     """
 
@@ -94,7 +94,7 @@ class WatchedRun(Run):
         self.probe = probe
         self.flush_every = flush_every
         self._row_points = [p for p in breakpoints if not getattr(p, "on_device", False)]
-        self._pending = []  # host-side facts of rows still on the device
+        self._pending = []  # (host columns, seconds, values, slot tensor) of unread steps
         self._steps = 0
         self._last = time.perf_counter()
         self._last_flush = time.monotonic()
@@ -380,6 +380,8 @@ def watch(model, *optimizers, gradients=True, weights=False, breakpoints=(), flu
     has no probes; one traced in a block is watched again in later blocks,
     with the settings it was traced under). Rows
     reach the run in blocks (every `flush_every` seconds and when it is read).
+    Without breakpoints `run.step` never waits for the device; with device
+    breakpoints it reads one small vector per step to know whether to raise.
     The probes are removed when the block ends, also when the loop raises.
 
     Optimizers are named by the model attribute that holds them
@@ -397,8 +399,8 @@ def watch(model, *optimizers, gradients=True, weights=False, breakpoints=(), flu
             device before each update and keeps a bad update out of the weights;
             a `lab.Breakpoint(condition)` sees each row after its update. A hit
             raises `lab.BreakpointHit` from that step's `run.step`.
-        flush_every: float, seconds between reads of the device buffer.
-        capacity: int, rows the device buffer holds between reads.
+        flush_every: float, seconds between reads of the steps' values.
+        capacity: int, steps kept on the device between reads.
         **named_optimizers: name -> keras optimizer.
 
     Example:
