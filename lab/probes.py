@@ -97,7 +97,20 @@ def _all_reduce(value, op):
     ctx = _replica_context()
     if ctx is None:
         return value
+    if op == "MAX":  # ReduceOp has SUM and MEAN only; flags are 0 or 1
+        return tf.cast(ctx.all_reduce("SUM", value) > 0, value.dtype)
     return ctx.all_reduce(op, value)
+
+
+def _in_cross_replica_context(create):
+    """Calls `create(strategy)` where variables may be made: under a strategy
+    and inside a replica, through a merge (every replica must get here)."""
+    if not tf.distribute.has_strategy():
+        return create(None)
+    strategy = tf.distribute.get_strategy()
+    if tf.distribute.in_cross_replica_context():
+        return create(strategy)
+    return tf.distribute.get_replica_context().merge_call(lambda distribution: create(distribution))
 
 
 def _batch_size(data):
@@ -395,17 +408,19 @@ class Probe:
     # ---- the row -------------------------------------------------------------
 
     def _make_variable(self, name, initial):
-        strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
-        with tf.init_scope():
-            scope = strategy.scope() if strategy is not None else _NullScope()
-            with scope:
-                return tf.Variable(
-                    initial,
-                    dtype=tf.float32,
-                    trainable=False,
-                    name=name,
-                    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
-                )
+        def create(strategy):
+            with tf.init_scope():
+                scope = strategy.scope() if strategy is not None else _NullScope()
+                with scope:
+                    return tf.Variable(
+                        initial,
+                        dtype=tf.float32,
+                        trainable=False,
+                        name=name,
+                        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+                    )
+
+        return _in_cross_replica_context(create)
 
     def _emit(self, state, name, value, reset=np.nan, accumulate=False):
         value = tf.cast(value, tf.float32)
@@ -522,11 +537,14 @@ class Probe:
         return list(dict.fromkeys(columns))
 
     def _write(self, values):
-        with self._lock:
-            if self.buffer is None:
-                self.columns = self._expected_columns(values)
-                strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
-                self.buffer = StepBuffer(len(self.columns), self.capacity, strategy)
+        if self.buffer is None:
+            # Every replica reaches this point in the same step, so each takes
+            # part in the merge that creates the buffer once.
+            columns = self._expected_columns(values)
+            buffer = _in_cross_replica_context(lambda strategy: StepBuffer(len(columns), self.capacity, strategy))
+            with self._lock:
+                if self.buffer is None:
+                    self.columns, self.buffer = columns, buffer
         unknown = [name for name in values if name not in self.columns]
         if unknown:
             warnings.warn(
