@@ -163,6 +163,10 @@ class LoopProbe(Probe):
                   for key in keys]
         names += [("_hit", 0.0), ("_held", 0.0), ("_gated", 0.0)]
         slots = _SLOTS.get(self.model)
+        if slots is not None and slots.active.numpy() > 0:
+            raise RuntimeError(
+                f"The model {self.model.name!r} is already watched by an open `lab.watch` "
+                "block; watch it once, with all its optimizers: `lab.watch(model, opt_a, opt_b)`.")
         if slots is None:
             spare = _SPARE_SLOTS if self.model.built else _SPARE_SLOTS_UNBUILT
             slots = _SLOTS[self.model] = _LoopSlots(names, spare, self._make_variable)

@@ -261,6 +261,10 @@ def test_bad_arguments_name_the_fix():
     with pytest.raises(ValueError, match=r"lab.Breakpoint\(lambda row"):
         with lab.watch(model, keras.optimizers.SGD(), breakpoints=[lab.breakpoints.loss_spike(3)]):
             pass
+    with lab.watch(model, keras.optimizers.SGD()):
+        with pytest.raises(RuntimeError, match="already watched"):
+            with lab.watch(model, keras.optimizers.SGD()):
+                pass
     with pytest.raises(ValueError, match="rename it"):
         with lab.watch(model, keras.optimizers.SGD()) as run:
             run.step(loss=1.0, grad_norm=2.0)
