@@ -9,8 +9,11 @@ one chart.
 """
 
 import html
+import threading
+import time
 
 import ipywidgets
+import keras
 
 from lab.breakpoints import nonfinite
 from lab.devices import devices
@@ -23,6 +26,7 @@ from widgets.stepper_panel import StepperPanel
 
 TABS = ("Training", "Modes", "Stepper", "Devices")
 _ACTIVE = ("running", "paused")
+START_TIMEOUT = 60.0  # seconds start() waits for fit() to begin
 
 
 class Lab(ipywidgets.VBox):
@@ -142,11 +146,18 @@ class Lab(ipywidgets.VBox):
             raise RuntimeError("This panel is training already: Stop it (or wait) before running again.")
         self._close_stepper()  # fit() changes the weights under a stepper opened by hand
         args, kwargs = _fit_arguments(self.data, self.batch_size)
+        began = threading.Event()
         kwargs.update(self.fit_options, epochs=self.epochs, validation_data=self.validation_data,
-                      callbacks=[self.dashboard])
+                      callbacks=[self.dashboard, _TrainingBegan(began)])
         self.training = BackgroundFit(self.model, *args, **kwargs)
         self.training.add_listener(self._show_state)
         self.training.start()
+        # Returns once fit() has begun: whatever its start displays (Keras'
+        # summary, which the Recorder reads, emits an empty rich output in a
+        # kernel) lands in the cell that started it, not in a later one.
+        deadline = time.monotonic() + START_TIMEOUT
+        while not began.wait(0.02) and not self.training.join(0) and time.monotonic() < deadline:
+            pass
         return self
 
     def pause(self):
@@ -282,6 +293,17 @@ class Lab(ipywidgets.VBox):
 
     def __repr__(self):
         return f"<widgets.Lab {self.state}: {len(self.run)} steps>"
+
+
+class _TrainingBegan(keras.callbacks.Callback):
+    """Sets an event when fit() has begun (after the Dashboard's on_train_begin)."""
+
+    def __init__(self, event):
+        super().__init__()
+        self.event = event
+
+    def on_train_begin(self, logs=None):
+        self.event.set()
 
 
 class _PanelDisplay:
