@@ -106,7 +106,8 @@ class DevicePicker(ipywidgets.VBox):
             pass
 
     def _summary(self, spec):
-        text = f"Built {html.escape(self.model.name)} for '{html.escape(spec)}': {html.escape(describe(self.strategy))}."
+        text = (f"Built {html.escape(self.model.name)} for '{html.escape(spec)}': "
+                f"{html.escape(describe(self.strategy))}.")
         if self.batch_size:
             try:
                 split = batch_split(self.strategy, self.batch_size)
