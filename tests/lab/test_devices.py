@@ -106,12 +106,6 @@ def test_batch_split_of_one_device_and_bad_sizes():
         batch_split(lab.strategy("cpu"), 0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="lab/probes.py under a strategy: variables made under tf.init_scope keep the "
-    "replica context ('Method requires being in cross-replica context'), and the breakpoint "
-    "gate all-reduces with 'MAX', which ReduceOp lacks (fix: the probe patch of issue 6)",
-)
 def test_recorder_works_under_a_one_device_strategy():
     import keras
     import numpy as np

@@ -18,12 +18,6 @@ import pytest
 import lab
 
 SCRIPTS = Path(__file__).parent / "_scripts"
-PENDING_PROBE_FIX = pytest.mark.xfail(
-    strict=True,
-    reason="lab/probes.py under a strategy: variables made under tf.init_scope keep the "
-    "replica context ('Method requires being in cross-replica context'), and the breakpoint "
-    "gate all-reduces with 'MAX', which ReduceOp lacks (fix: the probe patch of issue 6)",
-)
 
 
 def _env(**extra):
@@ -84,7 +78,6 @@ def test_virtual_cpus_after_initialisation(mirrored):
     assert "2 logical CPUs" in mirrored["virtual_other"]
 
 
-@PENDING_PROBE_FIX
 def test_mirrored_recording_equals_one_device(mirrored):
     assert "fit_error" not in mirrored, mirrored["fit_error"]
     one, two = mirrored["one"], mirrored["mirrored"]
@@ -107,7 +100,6 @@ def test_stepper_and_mode_switch_on_a_mirrored_model(mirrored):
     assert "XLA under MirroredStrategy" in tools["xla"]
 
 
-@PENDING_PROBE_FIX
 def test_eager_recording_on_a_mirrored_model(mirrored):
     assert "tools_error" not in mirrored, mirrored["tools_error"]
     tools = mirrored["tools"]
@@ -115,7 +107,6 @@ def test_eager_recording_on_a_mirrored_model(mirrored):
     assert len(tools["eager_grad_norms"]) == 4 and np.isfinite(tools["eager_grad_norms"]).all()
 
 
-@PENDING_PROBE_FIX
 def test_nonfinite_breakpoint_on_one_replica_holds_every_replica(mirrored):
     assert "fit_error" not in mirrored, mirrored["fit_error"]
     hit = mirrored["breakpoint"]
@@ -136,7 +127,6 @@ def test_mirrored_records_each_replica(mirrored):
     np.testing.assert_allclose(columns["loss"], losses.mean(axis=0), rtol=1e-4)
 
 
-@PENDING_PROBE_FIX
 def test_two_workers_on_localhost(tmp_path):
     ports = _free_ports(2)
     cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
