@@ -82,6 +82,10 @@ class BreakpointHit(Exception):
 class WatchedRun(Run):
     """The `lab.Run` a `lab.watch` block yields; `run.step(...)` closes each step's row.
 
+    Like a Recorder, it has a `status` ("running" inside the block, then
+    "finished", "stopped" after a breakpoint, "failed" or "interrupted") and
+    `add_status_listener(fn)`, so a view can follow a loop as it follows fit().
+
     Args:
         probe: LoopProbe, installed on the loop's optimizers.
         breakpoints: sequence of `lab.Breakpoint` (device-side and row conditions).
@@ -103,6 +107,20 @@ class WatchedRun(Run):
         self._iterations = None
         self._constant_checked = False
         self._closed = False
+        self.status, self.status_detail = "idle", ""
+        self._status_listeners = []
+
+    def add_status_listener(self, fn):
+        """Calls `fn(status, detail)` when the status changes (views use this)."""
+        self._status_listeners.append(fn)
+
+    def _set_status(self, status, detail=""):
+        self.status, self.status_detail = status, detail
+        for fn in list(self._status_listeners):
+            try:
+                fn(status, detail)
+            except Exception:  # noqa: BLE001 - a view must not stop training
+                self._status_listeners.remove(fn)
 
     def step(self, loss=None, **metrics):
         """Closes this step's row: the loss and metrics given, the probes' values.
@@ -275,6 +293,7 @@ class WatchedRun(Run):
     def _begin(self):
         self._iterations = {name: int(o.iterations.numpy()) for name, o in self.probe.optimizers.items()}
         self._last = time.perf_counter()
+        self._set_status("running")
 
     def _end(self, error=None):
         try:
@@ -294,8 +313,15 @@ class WatchedRun(Run):
                 self._note_warnings()
         if isinstance(error, KeyboardInterrupt):
             self.add_event("interrupt", "KeyboardInterrupt")
-        elif error is not None and not isinstance(error, BreakpointHit):
-            self.add_event("error", f"{type(error).__name__}: {error}".strip())
+            self._set_status("interrupted")
+        elif isinstance(error, BreakpointHit):
+            self._set_status("stopped", error.detail)
+        elif error is not None:
+            message = f"{type(error).__name__}: {error}".strip()
+            self.add_event("error", message)
+            self._set_status("failed", message)
+        else:
+            self._set_status("finished")
 
 
 def _to_numpy(values):

@@ -61,6 +61,7 @@ def test_rows_hold_the_gradients_the_tape_gives_on_the_same_batch(digits, mode):
             run.step(loss=step(x, y), seen=float(len(x)))
     frame = run.batches()
     assert list(frame["step"]) == [0, 1, 2]
+    assert run.status == "finished"
     assert (frame["seconds"] > 0).all()
     for (loss, norms), (_, row) in zip(expected, frame.iterrows()):
         np.testing.assert_allclose(row["loss"], loss, rtol=1e-5)
@@ -159,6 +160,7 @@ def test_a_row_condition_raises_after_its_update(digits):
                 run.step(loss=step(x, y))
     assert hit.value.step == 1 and not hit.value.skipped
     assert len(run) == 2 and list(run.events()["kind"]) == ["breakpoint"]
+    assert run.status == "stopped"
 
 
 def test_loss_computed_outside_the_tape_names_the_fix(digits):
@@ -325,4 +327,5 @@ def test_an_interrupted_loop_leaves_an_interrupt_event(digits):
             run.step(loss=step(x, y))
             raise KeyboardInterrupt
     assert list(run.events()["kind"]) == ["interrupt"] and len(run) == 1
+    assert run.status == "interrupted"
     assert "apply" not in vars(optimizer)
