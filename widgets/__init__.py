@@ -1,11 +1,32 @@
-"""The training lab, notebook side: views and controls over `lab`."""
+"""The training lab, notebook side: views and controls over `lab`.
 
-from widgets.background import BackgroundFit, TrainingControls
-from widgets.dashboard import Dashboard
-from widgets.device_picker import DevicePicker
-from widgets.mode_switch import ModeSwitch
-from widgets.panel import Lab
-from widgets.run_compare import RunCompare
-from widgets.stepper_panel import StepperPanel
+Names load on first use, so the `training-lab` command answers `--help`
+without importing TensorFlow.
+"""
 
-__all__ = ["BackgroundFit", "Dashboard", "DevicePicker", "Lab", "ModeSwitch", "RunCompare", "StepperPanel", "TrainingControls"]
+import importlib
+
+_HOMES = {
+    "BackgroundFit": "widgets.background",
+    "TrainingControls": "widgets.background",
+    "Dashboard": "widgets.dashboard",
+    "DevicePicker": "widgets.device_picker",
+    "Lab": "widgets.panel",
+    "ModeSwitch": "widgets.mode_switch",
+    "RunCompare": "widgets.run_compare",
+    "StepperPanel": "widgets.stepper_panel",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'widgets' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)
