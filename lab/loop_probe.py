@@ -73,9 +73,8 @@ class _LoopSlots:
     def __init__(self, names, spare, make_variable):
         self.index = {name: position for position, (name, _) in enumerate(names)}
         self.resets = [reset for _, reset in names] + [np.nan] * spare
-        with tf.init_scope():
-            self.reset_values = tf.constant(self.resets, tf.float32)
         self.vector = make_variable("lab_loop_slots", np.array(self.resets, np.float32))
+        self._place_resets()
         self.active = make_variable("lab_loop_active", 0.0)
         self.hold = make_variable("lab_hold", 0.0)
 
@@ -84,12 +83,17 @@ class _LoopSlots:
         if name not in self.index and len(self.index) < len(self.resets):
             self.index[name] = len(self.index)
             self.resets[self.index[name]] = reset
-            with tf.init_scope():  # may be called while a step is traced
-                self.reset_values = tf.constant(self.resets, tf.float32)
+            self._place_resets()
         return self.index.get(name)
 
     def reset(self):
         self.vector.assign(self.reset_values)
+
+    def _place_resets(self):
+        # Beside the variable (a GPU's memory), so a reset copies nothing from
+        # the host; outside any graph being traced.
+        with tf.init_scope(), tf.device(self.vector.device):
+            self.reset_values = tf.identity(tf.constant(self.resets, tf.float32))
 
 
 _SLOTS = weakref.WeakKeyDictionary()  # model -> _LoopSlots
