@@ -142,6 +142,11 @@ class WatchedRun(Run):
         """
         if self._closed:
             raise RuntimeError("This run's `lab.watch` block has ended; call run.step inside it.")
+        if not tf.executing_eagerly():
+            raise RuntimeError(
+                "run.step(...) was called inside a @tf.function: call it in the Python loop, "
+                "after the step, with what the step returns: `loss = train_step(x, y)`, "
+                "then `run.step(loss=loss)`.")
         seconds = time.perf_counter() - self._last
         try:
             return self._close(seconds, loss, metrics)

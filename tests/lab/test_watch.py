@@ -267,6 +267,9 @@ def test_bad_arguments_name_the_fix():
         with pytest.raises(RuntimeError, match="already watched"):
             with lab.watch(model, keras.optimizers.SGD()):
                 pass
+    with lab.watch(model, keras.optimizers.SGD()) as run:
+        with pytest.raises(RuntimeError, match="call it in the Python loop"):
+            tf.function(lambda: run.step(loss=1.0))()
     with pytest.raises(ValueError, match="rename it"):
         with lab.watch(model, keras.optimizers.SGD()) as run:
             run.step(loss=1.0, grad_norm=2.0)
