@@ -164,3 +164,11 @@ def test_data_of_the_wrong_shape_is_refused():
         widgets.Lab(make_model(), (X,))
     with pytest.raises(ValueError, match="build_model"):
         widgets.Lab(None, (X, Y))
+
+
+def test_a_failing_fit_shows_its_error_and_run_is_enabled_again():
+    panel = widgets.Lab(make_model(), (X, Y[:10]), batch_size=8)  # mismatched lengths
+    panel.start()
+    assert panel.wait(TIMEOUT) and panel.state == "failed"
+    assert "ValueError" in panel.status.value
+    assert not panel.run_button.disabled and panel.stop_button.disabled
