@@ -61,8 +61,11 @@ def breakpoint_run(strategy, x, y):
     recorder = lab.Recorder(gradients=True, breakpoints=[lab.breakpoints.nonfinite()])
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[recorder])
     events = recorder.run.events()
+    batches = recorder.run.batches()
+    grad_norms = batches["grad_norm"] if "grad_norm" in batches else np.full(len(batches), np.nan)
     return {
-        "rows": len(recorder.run.batches()),
+        "rows": len(batches),
+        "grad_norms": [float(v) for v in grad_norms],
         "events": events[["step", "kind"]].values.tolist(),
         "iterations": int(model.optimizer.iterations.numpy()),
         "finite_weights": all(bool(np.isfinite(w).all()) for w in model.get_weights()),
