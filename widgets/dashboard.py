@@ -136,6 +136,47 @@ class Dashboard(Recorder):
         if time.monotonic() >= self._next_refresh:
             self.refresh()
 
+    # ---- a hand-written loop ---------------------------------------------------
+
+    def follow(self, run):
+        """Shows a watched loop's run live, as during fit().
+
+        Args:
+            run: lab.Run, the one `lab.watch(...)` yields.
+
+        Returns:
+            This Dashboard.
+
+        Example:
+
+        ```python
+        with lab.watch(model, optimizer) as run:
+            widgets.Dashboard().follow(run)
+            for x, y in data:
+                run.step(loss=train_step(x, y))
+        ```
+        """
+        self.run = run
+        self._series = ChartState(run, self.max_points)
+        self._progress = dict(epoch=0, batch=-1, done=0)
+        self._rate_samples.clear()
+        self._rate_samples.append((time.monotonic(), 0))
+
+        def on_rows(run, table, start, stop):
+            if table == "batches":
+                self._progress.update(batch=stop - 1, done=stop)
+            if time.monotonic() >= self._next_refresh:
+                self.refresh()
+
+        run.subscribe(on_rows)
+        if hasattr(run, "add_status_listener"):
+            run.add_status_listener(lambda status, detail: self._set_status(status, detail))
+        self._set_status(getattr(run, "status", "running"), getattr(run, "status_detail", ""))
+        if not self._handles and _frontend_available() and threading.current_thread() is threading.main_thread():
+            self._ipython_display_()
+        self.refresh()
+        return self
+
     # ---- drawing -------------------------------------------------------------
 
     def refresh(self):

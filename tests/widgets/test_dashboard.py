@@ -253,3 +253,29 @@ def test_header_shows_progress_rate_and_time_left_while_running(digits, make_mod
     assert "running" in during and "epoch 2/2" in during and "batch 5/10" in during
     assert "steps/s" in during and "left" in during
     assert "left" not in dashboard.header.value  # finished: nothing left to estimate
+
+
+def test_a_dashboard_follows_a_watched_loop(comm_log, digits):
+    import keras
+    import tensorflow as tf
+
+    import lab
+    import widgets
+
+    (x, y), _ = digits
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
+    optimizer = keras.optimizers.SGD(0.1)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    dash = widgets.Dashboard(gradients=True)
+    with lab.watch(model, optimizer) as run:
+        dash.follow(run)
+        for i in range(0, 128, 32):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y[i : i + 32], model(x[i : i + 32]))
+            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+            run.step(loss=loss)
+    dash.refresh()
+    assert dash.run is run and len(run) == 4
+    assert len(dash.chart.figure.data[0].y) == 4
+    assert dash.status == run.status == "finished"
