@@ -85,6 +85,7 @@ class Recorder(keras.callbacks.Callback):
         self.status_detail = ""
         self._status_listeners = []
         self._breakpoint_listeners = []
+        self._saw_nonfinite = False
         self._probe = None
         self._cached = None  # (signature, train_function) built with our hooks
         self._pending = []  # host-side facts of steps whose device rows are unread
@@ -155,7 +156,9 @@ class Recorder(keras.callbacks.Callback):
         now = time.monotonic()
         half_full = len(self._pending) * 2 >= self._probe.capacity
         python_points = any(not getattr(p, "on_device", False) for p in self.breakpoints)
-        if python_points or half_full or now - self._last_flush >= self.flush_every:
+        # Training that pauses on a hit (background) must see it at its batch.
+        pausing = bool(self.breakpoints) and bool(self._breakpoint_listeners)
+        if python_points or pausing or half_full or now - self._last_flush >= self.flush_every:
             start = len(self.run)
             self.flush()
             self._check_breakpoints(start)
@@ -272,6 +275,11 @@ class Recorder(keras.callbacks.Callback):
         if "_tracker_loss" not in rows or self.model in _WARNED_OLD_STYLE:
             return
         true, tracked = rows["loss"], rows["_tracker_loss"]
+        if not np.isfinite(true).all():
+            # A non-finite loss poisons the tracker for the rest of the epoch.
+            self._saw_nonfinite = True
+        if self._saw_nonfinite:
+            return
         if len(tracked) and np.isnan(tracked).all() and np.isfinite(true).any():
             _WARNED_OLD_STYLE.add(self.model)
             self.run.add_event("warning", "loss tracker never updated")
@@ -430,12 +438,10 @@ class Recorder(keras.callbacks.Callback):
                 meta.setdefault("optimizer_config", optimizer.get_config())
             except (NotImplementedError, TypeError, ValueError):
                 pass
-        lines = []
-        try:
-            model.summary(print_fn=lambda line, **kwargs: lines.append(line), line_length=100)
-            meta.setdefault("summary", "\n".join(lines))
-        except ValueError:
-            pass
+        # Not model.summary(): in a Jupyter kernel it also emits a display output.
+        meta.setdefault("summary", "\n".join(
+            f"{layer.name} ({type(layer).__name__}): {layer.count_params() if layer.built else '?'} parameters"
+            for layer in model.layers))
         meta.setdefault("devices", [d.name for d in tf.config.list_logical_devices()])
         meta.setdefault("numpy", np.__version__)
         meta.setdefault("steps_per_execution", int(model.steps_per_execution))

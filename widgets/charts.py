@@ -139,6 +139,18 @@ class LiveFigure:
         self._sent[key] = (x, y)
         return True
 
+    def show_ghost(self, run, max_points=2000):
+        """Draws a saved run's loss faintly behind the live one (drawn once)."""
+        from widgets.downsampling import downsample
+
+        if "loss" not in run.columns:
+            raise ValueError(f"The ghost run {run.name!r} has no loss column to draw.")
+        x, y = downsample(run.column("step").astype(np.float32), run.column("loss"), max_points)
+        trace = self._trace("loss", f"{run.name} (saved)", markers=False)
+        with self.figure.batch_update():
+            trace.x, trace.y = x, y
+            trace.line = dict(color="rgba(120,120,120,0.45)", width=1, dash="dot")
+
     def trace(self, name, panel="loss"):
         """The plotly trace drawing series `name` of `panel` (for tests and notebooks)."""
         return self.figure.data[self._traces[(panel, name)]]

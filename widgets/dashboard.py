@@ -23,6 +23,8 @@ import warnings
 
 import ipywidgets
 
+import lab
+
 from lab.recorder import Recorder
 from widgets import static
 from widgets.charts import LiveFigure
@@ -76,6 +78,8 @@ class Dashboard(Recorder):
             least d / refresh_budget, so a slow machine refreshes less often
             instead of training slower.
         max_points: int, the most points a line sends per refresh.
+        ghost: `lab.Run`, or the path of a saved one, drawn faintly behind the
+            live loss for comparison (a baseline, yesterday's run).
         **recorder_options: passed to `lab.Recorder` (`flush_every`, ...).
 
     Example:
@@ -88,7 +92,7 @@ class Dashboard(Recorder):
     """
 
     def __init__(self, gradients=True, weights=False, breakpoints=(), path=None, run=None,
-                 refresh_every=0.25, refresh_budget=0.02, max_points=2000, **recorder_options):
+                 refresh_every=0.25, refresh_budget=0.02, max_points=2000, ghost=None, **recorder_options):
         if refresh_every < 0:
             raise ValueError(f"refresh_every must be 0 or more seconds; got {refresh_every}.")
         if not 0 < refresh_budget <= 1:
@@ -106,6 +110,8 @@ class Dashboard(Recorder):
         self.header = ipywidgets.HTML(value=self._header_html())
         self.chart = LiveFigure(gradients=gradients, weights=weights)
         self._series = ChartState(self.run, max_points)
+        if ghost is not None:
+            self.chart.show_ghost(ghost if isinstance(ghost, lab.Run) else lab.Run.load(ghost), max_points)
         self.widget = ipywidgets.VBox([self.header, self.chart.figure])
         self._handles = []
         self._next_refresh = 0.0

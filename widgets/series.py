@@ -26,7 +26,7 @@ MAX_EVENTS = 200
 MARKED_EVENTS = ("nonfinite", "breakpoint", "error", "interrupt")
 
 # Columns of a batch row that are bookkeeping, not values to plot.
-_NOT_METRICS = ("step", "epoch", "batch", "seconds", "mode", "loss", "updated")
+_NOT_METRICS = ("step", "epoch", "batch", "seconds", "mode", "loss", "updated", "source")
 _PREFIXES = ("grad_norm", "weight_norm/", "update_ratio/", "learning_rate", "_", "hist/")
 
 

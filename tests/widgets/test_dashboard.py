@@ -279,3 +279,22 @@ def test_a_dashboard_follows_a_watched_loop(comm_log, digits):
     assert dash.run is run and len(run) == 4
     assert len(dash.chart.figure.data[0].y) == 4
     assert dash.status == run.status == "finished"
+
+
+def test_a_saved_run_shows_as_a_ghost_behind_the_live_loss(comm_log, digits, make_model, tmp_path):
+    import lab
+    import widgets
+
+    (x, y), _ = digits
+    first = make_model()
+    rec = lab.Recorder()
+    first.fit(x, y, batch_size=32, callbacks=[rec], verbose=0)
+    path = str(tmp_path / "baseline.h5")
+    rec.run.name = "baseline"
+    rec.run.save(path)
+    dash = widgets.Dashboard(gradients=False, ghost=path)
+    make_model(seed=1).fit(x, y, batch_size=32, callbacks=[dash], verbose=0)
+    ghost = dash.chart.trace("baseline (saved)")
+    assert len(ghost.y) == len(rec.run) == 10
+    assert dash.chart.figure.data[0].name == "loss" and len(dash.chart.figure.data[0].y) == 10
+    np.testing.assert_allclose(ghost.y, rec.run.column("loss"))

@@ -115,7 +115,6 @@ def test_a_nonfinite_batch_pauses_training_and_opens_the_stepper_on_it(panels):
         panel.training.join(TIMEOUT)
 
 
-@pytest.mark.xfail(strict=True, reason="widgets/series.py charts the stepper's `source` column as a metric")
 def test_the_dashboard_still_draws_after_a_step_taken_at_a_breakpoint():
     x = X.copy()
     x[3 * 8 + 2, 0] = np.nan
