@@ -10,6 +10,7 @@ instance"), and TPU and multi-worker set-up may only happen once.
 """
 
 import json
+import logging
 import os
 import re
 import threading
@@ -281,13 +282,21 @@ def _resolve_named(name):
 
 
 def _make(kind, devices_):
-    if kind == "one":
-        return tf.distribute.OneDeviceStrategy(devices_[0])
-    if kind == "mirrored":
-        return tf.distribute.MirroredStrategy(list(devices_))
-    if kind == "tpu":
-        return _make_tpu()
-    return _make_multiworker()
+    # TensorFlow logs each strategy it makes at INFO, into the cell's output
+    # where a kernel's logger passes INFO; describe() says it once, the same way.
+    logger = tf.get_logger()
+    level = logger.level
+    logger.setLevel(max(level, logging.WARNING))
+    try:
+        if kind == "one":
+            return tf.distribute.OneDeviceStrategy(devices_[0])
+        if kind == "mirrored":
+            return tf.distribute.MirroredStrategy(list(devices_))
+        if kind == "tpu":
+            return _make_tpu()
+        return _make_multiworker()
+    finally:
+        logger.setLevel(level)
 
 
 def _make_tpu():
