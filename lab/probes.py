@@ -292,6 +292,8 @@ class Probe:
             variables = list(trainable_variables)
             state.pending = None
             before = [tf.identity(v.value) for v in variables] if probe.weights else None
+            if not state.nested():
+                probe._emit_local_square(state, grads)
             result = original(grads, trainable_variables, learning_rate)
             applied = state.pending if state.pending is not None else list(grads)
             state.pending = None
@@ -344,6 +346,8 @@ class Probe:
                 if not optimizer.built:
                     # Variables cannot be created inside the gate's branch.
                     optimizer.build(trainable_variables)
+            # Here, not in the gated update: a nested graph's slots keep replica 0's value only.
+            probe._emit_local_square(state, grads)
             skip = probe._gate(state, grads)
 
             def update():
@@ -356,19 +360,36 @@ class Probe:
             else:
                 # A cond whose branch calls merge_call (the update does) must
                 # run in cross-replica context, as Keras' LossScaleOptimizer does.
-                def merged(distribution, skip, grads, trainable_variables):
+                def merged(distribution, skip, grads, trainable_variables, states):
                     def update_each():
                         distribution.extended.call_for_each_replica(
-                            original, args=(grads, trainable_variables)
+                            probe._with_state, args=(states, original, grads, trainable_variables)
                         )
                         return tf.constant(0)
 
                     skip = distribution.experimental_local_results(skip)[0]
                     tf.cond(skip, lambda: tf.constant(0), update_each)
 
-                ctx.merge_call(merged, args=(skip, grads, trainable_variables))
+                # Each replica's state travels with it: call_for_each_replica runs
+                # the update on other threads, where the thread-local state is unset.
+                ctx.merge_call(merged, args=(skip, grads, trainable_variables, state))
 
         return apply
+
+    def _emit_local_square(self, state, grads):
+        """This replica's own squared gradient norm, before the cross-replica sum."""
+        if not self.gradients or _replica_context() is None:
+            return
+        local = [tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for g in grads if g is not None]
+        if local:
+            self._emit(state, "_local_grad_square", tf.add_n(local), reset=0.0, accumulate=True)
+
+    def _with_state(self, state, function, *args):
+        self._local.state = state
+        try:
+            return function(*args)
+        finally:
+            self._local.state = None
 
     # ---- breakpoints on the device ---------------------------------------
 
@@ -505,6 +526,7 @@ class Probe:
         self._write(values)
 
     def _finish_row(self, state, values, produced):
+        self._replica_values(state, values, produced.pop("_local_grad_square", None))
         several = len(state.optimizers) > 1
         for name in state.optimizers:
             column = f"learning_rate/{name}" if several else "learning_rate"
@@ -519,6 +541,26 @@ class Probe:
         elif self.gradients and square is not None:
             values["grad_norm"] = tf.where(updates > 0, tf.sqrt(square), np.float32(np.nan))
         values.update(produced)
+
+    def _replica_values(self, state, values, local_square):
+        """Per-replica loss and gradient norm (each replica on its own share of
+        the batch, before the all-reduce), and `replica_skew`: the spread of
+        the replicas' losses."""
+        ctx = _replica_context()
+        if ctx is None:
+            return
+        replicas = ctx.num_replicas_in_sync
+        if state.loss is not None:
+            local = tf.reduce_mean(tf.cast(unscale_loss_for_distribution(tf.convert_to_tensor(state.loss)), tf.float32))
+            losses = ctx.all_gather(tf.reshape(local, [1]), axis=0)
+            for index in range(replicas):
+                values[f"loss/replica_{index}"] = losses[index]
+            values["replica_skew"] = tf.reduce_max(losses) - tf.reduce_min(losses)
+        if local_square is not None:
+            # Each replica differentiates its loss scaled by 1/replicas.
+            norms = ctx.all_gather(tf.reshape(tf.sqrt(local_square) * replicas, [1]), axis=0)
+            for index in range(replicas):
+                values[f"grad_norm/replica_{index}"] = norms[index]
 
     def _key(self, variable):
         key = self._variable_keys.get(id(variable))

@@ -115,14 +115,11 @@ def test_nonfinite_breakpoint_on_one_replica_holds_every_replica(mirrored):
     assert hit["finite_weights"]
 
 
-@pytest.mark.xfail(strict=True, reason="with breakpoints under MirroredStrategy the gated update runs "
-                   "on other threads, where the probe's per-thread step state is unset")
 def test_gradients_are_recorded_with_breakpoints_on_a_mirrored_model(mirrored):
     assert "fit_error" not in mirrored, mirrored["fit_error"]
     assert np.isfinite(mirrored["breakpoint"]["grad_norms"][:2]).all()
 
 
-@pytest.mark.xfail(strict=True, reason="per-replica columns not yet written by the probe")
 def test_mirrored_records_each_replica(mirrored):
     assert "fit_error" not in mirrored, mirrored["fit_error"]
     columns = mirrored["mirrored"]["columns"]
