@@ -116,6 +116,7 @@ class Dashboard(Recorder):
         self._handles = []
         self._next_refresh = 0.0
         self._view_failed = False
+        self._predicting = None
         self.add_status_listener(self._on_status)
 
     # ---- the fit() lifecycle -------------------------------------------------
@@ -141,6 +142,43 @@ class Dashboard(Recorder):
         self._progress["done"] += max(1, batch - first + 1)
         if time.monotonic() >= self._next_refresh:
             self.refresh()
+
+    # ---- prediction ------------------------------------------------------------
+
+    def predict_stream(self, model, data, batch_size=32, steps=None):
+        """`lab.predict_stream` with its progress shown in the Dashboard's header.
+
+        Args:
+            model: keras.Model.
+            data: what `lab.predict_stream` takes.
+            batch_size: int, samples per batch for arrays.
+            steps: int or None, stop after this many batches.
+
+        Yields:
+            Each batch's predictions, as `lab.predict_stream` does.
+        """
+        total = steps
+        if total is None and hasattr(data, "__len__") and not isinstance(data, (dict, list, tuple)):
+            total = -(-len(data) // batch_size)
+        self._predicting = (0, total)
+        last = 0.0
+        try:
+            for done, predictions in enumerate(lab.predict_stream(model, data, batch_size=batch_size, steps=steps), 1):
+                self._predicting = (done, total)
+                now = time.monotonic()
+                if now - last >= self.refresh_every:
+                    last = now
+                    self.header.value = self._header_html()
+                yield predictions
+        finally:
+            self.header.value = self._header_html()
+
+    def prediction_text(self):
+        """Prediction progress as text ("" when nothing was predicted)."""
+        if self._predicting is None:
+            return ""
+        done, total = self._predicting
+        return f"predicted {done:,}/{total:,} batches" if total else f"predicted {done:,} batches"
 
     # ---- a hand-written loop ---------------------------------------------------
 
@@ -220,6 +258,9 @@ class Dashboard(Recorder):
         progress = self.progress_text()
         if progress:
             line += f" &middot; {html.escape(progress)}"
+        predicted = self.prediction_text() if hasattr(self, "_predicting") else ""
+        if predicted:
+            line += f" &middot; {html.escape(predicted)}"
         return f'<div class="training-lab-status" style="font-family:sans-serif">{line}</div>'
 
     def progress_text(self):

@@ -298,3 +298,16 @@ def test_a_saved_run_shows_as_a_ghost_behind_the_live_loss(comm_log, digits, mak
     assert len(ghost.y) == len(rec.run) == 10
     assert dash.chart.figure.data[0].name == "loss" and len(dash.chart.figure.data[0].y) == 10
     np.testing.assert_allclose(ghost.y, rec.run.column("loss"))
+
+
+def test_prediction_progress_shows_in_the_header(comm_log, digits, make_model):
+    import widgets
+
+    (x, y), _ = digits
+    model = make_model()
+    dash = widgets.Dashboard(gradients=False)
+    model.fit(x, y, batch_size=32, callbacks=[dash], verbose=0)
+    batches = list(dash.predict_stream(model, x, batch_size=64))
+    assert len(batches) == 5 and sum(len(b) for b in batches) == len(x)
+    assert "predicted 5/5 batches" in dash.header.value
+    np.testing.assert_allclose(np.concatenate(batches), model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
