@@ -107,7 +107,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short form for CI")
     args = parser.parse_args(argv)
-    rounds, samples, epochs = (2, 1600, 1) if args.quick else (5, 6400, 2)
+    rounds, samples, epochs = (3, 4800, 2) if args.quick else (5, 6400, 3)
     models = [("MLP", make_mlp, True)] if args.quick else [("MLP", make_mlp, True), ("CNN", make_cnn, False)]
     print(f"{'model':5} {'spe':>4}  {'configuration':32} {'time / bare fit':>16}")
     for label, build, flat in models:

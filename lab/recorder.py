@@ -422,6 +422,8 @@ class Recorder(keras.callbacks.Callback):
     def _fill_metadata(self):
         meta = self.run.metadata
         model = self.model
+        if "model" in meta:
+            return  # filled by an earlier fit(): the first fit describes the run
         meta.setdefault("model", model.name)
         meta.setdefault("model_class", type(model).__name__)
         try:
