@@ -13,6 +13,7 @@ import tensorflow as tf
 from lab import modes
 from lab.probes import Probe
 from lab.run import Run
+from lab.status import StatusReporter
 
 _WARNED_OLD_STYLE = weakref.WeakSet()
 _END_OF_DATA = (StopIteration, tf.errors.OutOfRangeError)
@@ -42,7 +43,7 @@ TRACKER_UNUSED_WARNING = (
 )
 
 
-class Recorder(keras.callbacks.Callback):
+class Recorder(StatusReporter, keras.callbacks.Callback):
     """Records one row per training batch into `recorder.run`.
 
     The row holds the batch's own loss and metric values (not Keras' running
@@ -81,9 +82,7 @@ class Recorder(keras.callbacks.Callback):
         self.run = run if run is not None else Run()
         self.flush_every = flush_every
         self.save_every = save_every
-        self.status = "idle"
-        self.status_detail = ""
-        self._status_listeners = []
+        self._init_status()
         self._breakpoint_listeners = []
         self._saw_nonfinite = False
         self._probe = None
@@ -406,18 +405,6 @@ class Recorder(keras.callbacks.Callback):
     def add_breakpoint_listener(self, fn):
         """Calls `fn(step, detail)` when a breakpoint hits (the background runner pauses on it)."""
         self._breakpoint_listeners.append(fn)
-
-    def add_status_listener(self, fn):
-        """Calls `fn(status, detail)` when the status changes (views use this)."""
-        self._status_listeners.append(fn)
-
-    def _set_status(self, status, detail=""):
-        self.status, self.status_detail = status, detail
-        for fn in list(self._status_listeners):
-            try:
-                fn(status, detail)
-            except Exception:  # noqa: BLE001 - a view must not stop training
-                self._status_listeners.remove(fn)
 
     def _fill_metadata(self):
         meta = self.run.metadata

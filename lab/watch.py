@@ -30,6 +30,7 @@ from lab import breakpoints as breakpoints_module
 from lab.loop_probe import LoopProbe
 from lab.probes import find_optimizers
 from lab.run import Run
+from lab.status import StatusReporter
 
 # Steps after which a metric that never changed is reported.
 CONSTANT_METRIC_STEPS = 10
@@ -79,7 +80,7 @@ class BreakpointHit(Exception):
                          "or go on; run.events() has the event.")
 
 
-class WatchedRun(Run):
+class WatchedRun(StatusReporter, Run):
     """The `lab.Run` a `lab.watch` block yields; `run.step(...)` closes each step's row.
 
     Like a Recorder, it has a `status` ("running" inside the block, then
@@ -107,20 +108,7 @@ class WatchedRun(Run):
         self._iterations = None
         self._constant_checked = False
         self._closed = False
-        self.status, self.status_detail = "idle", ""
-        self._status_listeners = []
-
-    def add_status_listener(self, fn):
-        """Calls `fn(status, detail)` when the status changes (views use this)."""
-        self._status_listeners.append(fn)
-
-    def _set_status(self, status, detail=""):
-        self.status, self.status_detail = status, detail
-        for fn in list(self._status_listeners):
-            try:
-                fn(status, detail)
-            except Exception:  # noqa: BLE001 - a view must not stop training
-                self._status_listeners.remove(fn)
+        self._init_status()
 
     def step(self, loss=None, **metrics):
         """Closes this step's row: the loss and metrics given, the probes' values.
