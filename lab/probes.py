@@ -29,7 +29,11 @@ from lab.buffer import StepBuffer
 
 try:
     from keras.src.losses.loss import unscale_loss_for_distribution
+
+    KERAS_SCALES_LOSS = True
 except ImportError:  # Keras < 3.7 does not scale the loss by the replica count.
+    KERAS_SCALES_LOSS = False
+
     def unscale_loss_for_distribution(value):
         return value
 
@@ -557,8 +561,9 @@ class Probe:
                 values[f"loss/replica_{index}"] = losses[index]
             values["replica_skew"] = tf.reduce_max(losses) - tf.reduce_min(losses)
         if local_square is not None:
-            # Each replica differentiates its loss scaled by 1/replicas.
-            norms = ctx.all_gather(tf.reshape(tf.sqrt(local_square) * replicas, [1]), axis=0)
+            # Each replica differentiates its loss scaled by 1/replicas (Keras 3.7+).
+            scale = replicas if KERAS_SCALES_LOSS else 1
+            norms = ctx.all_gather(tf.reshape(tf.sqrt(local_square) * scale, [1]), axis=0)
             for index in range(replicas):
                 values[f"grad_norm/replica_{index}"] = norms[index]
 

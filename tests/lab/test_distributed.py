@@ -80,6 +80,12 @@ def test_virtual_cpus_after_initialisation(mirrored):
 
 def test_mirrored_recording_equals_one_device(mirrored):
     assert "fit_error" not in mirrored, mirrored["fit_error"]
+    from lab.probes import KERAS_SCALES_LOSS
+
+    if not KERAS_SCALES_LOSS:
+        # The lab records what happens; what happens differs before Keras 3.7.
+        pytest.skip("Keras before 3.7 sums the replicas' unscaled gradients: a mirrored "
+                    "run does not follow the one-device trajectory")
     one, two = mirrored["one"], mirrored["mirrored"]
     assert set(one["columns"]) <= set(two["columns"])
     assert {"loss", "accuracy", "grad_norm"} <= set(two["columns"])
