@@ -28,6 +28,7 @@ import lab
 from lab.recorder import Recorder
 from widgets import static
 from widgets.charts import LiveFigure
+from widgets.display import show, view_bundle
 from widgets.series import ChartState, metric_names
 
 _TERMINAL = ("finished", "stopped", "failed", "interrupted")
@@ -318,26 +319,10 @@ class Dashboard(Recorder):
                 f"<b>Training Lab dashboard</b> ({status}), {len(self.run)} steps</p>{charts}</div>")
 
     def _repr_mimebundle_(self, include=None, exclude=None, **kwargs):
-        # The widget view is built here rather than by the VBox's own
-        # _repr_mimebundle_, whose text/plain is the repr of every child,
-        # plotly figure included: a tenth of a second, and replaced anyway.
-        bundle = {
-            "application/vnd.jupyter.widget-view+json": {
-                "version_major": 2, "version_minor": 0, "model_id": self.widget.model_id},
-            "text/plain": self.summary(),
-            "text/html": self.static_html(),
-        }
-        return {k: v for k, v in bundle.items()
-                if (include is None or k in include) and (exclude is None or k not in exclude)}
+        return view_bundle(self.widget.model_id, self.summary(), self.static_html(), include, exclude)
 
     def _ipython_display_(self):
-        # Published with a display id so the output can be updated when
-        # training ends: the static charts then show the final run.
-        from IPython.display import display
-
-        handle = display(self._repr_mimebundle_(), raw=True, display_id=True)
-        if handle is not None:
-            self._handles.append(handle)
+        show(self, self._handles)
 
     def __repr__(self):
         return f"<widgets.Dashboard {self.status}: {len(self.run)} steps>"

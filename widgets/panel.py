@@ -21,6 +21,7 @@ from lab.stepper import Stepper
 from widgets.background import BackgroundFit
 from widgets.dashboard import Dashboard
 from widgets.device_picker import DevicePicker
+from widgets.display import show, view_bundle
 from widgets.mode_switch import ModeSwitch
 from widgets.stepper_panel import StepperPanel
 
@@ -271,25 +272,10 @@ class Lab(ipywidgets.VBox):
     # ---- display -------------------------------------------------------------
 
     def _repr_mimebundle_(self, include=None, exclude=None, **kwargs):
-        # Not the VBox's own bundle: its text/plain is the repr of every
-        # child, plotly figures and their random uids included.
-        bundle = {
-            "application/vnd.jupyter.widget-view+json": {
-                "version_major": 2, "version_minor": 0, "model_id": self.model_id},
-            "text/plain": self.summary(),
-            "text/html": self.dashboard.static_html(),
-        }
-        return {k: v for k, v in bundle.items()
-                if (include is None or k in include) and (exclude is None or k not in exclude)}
+        return view_bundle(self.model_id, self.summary(), self.dashboard.static_html(), include, exclude)
 
     def _ipython_display_(self):
-        # With a display id, so the output shows the final charts where no
-        # widget frontend exists (nbconvert, HTML export).
-        from IPython.display import display
-
-        handle = display(self._repr_mimebundle_(), raw=True, display_id=True)
-        if handle is not None:
-            self._handles.append(handle)
+        show(self, self._handles)
 
     def __repr__(self):
         return f"<widgets.Lab {self.state}: {len(self.run)} steps>"
