@@ -10,7 +10,9 @@ _versions.check()
 from lab import breakpoints, datasets, export  # noqa: E402
 from lab.breakpoints import Breakpoint  # noqa: E402
 from lab.compare import compare  # noqa: E402
+from lab.data_check import DataReport, inspect_data  # noqa: E402
 from lab.devices import devices, strategy, virtual_cpus  # noqa: E402
+from lab.layer_norms import layer_norms  # noqa: E402
 from lab.mode_comparison import compare_modes  # noqa: E402
 from lab.modes import ModeError, ModeSwitcher, set_mode  # noqa: E402
 from lab.predict import predict_stream  # noqa: E402
@@ -20,5 +22,5 @@ from lab.stepper import Stepper, StepTrace  # noqa: E402
 from lab.watch import BreakpointHit, watch  # noqa: E402
 from lab.weights import load_weights_checked  # noqa: E402
 
-__all__ = ["Breakpoint", "Recorder", "Run", "breakpoints", "compare", "datasets", "export", "predict_stream", "load_weights_checked", "devices", "ModeError", "ModeSwitcher", "compare_modes", "set_mode", "StepTrace", "Stepper", "strategy", "virtual_cpus", "BreakpointHit", "watch"]
+__all__ = ["Breakpoint", "Recorder", "Run", "breakpoints", "compare", "DataReport", "inspect_data", "datasets", "export", "layer_norms", "predict_stream", "load_weights_checked", "devices", "ModeError", "ModeSwitcher", "compare_modes", "set_mode", "StepTrace", "Stepper", "strategy", "virtual_cpus", "BreakpointHit", "watch"]
 __version__ = "0.1.0"

@@ -12,6 +12,7 @@ _HOMES = {
     "Dashboard": "widgets.dashboard",
     "DevicePicker": "widgets.device_picker",
     "Lab": "widgets.panel",
+    "image_grid": "widgets.images",
     "ModeSwitch": "widgets.mode_switch",
     "RunCompare": "widgets.run_compare",
     "StepperPanel": "widgets.stepper_panel",
