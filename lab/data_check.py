@@ -1,0 +1,447 @@
+"""inspect_data: what fit() will hand train_step, checked against a model.
+
+`fit()` passes its data through a data adapter that turns arrays, a
+`tf.data.Dataset`, a `keras.utils.PyDataset` or a generator into batches, and
+hands each batch to `train_step` as `x`, `(x,)`, `(x, y)` or
+`(x, y, sample_weight)`. Mistakes in the data surface only later, as a shape
+error deep inside the first layer or the loss. `inspect_data` batches the data
+the way fit() does (through the Stepper's `Feed`), describes the first batch,
+counts the batches of an epoch, and, given a model, runs the model and its
+compiled loss on that one batch and names the problem and its fix.
+"""
+
+import collections
+import math
+import re
+
+import keras
+import numpy as np
+import pandas as pd
+import tensorflow as tf
+
+from lab.feed import Feed
+
+Problem = collections.namedtuple("Problem", ["kind", "message", "fix"])
+Problem.__doc__ = """One thing fit() would fail on (or silently get wrong): `kind`, `message`, `fix`."""
+
+_PARTS = ("x", "y", "sample_weight")
+_FORMAT = "fit() takes x, (x,), (x, y) or (x, y, sample_weight)"
+
+
+class DataReport:
+    """What train_step receives for one data form; returned by `inspect_data`.
+
+    Attributes:
+        form: str, the data form ("arrays", "tf.data.Dataset", "PyDataset",
+            "generator").
+        structure: str or None, the first batch as train_step gets it, e.g.
+            "(x, y)" or "x".
+        batch: the first batch (tensors) or None.
+        batch_size: int or None, examples in the first batch.
+        batches_per_epoch: int or None, where knowable.
+        last_batch_size: int or None, where knowable.
+        notes: list of str, what fit() does with this form that may surprise.
+        problems: list of `Problem`.
+    """
+
+    def __init__(self, form):
+        self.form = form
+        self.structure = None
+        self.batch = None
+        self.batch_size = None
+        self.batches_per_epoch = None
+        self.last_batch_size = None
+        self.notes = []
+        self.problems = []
+
+    @property
+    def ok(self):
+        """bool, True when no problem was found."""
+        return not self.problems
+
+    def frame(self):
+        """The first batch's leaves: DataFrame with `part`, `path`, `shape`, `dtype`."""
+        rows = []
+        if self.batch is not None:
+            for part, value in _named_parts(self.batch):
+                for path, leaf in _leaves(value, part):
+                    rows.append({"part": part, "path": path, "shape": tuple(leaf.shape),
+                                 "dtype": leaf.dtype.name if hasattr(leaf.dtype, "name") else str(leaf.dtype)})
+        return pd.DataFrame(rows, columns=["part", "path", "shape", "dtype"])
+
+    def batch_sizes(self):
+        """Examples per batch over one epoch (every batch full but the last), or None."""
+        if self.batches_per_epoch is None or self.batch_size is None or self.last_batch_size is None:
+            return None
+        sizes = np.full(self.batches_per_epoch, self.batch_size, np.int64)
+        sizes[-1] = self.last_batch_size
+        return sizes
+
+    def check(self):
+        """Raises `ValueError` naming every problem and its fix; returns the report if none."""
+        if self.problems:
+            lines = [f"- {p.message} Fix: {p.fix}" for p in self.problems]
+            raise ValueError(f"The {self.form} will not train as given:\n" + "\n".join(lines))
+        return self
+
+    def __repr__(self):
+        lines = [f"DataReport: {self.form}"]
+        if self.structure is not None:
+            lines.append(f"  train_step receives {self.structure}")
+            for row in self.frame().itertuples():
+                lines.append(f"    {row.path:<24} shape {str(row.shape):<14} {row.dtype}")
+        count = "?" if self.batches_per_epoch is None else self.batches_per_epoch
+        last = "?" if self.last_batch_size is None else self.last_batch_size
+        first = "?" if self.batch_size is None else self.batch_size
+        lines.append(f"  batches per epoch: {count} (first of {first}, last of {last})")
+        lines += [f"  note: {note}" for note in self.notes]
+        for problem in self.problems:
+            lines += [f"  problem ({problem.kind}): {problem.message}", f"    fix: {problem.fix}"]
+        if self.ok:
+            lines.append("  no problem found")
+        return "\n".join(lines)
+
+
+def inspect_data(x, y=None, sample_weight=None, batch_size=None, model=None, validation_split=0.0,
+                 steps_per_epoch=None):
+    """Describes the batches fit() would hand train_step, and checks them against a model.
+
+    Takes the arguments as `fit()` takes them. A generator is read once: the
+    report takes its first batch, so give fit() a fresh generator.
+
+    Args:
+        x: arrays (or a list/dict of arrays), a `tf.data.Dataset`, a
+            `keras.utils.PyDataset` or a generator, as fit()'s `x`.
+        y: array or None, targets (arrays only).
+        sample_weight: array or None, one weight per example (arrays only).
+        batch_size: int or None, for arrays (fit()'s default is 32).
+        model: keras.Model or None; when given, the first batch is run through
+            the model and its compiled loss.
+        validation_split: float in [0, 1), share of the arrays fit() holds out
+            (the last examples).
+        steps_per_epoch: int or None, as fit()'s.
+
+    Returns:
+        `DataReport`: `print` it, `report.frame()` for the leaves,
+        `report.problems`, `report.check()` to raise on any problem.
+
+    Example:
+
+    ```python
+    report = lab.inspect_data(x_train, y_train, batch_size=32, model=model)
+    print(report)
+    ```
+    """
+    if batch_size is not None and (isinstance(batch_size, bool) or int(batch_size) < 1):
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
+    if not 0.0 <= float(validation_split) < 1.0:
+        raise ValueError(f"validation_split must be in [0, 1), got {validation_split!r}.")
+    report = DataReport(_form(x))
+    if report.form != "arrays":
+        _check_adapter_arguments(report, y, sample_weight, batch_size, validation_split)
+        data = x
+    else:
+        data = _training_arrays(report, x, y, sample_weight, validation_split)
+        if data is None:
+            return report
+    try:
+        first = Feed(data, batch_size=batch_size, shuffle=False).next()
+    except ValueError as error:
+        report.problems.append(Problem("data", str(error), "give fit() data it can batch."))
+        return report
+    except TypeError as error:
+        report.problems.append(Problem("data form", str(error), "convert the data to one of these forms."))
+        return report
+    report.batch = first.data
+    if report.form == "generator":
+        report.notes.append("inspect_data took the generator's first batch: give fit() a fresh generator.")
+    if _check_structure(report) and model is not None:
+        _check_against_model(report, model)
+    if not any(problem.kind in ("structure", "unbatched") for problem in report.problems):
+        _count_batches(report, x, data, batch_size, steps_per_epoch)
+    return report
+
+
+# ---- data forms and counts --------------------------------------------------
+
+
+def _form(x):
+    if isinstance(x, tf.data.Dataset):
+        return "tf.data.Dataset"
+    if isinstance(x, keras.utils.PyDataset):
+        return "PyDataset"
+    if hasattr(x, "__next__"):
+        return "generator"
+    return "arrays"
+
+
+def _check_adapter_arguments(report, y, sample_weight, batch_size, validation_split):
+    for name, value in (("y", y), ("sample_weight", sample_weight)):
+        if value is not None:
+            report.problems.append(Problem(
+                "structure", f"{name} was given separately, but a {report.form} brings its own.",
+                f"yield (x, y) or (x, y, sample_weight) from the {report.form} and leave {name}=None."))
+    if validation_split:
+        report.problems.append(Problem(
+            "validation", f"validation_split works only with arrays, not with a {report.form}.",
+            "pass validation_data=... with held-out data instead."))
+    if batch_size is not None:
+        if report.form == "tf.data.Dataset":
+            fix = f"batch the dataset yourself: dataset.batch({int(batch_size)})."
+        else:
+            fix = f"make the {report.form} yield batches of {int(batch_size)}."
+        report.notes.append(f"batch_size={int(batch_size)} is not used: a {report.form} yields "
+                            f"its own batches; {fix}")
+
+
+def _training_arrays(report, x, y, sample_weight, validation_split):
+    """(x, y, sample_weight) as fit() trains on them: after the validation split."""
+    data = tuple(part for part in (x, y, sample_weight) if part is not None)
+    if y is None and sample_weight is not None:
+        report.problems.append(Problem("structure", "sample_weight was given without y.",
+                                       "pass the targets too: fit(x, y, sample_weight=w)."))
+        return None
+    lengths = {}
+    for name, part in zip(_PARTS, data):
+        for path, leaf in _leaves(part, name):
+            if not hasattr(leaf, "shape") or not len(np.shape(leaf)):
+                report.problems.append(Problem(
+                    "data form", f"{path} is a {type(leaf).__name__}, not an array with one row per example.",
+                    "pass numpy arrays (np.asarray(...)), a tf.data.Dataset, a PyDataset or a generator."))
+                return None
+            lengths[path] = len(leaf)
+    if len(set(lengths.values())) > 1:
+        described = ", ".join(f"{path} has {n}" for path, n in lengths.items())
+        report.problems.append(Problem(
+            "length", f"x and y differ in length ({described} examples).",
+            "give every array one row per example, the same number of rows (take x and y from "
+            "the same split, and apply any filter or slice to both)."))
+        return None
+    if validation_split:
+        count = next(iter(lengths.values()))
+        split_at = int(math.floor(count * (1.0 - validation_split)))
+        report.notes.append(f"validation_split={validation_split} holds out the last {count - split_at} "
+                            f"of {count} examples (before any shuffle); {split_at} remain for training.")
+        data = keras.tree.map_structure(lambda a: np.asarray(a)[:split_at], data)
+    return data
+
+
+def _count_batches(report, x, data, batch_size, steps_per_epoch):
+    report.batch_size = _size(report.batch)
+    if report.form == "arrays":
+        count = len(_leaves(data[0], "x")[0][1])
+        size = 32 if batch_size is None else int(batch_size)
+        report.batches_per_epoch = -(-count // size)
+        report.last_batch_size = count - size * (report.batches_per_epoch - 1)
+    elif report.form == "PyDataset":
+        report.batches_per_epoch = x.num_batches
+        if report.batches_per_epoch:
+            last = x[report.batches_per_epoch - 1]
+            report.last_batch_size = _size(tuple(last) if isinstance(last, list) else last)
+    elif report.form == "tf.data.Dataset":
+        cardinality = int(x.cardinality())
+        if cardinality == tf.data.INFINITE_CARDINALITY and steps_per_epoch is None:
+            report.problems.append(Problem(
+                "epoch length", "The dataset repeats forever, so an epoch would never end.",
+                "pass steps_per_epoch=... to fit(), or drop the .repeat()."))
+        elif cardinality >= 0:
+            report.batches_per_epoch = cardinality
+            last = next(iter(x.skip(cardinality - 1).take(1)))
+            report.last_batch_size = _size(last)
+    if steps_per_epoch is not None:
+        steps = int(steps_per_epoch)
+        known = report.batches_per_epoch
+        if known is not None and steps > known:
+            report.notes.append(f"steps_per_epoch={steps} asks for more batches than the {known} the data "
+                                "holds: fit() stops with 'Your input ran out of data'.")
+            return
+        if known is None or steps < known:
+            report.last_batch_size = report.batch_size
+        report.batches_per_epoch = steps
+    elif report.form == "generator":
+        report.notes.append("a generator's length is unknown: one epoch runs until it is exhausted, "
+                            "and the next epoch finds it empty; pass steps_per_epoch=... and make it "
+                            "yield forever (or use a PyDataset).")
+
+
+def _size(batch):
+    x = batch[0] if isinstance(batch, tuple) else batch
+    leaves = _leaves(x, "x")
+    shape = leaves[0][1].shape if leaves else ()
+    return int(shape[0]) if len(shape) and shape[0] is not None else None
+
+
+# ---- structure --------------------------------------------------------------
+
+
+def _check_structure(report):
+    batch = report.batch
+    if isinstance(batch, tuple) and not 1 <= len(batch) <= 3:
+        report.problems.append(Problem(
+            "structure", f"Each batch is a {len(batch)}-tuple; {_FORMAT}.",
+            "yield (x, y) or (x, y, sample_weight); put several inputs together as x: "
+            "((x1, x2), y) or ({'name1': x1, 'name2': x2}, y)."))
+        report.batch = None
+        return False
+    report.structure = ("x" if not isinstance(batch, tuple) else
+                        "(" + ", ".join(_PARTS[:len(batch)]) + ("," if len(batch) == 1 else "") + ")")
+    y = batch[1] if isinstance(batch, tuple) and len(batch) > 1 else None
+    if y is not None and report.form != "arrays" and any(len(leaf.shape) == 0 for _, leaf in _leaves(y, "y")):
+        report.problems.append(Problem(
+            "unbatched", "The data yields single examples (y is a scalar), not batches.",
+            "batch it: dataset.batch(32)."))
+    return True
+
+
+def _named_parts(batch):
+    if isinstance(batch, tuple):
+        return list(zip(_PARTS, batch))
+    return [("x", batch)]
+
+
+def _leaves(value, path):
+    """(path, leaf) pairs of a nested structure, e.g. ("x['pixels']", array)."""
+    if value is None:
+        return []
+    if isinstance(value, dict):
+        return [pair for key in value for pair in _leaves(value[key], f"{path}[{key!r}]")]
+    if isinstance(value, (list, tuple)):
+        return [pair for i, item in enumerate(value) for pair in _leaves(item, f"{path}[{i}]")]
+    return [(path, value)]
+
+
+# ---- against a model --------------------------------------------------------
+
+
+def _check_against_model(report, model):
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(report.batch)
+    if not _check_inputs(report, model, x):
+        return
+    try:
+        y_pred = model(x, training=False)
+    except Exception as error:  # the model's own message, whatever its type
+        report.problems.append(Problem(
+            "input", f"The model cannot take x: {_first_line(error)}",
+            "give x the shape the model's first layer expects, or change that layer."))
+        return
+    if y is None or not getattr(model, "compiled", False) or getattr(model, "loss", None) is None:
+        return
+    _check_loss(report, model, x, y, y_pred, sample_weight)
+
+
+def _check_inputs(report, model, x):
+    try:
+        inputs = list(model.inputs or [])
+    except (AttributeError, ValueError):
+        inputs = []
+    if not inputs:
+        return True
+    names = [tensor.name for tensor in inputs]
+    if isinstance(x, dict):
+        missing = [name for name in names if name not in x]
+        if missing:
+            report.problems.append(Problem(
+                "input names", f"x is a dict with keys {sorted(x)}, but the model's inputs are named {names}.",
+                f"name the keys after the model's inputs (keras.Input(name=...)): {{{', '.join(repr(n) for n in names)}: ...}}."))
+            return False
+        leaves = [x[name] for name in names]
+    else:
+        leaves = keras.tree.flatten(x)
+        if len(leaves) != len(inputs):
+            report.problems.append(Problem(
+                "inputs", f"x holds {len(leaves)} arrays, but the model has {len(inputs)} inputs {names}.",
+                "give x one array per model input, as a tuple in input order or a dict by input name."))
+            return False
+    for name, tensor, leaf in zip(names, inputs, leaves):
+        expected, got = tuple(tensor.shape), tuple(leaf.shape)
+        if len(got) == len(expected) - 1 and _fits(expected[1:], got):
+            report.problems.append(Problem(
+                "unbatched", f"x is one example of shape {got}, but the model's input {name!r} takes "
+                f"batches of shape {expected}.",
+                "batch the data: dataset.batch(32) (a tf.data.Dataset is not batched by fit())."))
+            return False
+        if len(got) != len(expected) or not _fits(expected[1:], got[1:]):
+            report.problems.append(Problem(
+                "input shape", f"x has shape {got} per batch, but the model's input {name!r} takes {expected}.",
+                f"reshape x to {_without_batch(expected)} per example (x.reshape(len(x), ...)), or build "
+                f"the model with keras.Input(shape={got[1:]})."))
+            return False
+    return True
+
+
+def _fits(expected, got):
+    return len(expected) == len(got) and all(e is None or e == g for e, g in zip(expected, got))
+
+
+def _without_batch(shape):
+    return tuple(shape[1:])
+
+
+def _check_loss(report, model, x, y, y_pred, sample_weight):
+    loss_name = _loss_name(model.loss)
+    if not tf.is_tensor(y_pred) or isinstance(y, (dict, list, tuple)):
+        single = None
+    else:
+        single = (tuple(y.shape), tuple(y_pred.shape))
+    states = [(v, v.numpy()) for metric in model.metrics for v in metric.variables]
+    try:
+        model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)
+        error = None
+    except Exception as caught:  # the loss's own message, whatever its type
+        error = caught
+    finally:
+        # Older Keras updates the loss tracker inside compute_loss: leave no trace.
+        for variable, value in states:
+            variable.assign(value)
+    if single is None:
+        if error is not None:
+            report.problems.append(Problem("loss", f"The loss fails on this batch: {_first_line(error)}",
+                                           "give y the structure and shapes of the model's outputs."))
+        return
+    y_shape, out_shape = single
+    sparse = "sparse" in loss_name
+    categorical = "categorical" in loss_name and not sparse
+    if sparse and len(y_shape) == len(out_shape) and y_shape[-1] == out_shape[-1] and y_shape[-1] != 1:
+        report.problems.append(Problem(
+            "labels", f"y is one-hot (shape {y_shape}), but {loss_name} takes integer labels.",
+            "use loss='categorical_crossentropy' for one-hot rows, or pass integer labels: y.argmax(-1)."))
+    elif categorical and len(y_shape) == len(out_shape) - 1:
+        report.problems.append(Problem(
+            "labels", f"y holds integer labels (shape {y_shape}), but {loss_name} takes one-hot rows "
+            f"like the output {out_shape}.",
+            "use loss='sparse_categorical_crossentropy' for integer labels, or one-hot them: "
+            f"keras.utils.to_categorical(y, {out_shape[-1]})."))
+    elif error is not None or (not sparse and _broadcasts(y_shape, out_shape)):
+        why = f": {_first_line(error)}" if error is not None else " (the loss would broadcast them)"
+        report.problems.append(Problem(
+            "target shape", f"y has shape {y_shape} per batch, the model outputs {out_shape}, and "
+            f"{loss_name} cannot compare them{why}.",
+            f"give y the output's shape {_without_batch(out_shape)} per example, or change the model's "
+            "last layer or the loss."))
+
+
+def _broadcasts(y_shape, out_shape):
+    """True when y and the output differ in shape beyond a trailing 1 that Keras squeezes."""
+    squeeze = lambda shape: shape[:-1] if len(shape) > 1 and shape[-1] == 1 else shape  # noqa: E731
+    return squeeze(y_shape) != squeeze(out_shape)
+
+
+def _loss_name(loss):
+    if isinstance(loss, str):
+        return loss
+    name = getattr(loss, "name", None) or getattr(loss, "__name__", None) or type(loss).__name__
+    return str(name)
+
+
+def _first_line(error):
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    for line in lines:
+        # Keras wraps a layer's error in "Exception encountered when calling ...".
+        if not line.startswith("Exception encountered"):
+            return _strip_ansi(line)[:300]
+    return type(error).__name__
+
+
+def _strip_ansi(text):
+    # TensorFlow prefixes op errors with "{{function_node ...}}"; Keras bolds with ANSI codes.
+    return re.sub(r"\{\{[^}]*\}\}\s*|\x1b\[[0-9;]*m", "", text)

@@ -1,0 +1,248 @@
+"""inspect_data: the batches fit() hands train_step, and the structure errors named with their fix."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import lab
+
+FEATURES, CLASSES = 8, 3
+
+
+@pytest.fixture
+def arrays():
+    rng = np.random.default_rng(0)
+    x = rng.random((100, FEATURES)).astype(np.float32)
+    y = (np.arange(100) % CLASSES).astype(np.int32)
+    return x, y
+
+
+def classifier(loss="sparse_categorical_crossentropy", input_name=None):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((FEATURES,), name=input_name)
+    model = keras.Model(inputs, keras.layers.Dense(CLASSES)(inputs))
+    model.compile(optimizer="sgd", loss=keras.losses.get(loss) if isinstance(loss, str) else loss)
+    return model
+
+
+def only_problem(report, kind):
+    assert [p.kind for p in report.problems] == [kind], report
+    return report.problems[0]
+
+
+# ---- data forms ---------------------------------------------------------------
+
+
+def test_arrays_are_batched_as_fit_batches_them_with_a_partial_last_batch(arrays):
+    x, y = arrays
+    report = lab.inspect_data(x, y, batch_size=32)
+    assert report.structure == "(x, y)"
+    assert (report.batch_size, report.batches_per_epoch, report.last_batch_size) == (32, 4, 4)
+    assert report.batch_sizes().tolist() == [32, 32, 32, 4]
+    frame = report.frame()
+    assert frame["path"].tolist() == ["x", "y"]
+    assert frame["shape"].tolist() == [(32, FEATURES), (32,)]
+    assert "batches per epoch: 4 (first of 32, last of 4)" in repr(report)
+    assert report.ok and "no problem found" in repr(report)
+
+
+def test_fit_default_batch_size_is_32_and_float64_arrives_as_float32(arrays):
+    x, y = arrays
+    report = lab.inspect_data(x.astype(np.float64), y)
+    assert report.batch_size == 32
+    assert report.frame().set_index("path").loc["x", "dtype"] == "float32"
+
+
+def test_x_alone_reaches_train_step_bare_and_sample_weight_is_the_third_element(arrays):
+    x, y = arrays
+    assert lab.inspect_data(x).structure == "x"
+    report = lab.inspect_data(x, y, sample_weight=np.ones(100), batch_size=50)
+    assert report.structure == "(x, y, sample_weight)"
+    assert report.frame()["part"].tolist() == ["x", "y", "sample_weight"]
+
+
+def test_validation_split_holds_out_the_last_examples_before_batching(arrays):
+    x, y = arrays
+    report = lab.inspect_data(x, y, batch_size=32, validation_split=0.2)
+    assert (report.batches_per_epoch, report.last_batch_size) == (3, 16)
+    assert any("holds out the last 20 of 100" in note for note in report.notes)
+
+
+def test_a_batched_dataset_keeps_its_batches_and_ignores_batch_size(arrays):
+    dataset = tf.data.Dataset.from_tensor_slices(arrays).batch(40)
+    report = lab.inspect_data(dataset, batch_size=64)
+    assert (report.batch_size, report.batches_per_epoch, report.last_batch_size) == (40, 3, 20)
+    assert any("batch_size=64 is not used" in n and "dataset.batch(64)" in n for n in report.notes)
+
+
+def test_an_unbatched_dataset_is_named_with_the_fix(arrays):
+    report = lab.inspect_data(tf.data.Dataset.from_tensor_slices(arrays))
+    problem = only_problem(report, "unbatched")
+    assert "single examples" in problem.message and "dataset.batch(32)" in problem.fix
+    assert report.batches_per_epoch is None
+
+
+def test_an_unbatched_dataset_of_x_alone_is_caught_against_the_model(arrays):
+    report = lab.inspect_data(tf.data.Dataset.from_tensor_slices(arrays[0]), model=classifier())
+    problem = only_problem(report, "unbatched")
+    assert f"one example of shape ({FEATURES},)" in problem.message and ".batch(32)" in problem.fix
+
+
+def test_a_dataset_that_repeats_forever_needs_steps_per_epoch(arrays):
+    dataset = tf.data.Dataset.from_tensor_slices(arrays).batch(32).repeat()
+    assert "steps_per_epoch" in only_problem(lab.inspect_data(dataset), "epoch length").fix
+    report = lab.inspect_data(dataset, steps_per_epoch=5)
+    assert report.ok and report.batches_per_epoch == 5
+
+
+def test_a_generator_has_no_known_length_until_steps_per_epoch_says(arrays):
+    x, y = arrays
+
+    def batches():
+        for start in range(0, 100, 25):
+            yield x[start:start + 25], y[start:start + 25]
+
+    report = lab.inspect_data(batches())
+    assert report.structure == "(x, y)" and report.batch_size == 25
+    assert report.batches_per_epoch is None and report.batch_sizes() is None
+    assert any("exhausted" in note and "steps_per_epoch" in note for note in report.notes)
+    assert any("fresh generator" in note for note in report.notes)
+    assert lab.inspect_data(batches(), steps_per_epoch=3).batches_per_epoch == 3
+
+
+def test_a_py_dataset_reports_its_length_and_last_batch(arrays):
+    x, y = arrays
+
+    class Digits(keras.utils.PyDataset):
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, index):
+            rows = slice(index * 40, (index + 1) * 40)
+            return x[rows], y[rows]
+
+    report = lab.inspect_data(Digits())
+    assert (report.form, report.batch_size, report.batches_per_epoch, report.last_batch_size) == \
+        ("PyDataset", 40, 3, 20)
+
+
+# ---- structure errors -----------------------------------------------------------
+
+
+def test_x_and_y_of_different_lengths(arrays):
+    x, y = arrays
+    problem = only_problem(lab.inspect_data(x, y[:90]), "length")
+    assert "x has 100" in problem.message and "y has 90" in problem.message
+    assert "same number of rows" in problem.fix
+
+
+def test_a_generator_yielding_a_4_tuple(arrays):
+    x, y = arrays
+
+    def batches():
+        while True:
+            yield x[:10], y[:10], np.ones(10), np.ones(10)
+
+    report = lab.inspect_data(batches(), model=classifier())
+    problem = only_problem(report, "structure")
+    assert "4-tuple" in problem.message and "(x, y, sample_weight)" in problem.fix
+    with pytest.raises(ValueError, match="4-tuple.*Fix: yield"):
+        report.check()
+
+
+def test_dict_keys_that_do_not_match_the_input_names(arrays):
+    x, y = arrays
+
+    def batches():
+        while True:
+            yield {"image": x[:10]}, y[:10]
+
+    problem = only_problem(lab.inspect_data(batches(), model=classifier(input_name="pixels")), "input names")
+    assert "['image']" in problem.message and "['pixels']" in problem.message
+    assert "{'pixels': ...}" in problem.fix
+    matching = lab.inspect_data({"pixels": x}, y, model=classifier(input_name="pixels"))
+    assert matching.ok, matching
+
+
+def test_one_hot_labels_with_a_sparse_loss(arrays):
+    x, y = arrays
+    report = lab.inspect_data(x, keras.utils.to_categorical(y, CLASSES), model=classifier())
+    problem = only_problem(report, "labels")
+    assert "one-hot" in problem.message and "categorical_crossentropy" in problem.fix
+
+
+def test_integer_labels_with_the_categorical_loss(arrays):
+    x, y = arrays
+    model = classifier(keras.losses.CategoricalCrossentropy(from_logits=True))
+    problem = only_problem(lab.inspect_data(x, y, model=model), "labels")
+    assert "integer labels" in problem.message
+    assert "sparse_categorical_crossentropy" in problem.fix and f"to_categorical(y, {CLASSES})" in problem.fix
+
+
+def test_targets_of_the_wrong_shape(arrays):
+    x, y = arrays
+    problem = only_problem(lab.inspect_data(x, y, model=classifier("mse")), "target shape")
+    assert f"(32,) per batch, the model outputs (32, {CLASSES})" in problem.message
+    assert f"({CLASSES},)" in problem.fix
+
+
+def test_inputs_of_the_wrong_shape(arrays):
+    x, y = arrays
+    problem = only_problem(lab.inspect_data(x.reshape(100, 2, 4), y, model=classifier()), "input shape")
+    assert "(32, 2, 4)" in problem.message and "keras.Input(shape=(2, 4))" in problem.fix
+
+
+def test_y_given_beside_a_dataset(arrays):
+    x, y = arrays
+    report = lab.inspect_data(tf.data.Dataset.from_tensor_slices(x).batch(10), y)
+    assert "y was given separately" in only_problem(report, "structure").message
+
+
+def test_bad_arguments_are_refused_with_the_allowed_range(arrays):
+    with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+        lab.inspect_data(*arrays, batch_size=0)
+    with pytest.raises(ValueError, match=r"validation_split must be in \[0, 1\)"):
+        lab.inspect_data(*arrays, validation_split=1.0)
+
+
+def test_checking_against_a_model_leaves_no_trace(arrays):
+    x, y = arrays
+    model = classifier()
+    before = [w.copy() for w in model.get_weights()]
+    report = lab.inspect_data(x, y, sample_weight=np.ones(100), model=model)
+    assert report.check() is report
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+    assert all(float(v.numpy()) == 0 for metric in model.metrics for v in metric.variables)
+
+
+# ---- the report agrees with fit() -----------------------------------------------
+
+
+def _fit_fails(model, *args, **kwargs):
+    model.run_eagerly = True
+    try:
+        model.fit(*args, epochs=1, verbose=0, **kwargs)
+    except Exception:  # whatever fit() raises
+        return True
+    return False
+
+
+@pytest.mark.parametrize("case", ["unbatched", "lengths", "one_hot", "integer", "target_shape", "input_shape"])
+def test_every_problem_named_is_one_fit_fails_on(arrays, case):
+    x, y = arrays[0][:40], arrays[1][:40]
+    model, kwargs = classifier(), {}
+    if case == "unbatched":
+        args = (tf.data.Dataset.from_tensor_slices((x, y)),)
+    elif case == "lengths":
+        args = (x, y[:30])
+    elif case == "one_hot":
+        args = (x, keras.utils.to_categorical(y, CLASSES))
+    elif case == "integer":
+        model, args = classifier(keras.losses.CategoricalCrossentropy(from_logits=True)), (x, y)
+    elif case == "target_shape":
+        model, args = classifier("mse"), (x, y)
+    else:
+        args = (x.reshape(40, 2, 4), y)
+    assert not lab.inspect_data(*args, model=model, **kwargs).ok
+    assert _fit_fails(model, *args, **kwargs)
