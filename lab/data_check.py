@@ -21,8 +21,14 @@ import tensorflow as tf
 
 from lab.feed import Feed
 
-Problem = collections.namedtuple("Problem", ["kind", "message", "fix"])
-Problem.__doc__ = """One thing fit() would fail on (or silently get wrong): `kind`, `message`, `fix`."""
+
+
+class Problem(collections.namedtuple("Problem", ["kind", "message", "fix"])):
+    """One thing fit() would fail on (or silently get wrong): `kind`, `message`, `fix`."""
+
+    def __str__(self):
+        return f"{self.message}\nfix: {self.fix}"
+
 
 _PARTS = ("x", "y", "sample_weight")
 _FORMAT = "fit() takes x, (x,), (x, y) or (x, y, sample_weight)"
@@ -155,7 +161,7 @@ def inspect_data(x, y=None, sample_weight=None, batch_size=None, model=None, val
     report.batch = first.data
     if report.form == "generator":
         report.notes.append("inspect_data took the generator's first batch: give fit() a fresh generator.")
-    if _check_structure(report) and model is not None:
+    if _check_structure(report) and model is not None and report.ok:
         _check_against_model(report, model)
     if not any(problem.kind in ("structure", "unbatched") for problem in report.problems):
         _count_batches(report, x, data, batch_size, steps_per_epoch)
@@ -260,7 +266,7 @@ def _count_batches(report, x, data, batch_size, steps_per_epoch):
         report.batches_per_epoch = steps
     elif report.form == "generator":
         report.notes.append("a generator's length is unknown: one epoch runs until it is exhausted, "
-                            "and the next epoch finds it empty; pass steps_per_epoch=... and make it "
+                            "and the next finds little or nothing left; pass steps_per_epoch=... and make it "
                             "yield forever (or use a PyDataset).")
 
 
@@ -321,7 +327,7 @@ def _check_against_model(report, model):
         y_pred = model(x, training=False)
     except Exception as error:  # the model's own message, whatever its type
         report.problems.append(Problem(
-            "input", f"The model cannot take x: {_first_line(error)}",
+            "input", f"The model cannot take x: {error_line(error)}",
             "give x the shape the model's first layer expects, or change that layer."))
         return
     if y is None or not getattr(model, "compiled", False) or getattr(model, "loss", None) is None:
@@ -353,16 +359,18 @@ def _check_inputs(report, model, x):
                 "give x one array per model input, as a tuple in input order or a dict by input name."))
             return False
     for name, tensor, leaf in zip(names, inputs, leaves):
+        # Keras numbers unnamed inputs ("keras_tensor_7"): name only what the user named.
+        name = "" if name.startswith("keras_tensor") else f" {name!r}"
         expected, got = tuple(tensor.shape), tuple(leaf.shape)
         if len(got) == len(expected) - 1 and _fits(expected[1:], got):
             report.problems.append(Problem(
-                "unbatched", f"x is one example of shape {got}, but the model's input {name!r} takes "
+                "unbatched", f"x is one example of shape {got}, but the model's input{name} takes "
                 f"batches of shape {expected}.",
                 "batch the data: dataset.batch(32) (a tf.data.Dataset is not batched by fit())."))
             return False
         if len(got) != len(expected) or not _fits(expected[1:], got[1:]):
             report.problems.append(Problem(
-                "input shape", f"x has shape {got} per batch, but the model's input {name!r} takes {expected}.",
+                "input shape", f"x has shape {got} per batch, but the model's input{name} takes {expected}.",
                 f"reshape x to {_without_batch(expected)} per example (x.reshape(len(x), ...)), or build "
                 f"the model with keras.Input(shape={got[1:]})."))
             return False
@@ -395,7 +403,7 @@ def _check_loss(report, model, x, y, y_pred, sample_weight):
             variable.assign(value)
     if single is None:
         if error is not None:
-            report.problems.append(Problem("loss", f"The loss fails on this batch: {_first_line(error)}",
+            report.problems.append(Problem("loss", f"The loss fails on this batch: {error_line(error)}",
                                            "give y the structure and shapes of the model's outputs."))
         return
     y_shape, out_shape = single
@@ -412,7 +420,7 @@ def _check_loss(report, model, x, y, y_pred, sample_weight):
             "use loss='sparse_categorical_crossentropy' for integer labels, or one-hot them: "
             f"keras.utils.to_categorical(y, {out_shape[-1]})."))
     elif error is not None or (not sparse and _broadcasts(y_shape, out_shape)):
-        why = f": {_first_line(error)}" if error is not None else " (the loss would broadcast them)"
+        why = f": {error_line(error)}" if error is not None else " (the loss would broadcast them)"
         report.problems.append(Problem(
             "target shape", f"y has shape {y_shape} per batch, the model outputs {out_shape}, and "
             f"{loss_name} cannot compare them{why}.",
@@ -433,15 +441,28 @@ def _loss_name(loss):
     return str(name)
 
 
-def _first_line(error):
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+def error_line(error):
+    """The informative line of a Keras or TensorFlow error, without tracebacks or markup.
+
+    Args:
+        error: Exception.
+
+    Returns:
+        str, at most 300 characters.
+    """
+    lines = [_strip_ansi(line).strip() for line in str(error).splitlines()]
+    lines = [line for line in lines if line]
+    if lines and lines[0].startswith("Graph execution error"):
+        # A graph error lists the traceback of the failing op first; its message follows.
+        after = [i for i, line in enumerate(lines) if line.startswith("File ")]
+        lines = lines[after[-1] + 1:] if after else lines[1:]
     for line in lines:
         # Keras wraps a layer's error in "Exception encountered when calling ...".
-        if not line.startswith("Exception encountered"):
-            return _strip_ansi(line)[:300]
+        if not line.startswith(("Exception encountered", "[[")):
+            return line[:300]
     return type(error).__name__
 
 
 def _strip_ansi(text):
     # TensorFlow prefixes op errors with "{{function_node ...}}"; Keras bolds with ANSI codes.
-    return re.sub(r"\{\{[^}]*\}\}\s*|\x1b\[[0-9;]*m", "", text)
+    return re.sub(r"\{\{[^}]*\}\}\s*|\x1b\[[0-9;]*m|\s*\[Op:[^\]]*\]( name:\s*\S*)?", "", text)

@@ -246,3 +246,17 @@ def test_every_problem_named_is_one_fit_fails_on(arrays, case):
         args = (x.reshape(40, 2, 4), y)
     assert not lab.inspect_data(*args, model=model, **kwargs).ok
     assert _fit_fails(model, *args, **kwargs)
+
+
+def test_a_problem_prints_as_its_message_and_fix(arrays):
+    problem = lab.inspect_data(arrays[0], arrays[1][:90]).problems[0]
+    assert str(problem) == f"{problem.message}\nfix: {problem.fix}"
+
+
+def test_error_line_finds_the_message_of_a_graph_error_below_its_traceback(arrays):
+    model = classifier("mse")
+    with pytest.raises(Exception) as caught:
+        # A short last batch makes the batch dimension dynamic: the error comes at run time.
+        model.fit(*arrays, batch_size=32, epochs=1, verbose=0)
+    line = lab.data_check.error_line(caught.value)
+    assert line.startswith("Incompatible shapes") and "[Op:" not in line and "File" not in line
