@@ -13,8 +13,9 @@ def layer_norms(run, parts=None, column="grad_norm"):
     where none of a group's variables has a value stays NaN (missing, not 0).
 
     Args:
-        run: `lab.Run` (or the DataFrame from `run.batches()`) recorded with
-            `gradients=True` (for `column="grad_norm"`).
+        run: `lab.Run` recorded with `gradients=True` (for
+            `column="grad_norm"`), the DataFrame from `run.batches()`, or a
+            `lab.StepTrace` (its one row).
         parts: None, or dict name -> what the part holds: a `keras.Layer` or
             `keras.Model` (its trainable variables, matched by `variable.path`),
             a path prefix (`"decoder"` holds `decoder/...`), or a list of
@@ -34,7 +35,12 @@ def layer_norms(run, parts=None, column="grad_norm"):
     lab.layer_norms(rec.run, {"encoder": vae.encoder, "decoder": vae.decoder})
     ```
     """
-    rows = run.batches() if hasattr(run, "batches") else run
+    if hasattr(run, "batches"):
+        rows = run.batches()
+    elif hasattr(run, "row"):  # a StepTrace
+        rows = pd.DataFrame([{**run.row, "step": run.index}])
+    else:
+        rows = run
     prefix = column + "/"
     paths = [c[len(prefix):] for c in rows.columns if c.startswith(prefix)]
     if not paths:

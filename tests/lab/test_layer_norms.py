@@ -53,6 +53,19 @@ def test_parts_by_model_split_encoder_and_decoder_of_a_recorded_fit():
     np.testing.assert_allclose(np.hypot(norms["encoder"], norms["decoder"]), rows["grad_norm"], rtol=1e-5)
 
 
+def test_a_stepped_trace_gives_its_own_row():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="a"), keras.layers.Dense(1, name="b")])
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.ones((8, 4), "float32")
+    trace = lab.Stepper(model, (x, np.zeros((8, 1), "float32")), batch_size=8).step()
+    norms = lab.layer_norms(trace)
+    assert list(norms.index) == [trace.index]
+    kernel, bias = trace.gradients[model.layers[1].kernel.path], trace.gradients[model.layers[1].bias.path]
+    np.testing.assert_allclose(norms.filter(like="/b").iloc[0, 0],
+                               np.sqrt(np.sum(kernel**2) + np.sum(bias**2)), rtol=1e-5)
+
+
 def test_a_run_without_gradients_says_how_to_record_them():
     run = run_with({"accuracy": [0.5]})
     with pytest.raises(ValueError, match=r"Recorder\(gradients=True\)"):
