@@ -81,10 +81,15 @@ class BatchInFlight(keras.callbacks.Callback):
     def stepper(self, **kwargs):
         """A `lab.Stepper` on the kept batch, with the model put back to before it.
 
+        With a `run`, the run's `next_step` goes back to the kept batch's step
+        too: the next step taken, by the stepper or a later `fit()`, is that one.
+
         Its data is that one batch: stepping past it replays it as a new epoch.
 
         Args:
-            **kwargs: passed to `lab.Stepper` (`run`, `start_step`, `mode`, ...).
+            **kwargs: passed to `lab.Stepper` (`run`, `start_step`, `mode`, ...);
+                with a `run`, `start_step` defaults to the step of its last
+                row, the kept batch's.
 
         Raises:
             ValueError: when no batch is kept (not armed, or no batch ran).
@@ -97,9 +102,15 @@ class BatchInFlight(keras.callbacks.Callback):
                 "steps_per_execution=1. Arm it (armed=True) and train again."
             )
         write_state(self.before)
+        if kwargs.get("run") is not None:
+            kwargs.setdefault("start_step", kwargs["run"].next_step - 1)
         kwargs.setdefault("mode", "eager")
         kwargs.setdefault("start_batch", self.position)
-        return Stepper(self.model, tf.data.Dataset.from_tensors(self.data), shuffle=False, **kwargs)
+        stepper = Stepper(self.model, tf.data.Dataset.from_tensors(self.data), shuffle=False, **kwargs)
+        if stepper.run is not None:
+            # The model is as before the kept batch: so is the run's count of steps.
+            stepper.run.next_step = stepper.next_index
+        return stepper
 
 
 def _find(function):

@@ -50,6 +50,11 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
     epoch mean), also at `steps_per_execution > 1`: values are written on the
     device inside the compiled step and read in blocks.
 
+    Rows are numbered from `run.next_step`, one step per training batch
+    (one per step at `steps_per_execution > 1`; a step whose update was
+    skipped counts, with `updated` 0), so a `fit()` after batches stepped
+    into the same run goes on from them.
+
     Args:
         gradients: bool, add `grad_norm` and `grad_norm/<variable.path>`: norms
             of the gradients the optimizer applied.
@@ -148,7 +153,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         steps = self._steps_in_execution(batch)
         mode = modes.current_mode(self.model)
         if mode != self._mode:
-            self.run.add_event("mode", f"{self._mode} -> {mode}", step=len(self.run) + len(self._pending))
+            self.run.add_event("mode", f"{self._mode} -> {mode}", step=self.run.next_step + len(self._pending))
             self._mode = mode
         for i in range(steps):
             self._pending.append((self._epoch, self._begin_step + i, elapsed / steps, mode))
@@ -216,7 +221,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
                 "empty_step",
                 f"Keras ran {int((~keep).sum())} train step(s) on an empty batch at the end "
                 "of the data; no callback saw them and optimizer.iterations counts them",
-                step=len(self.run) + len(self._pending) - 1,
+                step=self.run.next_step + len(self._pending) - 1,
             )
             rows = {name: values[keep] for name, values in rows.items()}
             count = int(keep.sum())
@@ -256,7 +261,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
 
     def _on_device_hit(self, row):
         point = self._probe.breakpoints[int(row["_hit"]) - 1]
-        step = len(self.run) - 1
+        step = self.run.next_step - 1
         culprits = [name.split("/", 1)[1] for name, value in row.items()
                     if name.startswith("grad_norm/") and not np.isfinite(value)]
         if "loss" in row and not np.isfinite(row["loss"]):

@@ -45,6 +45,12 @@ class Run:
     Rows are appended by a `lab.Recorder` (or `lab.watch`, or a `Stepper`) and
     never changed afterwards. Read them as pandas DataFrames.
 
+    A row's `step` counts training steps: the run numbers each row it is
+    handed without one from `next_step`, so rows from `fit()` and from a
+    stepper that share the run go on from each other. A step that is
+    rewound and run again (a stepper's replay) keeps its number: its last
+    row is the one that stands.
+
     Args:
         name: str, a label for comparisons and files.
         metadata: dict, free-form facts about the run (model, optimizer, ...).
@@ -64,6 +70,7 @@ class Run:
         self.metadata.setdefault("created", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
         self._lock = threading.RLock()
         self._length = 0
+        self._next_step = 0
         self._columns = {}
         self._epochs = []
         self._events = []
@@ -76,7 +83,7 @@ class Run:
 
         Args:
             rows: dict, column name -> sequence of equal length. `step` is
-                filled in (global, from 0) when absent; `mode` holds strings.
+                filled in from `next_step` when absent; `mode` holds strings.
         """
         lengths = {len(v) for v in rows.values()}
         if len(lengths) != 1:
@@ -87,7 +94,7 @@ class Run:
         with self._lock:
             start, stop = self._length, self._length + count
             if "step" not in rows:
-                rows = dict(rows, step=np.arange(start, stop))
+                rows = dict(rows, step=np.arange(self._next_step, self._next_step + count))
             for name, values in rows.items():
                 column = self._columns.get(name)
                 if column is None:
@@ -99,6 +106,7 @@ class Run:
                 if name not in rows:
                     column.fill(start, stop)
             self._length = stop
+            self._next_step = int(rows["step"][-1]) + 1
         self._notify("batches", start, stop)
 
     @staticmethod
@@ -115,7 +123,7 @@ class Run:
 
     def append_epoch(self, epoch, logs):
         """Appends one epoch row (Keras' epoch logs, validation included)."""
-        row = {"epoch": int(epoch), "step": self._length - 1}
+        row = {"epoch": int(epoch), "step": self._next_step - 1}
         row.update({k: float(v) for k, v in (logs or {}).items() if _is_scalar(v)})
         with self._lock:
             self._epochs.append(row)
@@ -125,7 +133,7 @@ class Run:
         """Records an event (`mode`, `breakpoint`, `nonfinite`, `interrupt`, `error`, ...)."""
         with self._lock:
             event = {
-                "step": self._length - 1 if step is None else int(step),
+                "step": self._next_step - 1 if step is None else int(step),
                 "kind": kind,
                 "detail": str(detail),
                 "time": time.time(),
@@ -138,6 +146,21 @@ class Run:
 
     def __len__(self):
         return self._length
+
+    @property
+    def next_step(self):
+        """int, the step the next training step gets: one past the last row's,
+        or where a rewind went back to. Set it when the model is put back to
+        the state after another step (the stepper's `rewind` does)."""
+        return self._next_step
+
+    @next_step.setter
+    def next_step(self, step):
+        step = int(step)
+        if step < 0:
+            raise ValueError(f"next_step counts training steps from 0; got {step}.")
+        with self._lock:
+            self._next_step = step
 
     @property
     def columns(self):

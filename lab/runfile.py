@@ -262,6 +262,8 @@ def _restore(name, metadata, tables):
         column.data[:length] = values
         run._columns[column_name] = column
     run._length = length
+    if length and "step" in batches:
+        run._next_step = int(batches["step"][-1]) + 1
     run._epochs = _records(tables["epochs"])
     run._events = _records(tables["events"])
     return run

@@ -127,7 +127,8 @@ class Stepper:
         steps_per_epoch: int or None, batches per epoch (needed for a
             generator to run more than one epoch).
         run: `lab.Run` or None; each step appends its row there.
-        start_step: int, the index of the first step (to continue a run).
+        start_step: int or None, the index of the first step; None goes on
+            from `run.next_step` (0 without a run).
         start_batch: tuple (epoch, batch) of the first batch (to continue a
             fit() mid-epoch: metrics are reset only at a batch 0).
 
@@ -142,7 +143,7 @@ class Stepper:
     """
 
     def __init__(self, model, data, batch_size=None, shuffle=True, seed=None, *, mode="eager",
-                 history=16, steps_per_epoch=None, run=None, start_step=0, start_batch=(0, 0),
+                 history=16, steps_per_epoch=None, run=None, start_step=None, start_batch=(0, 0),
                  _step_fn=None, _optimizers=()):
         if not isinstance(model, keras.Model):
             raise TypeError(f"Stepper needs a keras.Model, got {type(model).__name__}.")
@@ -159,6 +160,8 @@ class Stepper:
         self.history = int(history)
         self.run = run
         self.mode = mode
+        if start_step is None:
+            start_step = run.next_step if run is not None else 0
         self._index = int(start_step)
         self._snapshots = collections.deque(maxlen=self.history)
         self._state = {}  # variable id -> (variable, array): the model's state as last seen
@@ -318,6 +321,7 @@ class Stepper:
         self.feed.push_back([s.fed for s in reversed(undone)])
         self._index = undone[-1].trace.index
         if self.run is not None:
+            self.run.next_step = self._index  # the rewound steps' numbers come again
             self.run.add_event("rewind", f"to before step {self._index}", step=self._index)
         self.last_trace = self._snapshots[-1].trace if self._snapshots else None
         return self.last_trace

@@ -183,13 +183,17 @@ class BackgroundFit:
         self.model.stop_training = False  # the Recorder stops on a hit; here we pause
         after = read_state(self.model)
         run = self.recorder.run if self.recorder is not None else None
-        step = len(run) - 1 if run is not None else self.batches_done - 1
+        step = run.next_step - 1 if run is not None else self.batches_done - 1
+        # The stepper puts the model and the run's step count back to before
+        # the batch that hit; its steps and rewinds move both on.
         self.stepper = self._keeper.stepper(run=run, start_step=step)
         self._pause_requested = True
         self._park(detail)
         if not self.stepper.traces and self.stepper.last_trace is None:
             # Nothing stepped: continue as if the pause never happened.
             write_state(after)
+            if run is not None:
+                run.next_step = step + 1
         if self.recorder is not None and self.recorder.status == "breakpoint":
             self.recorder._set_status("running")
 

@@ -438,6 +438,26 @@ def test_a_blocking_fit_stopped_by_a_breakpoint_opens_a_stepper_on_that_batch():
     assert trace.loss == pytest.approx(float(recorder.run.batches()["loss"].iloc[2]), rel=1e-5)
 
 
+def test_a_fit_after_stepping_goes_on_at_the_next_optimizer_step():
+    from lab.in_flight import BatchInFlight
+
+    model = make_model()
+    keep = BatchInFlight()
+    recorder = lab.Recorder(breakpoints=[lab.Breakpoint(lambda row: row["step"] == 2)])
+    model.fit(X, Y, batch_size=8, epochs=1, shuffle=False, callbacks=[keep, recorder], verbose=0)
+    stepper = keep.stepper(run=recorder.run)  # on batch 2, the one that hit
+    assert stepper.next_index == 2
+    stepper.step(3)  # steps 2, 3, 4
+    stepper.rewind()  # step 4 undone
+    model.fit(X, Y, batch_size=8, epochs=1, shuffle=False, callbacks=[recorder], verbose=0)
+    frame = recorder.run.batches()
+    iterations = int(model.optimizer.iterations.numpy())
+    assert iterations == 2 + 2 + 5  # fit's batches 0-1, the two steps that stand, a fit of 5 batches
+    assert frame["step"].iloc[-5:].tolist() == [4, 5, 6, 7, 8]  # fit goes on after the steps that stand
+    # A replayed or rewound step keeps its number; the last row of each step is the one that stands.
+    assert frame.drop_duplicates("step", keep="last")["step"].tolist() == list(range(iterations))
+
+
 def test_rewinding_after_the_model_changed_elsewhere_raises():
     model = make_model()
     stepper = lab.Stepper(model, (X, Y), batch_size=8)

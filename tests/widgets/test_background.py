@@ -115,6 +115,30 @@ def test_a_breakpoint_pauses_on_the_batch_in_flight_with_the_state_before_it():
     assert run.batches_done == BATCHES  # Continue went on with the next batch
 
 
+@pytest.mark.parametrize("stepped, rewound", [(1, 0), (2, 0), (2, 1)])
+def test_steps_stay_optimizer_steps_when_batches_are_stepped_at_a_pause(stepped, rewound):
+    model = make_model()
+    recorder = lab.Recorder(breakpoints=[lab.Breakpoint(lambda row: row["step"] == 3, name="step 3")])
+    run = fit_in_background(model, epochs=1, callbacks=[recorder]).start()
+    assert run.wait_for("paused", timeout=TIMEOUT)
+    run.stepper.step(stepped)  # the batch that hit, replayed as step 3, then again as step 4
+    if rewound:
+        run.stepper.rewind(rewound)
+    run.resume()
+    assert run.join(TIMEOUT) and run.state == "finished"
+    frame = recorder.run.batches()
+    fit_rows = frame[frame["source"].fillna("fit") == "fit"]
+    stood = stepped - rewound
+    iterations = int(model.optimizer.iterations.numpy())
+    assert iterations == 3 + stood + (BATCHES - 4)  # fit's batches 0-2, the steps that stand, fit's 4-7
+    # fit()'s own rows: unique and increasing, going on right after the steps that stand.
+    assert fit_rows["step"].tolist() == [0, 1, 2, 3] + list(range(3 + stood, iterations))
+    # A replayed step keeps its number (the stepped batch 3 replays fit's step 3), so the
+    # step column never goes back, and its last row of each step is the one that stands.
+    assert frame["step"].is_monotonic_increasing
+    assert frame.drop_duplicates("step", keep="last")["step"].tolist() == list(range(iterations))
+
+
 def test_a_pause_at_a_breakpoint_that_steps_nothing_changes_nothing():
     plain = make_model()
     plain.fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0)
