@@ -10,6 +10,7 @@ from the compiled step. `hint(...)` names the fix for the usual mistakes.
 
 import inspect
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -143,6 +144,15 @@ class StepCapture:
 def hint(error, trace, capture):
     """A line naming the usual fix for the common mistakes in a train_step."""
     message = str(error)
+    if _raised_reading_a_metric(error):
+        return (
+            "No metric was updated in train_step: it returned metric results "
+            "(`self.get_metrics_result()`, `metric.result()`) that no `update_state` fed. "
+            "Before returning, call `update_state` for each metric in `self.metrics`: "
+            "`metric.update_state(loss)` for the loss tracker (named 'loss'), "
+            "`metric.update_state(y, y_pred)` for the others; or return "
+            "`self.compute_metrics(x, y, y_pred, sample_weight)`."
+        )
     if "No gradients provided" in message or (capture.no_gradient and isinstance(error, ValueError)):
         missing = ", ".join(capture.no_gradient) or "all variables"
         return (
@@ -169,3 +179,17 @@ def hint(error, trace, capture):
     if "GradientTape" in message or "tape" in message.lower():
         return "Open the tape with `with tf.GradientTape() as tape:` around the forward pass and loss."
     return ""
+
+
+def _raised_reading_a_metric(error):
+    """Whether `error` came from a metric's `result()`: a compiled metric read
+    before any `update_state` has not even built its variables."""
+    if "result()" in str(error) and "not yet been built" in str(error):
+        return True
+    frames = error.__traceback__
+    while frames is not None:
+        frame = frames.tb_frame
+        if frame.f_code.co_name == "result" and isinstance(frame.f_locals.get("self"), keras.metrics.Metric):
+            return True
+        frames = frames.tb_next
+    return False

@@ -301,6 +301,26 @@ def test_a_shape_error_hint_shows_the_batch_shapes():
     assert "(8, 6)" in trace.hint
 
 
+class MetricsNeverUpdated(Recording):
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        return self.get_metrics_result()  # the mistake: no metric saw this batch
+
+
+def test_a_step_that_updates_no_metric_gets_a_hint_saying_so():
+    keras.utils.set_random_seed(0)
+    model = MetricsNeverUpdated()
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    trace = lab.Stepper(model, (X, Y), batch_size=8).step()
+    assert trace.error is not None
+    assert "No metric was updated" in trace.hint
+    assert "update_state" in trace.hint and "self.metrics" in trace.hint
+    assert "shape" not in trace.hint.lower()
+
+
 def test_bad_input_gets_a_clear_error():
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
     with pytest.raises(ValueError, match="compile"):
