@@ -64,7 +64,8 @@ class Dashboard(Recorder):
 
     It shows itself when training begins if it is not displayed already.
     Where no widget frontend exists (nbconvert, nbval, HTML export) its output
-    still shows the final charts as static SVG.
+    still shows the final charts as static SVG. A container that shows it
+    inside its own output calls `show_inside(...)` to get that final view.
 
     Args:
         gradients: bool, record and show per-layer gradient norms.
@@ -115,6 +116,7 @@ class Dashboard(Recorder):
             self.chart.show_ghost(ghost if isinstance(ghost, lab.Run) else lab.Run.load(ghost), max_points)
         self.widget = ipywidgets.VBox([self.header, self.chart.figure])
         self._handles = []
+        self._final_views = []
         self._next_refresh = 0.0
         self._view_failed = False
         self._predicting = None
@@ -127,8 +129,7 @@ class Dashboard(Recorder):
         self._progress = dict(epoch=0, batch=-1, done=0)
         self._rate_samples.clear()
         self._rate_samples.append((time.monotonic(), 0))
-        # From a background thread a display would land in whatever cell runs then.
-        if not self._handles and _frontend_available() and threading.current_thread() is threading.main_thread():
+        if self._should_show_itself():
             self._ipython_display_()
         self.refresh()
 
@@ -217,12 +218,46 @@ class Dashboard(Recorder):
         if hasattr(run, "add_status_listener"):
             run.add_status_listener(lambda status, detail: self._set_status(status, detail))
         self._set_status(getattr(run, "status", "running"), getattr(run, "status_detail", ""))
-        if not self._handles and _frontend_available() and threading.current_thread() is threading.main_thread():
+        if self._should_show_itself():
             self._ipython_display_()
         self.refresh()
         return self
 
     # ---- drawing -------------------------------------------------------------
+
+    def show_inside(self, on_final_view):
+        """Hands this Dashboard's display to a container that shows it inside its own output.
+
+        The Dashboard then no longer shows itself when training begins, and
+        when training ends it calls `on_final_view(bundle)` with its final
+        output bundle (the widget, the text summary and the static charts), so
+        the container can redraw its output: where no widget frontend exists,
+        that output is what shows the finished run.
+
+        Args:
+            on_final_view: callable `on_final_view(bundle)`, bundle a dict
+                mime type -> data, as `_repr_mimebundle_()` returns it.
+
+        Returns:
+            This Dashboard.
+
+        Example:
+
+        ```python
+        dashboard = widgets.Dashboard()
+        handle = IPython.display.display(ipywidgets.VBox([dashboard.widget, controls]), display_id=True)
+        dashboard.show_inside(lambda bundle: handle.update(bundle, raw=True))
+        ```
+        """
+        if not callable(on_final_view):
+            raise TypeError(f"show_inside needs a callable on_final_view(bundle), got {type(on_final_view).__name__}.")
+        self._final_views.append(on_final_view)
+        return self
+
+    def _should_show_itself(self):
+        # From a background thread a display would land in whatever cell runs then.
+        return (not self._handles and not self._final_views and _frontend_available()
+                and threading.current_thread() is threading.main_thread())
 
     def refresh(self):
         """Redraws the view from the run: one plotly update and the header line."""
@@ -245,10 +280,12 @@ class Dashboard(Recorder):
         self.header.value = self._header_html()
         if status in _TERMINAL:
             self.refresh()
-            if self._handles:
+            if self._handles or self._final_views:
                 bundle = self._repr_mimebundle_()
                 for handle in self._handles:
                     handle.update(bundle, raw=True)
+                for on_final_view in list(self._final_views):
+                    on_final_view(bundle)
 
     def _header_html(self):
         status = getattr(self, "status", "idle")

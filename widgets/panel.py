@@ -82,10 +82,9 @@ class Lab(ipywidgets.VBox):
         # not on whichever later batch the next block read happens at.
         flush_every = 0.0 if self.breakpoints else 0.25
         self.dashboard = Dashboard(gradients=gradients, breakpoints=self.breakpoints, flush_every=flush_every)
-        # The Dashboard shows itself when training begins unless it is shown
-        # already; here it is shown inside this panel, and its final update
-        # must redraw the panel's output, not print a second dashboard.
-        self.dashboard._handles.append(_PanelDisplay(self))
+        # Shown inside this panel: the Dashboard's final view redraws the
+        # panel's output instead of making a second one.
+        self.dashboard.show_inside(self._show_final_view)
         self.training = None
         self.stepper_panel = None
         self._handles = []
@@ -277,6 +276,12 @@ class Lab(ipywidgets.VBox):
     def _ipython_display_(self):
         show(self, self._handles)
 
+    def _show_final_view(self, _dashboard_bundle):
+        """Redraws the panel's output when training ends: the final static charts."""
+        bundle = self._repr_mimebundle_()
+        for handle in self._handles:
+            handle.update(bundle, raw=True)
+
     def __repr__(self):
         return f"<widgets.Lab {self.state}: {len(self.run)} steps>"
 
@@ -290,17 +295,6 @@ class _TrainingBegan(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self.event.set()
-
-
-class _PanelDisplay:
-    """Stands in for the Dashboard's display handle: its updates redraw the panel."""
-
-    def __init__(self, panel):
-        self.panel = panel
-
-    def update(self, _bundle, raw=True):
-        for handle in self.panel._handles:
-            handle.update(self.panel._repr_mimebundle_(), raw=True)
 
 
 def _is_arrays(data):

@@ -110,6 +110,19 @@ def test_already_displayed_dashboard_is_not_shown_twice_and_serves_two_fits(digi
     assert "10 steps" in notebook[0].shown[-1]["text/plain"]
 
 
+def test_a_container_showing_the_dashboard_gets_its_final_view(digits, make_model, notebook):
+    (x, y), _ = digits
+    received = []
+    dashboard = widgets.Dashboard(gradients=False).show_inside(received.append)
+    make_model().fit(x, y, epochs=1, batch_size=64, callbacks=[dashboard], verbose=0)
+    assert notebook == []  # its container shows it: no second output of its own
+    assert len(received) == 1
+    assert "Dashboard (finished)" in received[0]["text/plain"]
+    assert "(finished), 5 steps" in received[0]["text/html"] and "<svg" in received[0]["text/html"]
+    with pytest.raises(TypeError, match="callable"):
+        widgets.Dashboard().show_inside("panel")
+
+
 def test_static_bundle_has_charts_and_no_plotly_js(digits, make_model):
     (x, y), validation = digits
     model = make_model()
