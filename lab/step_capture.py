@@ -174,7 +174,8 @@ def hint(error, trace, capture):
         return (
             f"A shape mismatch with this batch ({shapes}): check the model's input shape "
             "against x, and the loss against y (sparse_categorical_crossentropy takes "
-            "integer labels, categorical_crossentropy one-hot rows)."
+            "integer labels, categorical_crossentropy one-hot rows). "
+            "`lab.inspect_data(x, y, model=model)` checks a batch against the model and names the fix."
         )
     if "GradientTape" in message or "tape" in message.lower():
         return "Open the tape with `with tf.GradientTape() as tape:` around the forward pass and loss."

@@ -299,6 +299,7 @@ def test_a_none_gradient_hint_names_the_variables_that_got_none():
 def test_a_shape_error_hint_shows_the_batch_shapes():
     trace = lab.Stepper(broken("shape"), (X, Y), batch_size=8).step()
     assert "(8, 6)" in trace.hint
+    assert "lab.inspect_data" in trace.hint  # the tool that names the mismatch and its fix
 
 
 class MetricsNeverUpdated(Recording):
