@@ -48,6 +48,16 @@ def pytest_configure(config):
         "markers", "browser: runs JupyterLab and drives it from headless Chromium (/usr/bin/chromium)")
 
 
+# The notebook's own kernel, connected and idle. (The status bar reads "idle"
+# before any kernel exists, and a run-all sent then does nothing.)
+KERNEL_READY_JS = """() => {
+    const widget = window.jupyterapp && window.jupyterapp.shell.currentWidget;
+    const session = widget && widget.sessionContext && widget.sessionContext.session;
+    const kernel = session && session.kernel;
+    return !!kernel && kernel.connectionStatus === 'connected' && kernel.status === 'idle';
+}"""
+
+
 def artifacts_dir():
     """Where screenshots go: $TRAINING_LAB_ARTIFACTS, else artifacts/ at the repository root."""
     path = pathlib.Path(os.environ.get("TRAINING_LAB_ARTIFACTS", ROOT / "artifacts"))
@@ -211,3 +221,16 @@ def page(lab_server):
         finally:
             context.close()
             browser.close()
+
+
+@pytest.fixture
+def open_notebook(page, lab_server):
+    """A function that opens a served notebook in the page, by name, and waits
+    for its cells and its own idle kernel."""
+
+    def open_(notebook):
+        page.goto(lab_server.page_url(notebook), wait_until="domcontentloaded")
+        page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=180_000)
+        page.wait_for_function(KERNEL_READY_JS, timeout=180_000)
+
+    return open_

@@ -45,22 +45,7 @@ SAMPLE_JS = """() => {
 # otherwise wait for every cell to finish before the first sample.
 RUN_ALL_JS = "() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }"
 
-
-# The notebook's own kernel, connected and idle. (The status bar reads "idle"
-# before any kernel exists, and a run-all sent then does nothing.)
-KERNEL_READY_JS = """() => {
-    const widget = window.jupyterapp && window.jupyterapp.shell.currentWidget;
-    const session = widget && widget.sessionContext && widget.sessionContext.session;
-    const kernel = session && session.kernel;
-    return !!kernel && kernel.connectionStatus === 'connected' && kernel.status === 'idle';
-}"""
 RUNNING_JS = "() => [...document.querySelectorAll('.jp-InputArea-prompt')].some(p => p.textContent.includes('*'))"
-
-
-def _open_notebook(page, lab_server):
-    page.goto(lab_server.page_url(NOTEBOOK), wait_until="domcontentloaded")
-    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=180_000)
-    page.wait_for_function(KERNEL_READY_JS, timeout=180_000)
 
 
 def _run_and_sample(page):
@@ -90,22 +75,16 @@ def _run_and_sample(page):
     pytest.fail(f"the notebook did not finish in {RUN_SECONDS} s; last sample {samples[-1]}")
 
 
-def _screenshot(page, folder, name):
-    path = folder / name
-    page.screenshot(path=str(path))
-    return path
-
-
 @pytest.mark.browser
-def test_dashboard_draws_the_loss_live_while_the_quickstart_trains(page, lab_server, artifacts):
-    _open_notebook(page, lab_server)
+def test_dashboard_draws_the_loss_live_while_the_quickstart_trains(page, open_notebook, artifacts):
+    open_notebook(NOTEBOOK)
     try:
         samples = _run_and_sample(page)
     finally:
         # The artifact: the Dashboard as a person would have seen it when the run ended.
         page.evaluate("() => document.querySelector('.js-plotly-plot')?.scrollIntoView({block: 'start'})")
         page.wait_for_timeout(500)
-        _screenshot(page, artifacts, "quickstart.png")
+        page.screenshot(path=str(artifacts / "quickstart.png"))
 
     headers = [s["header"] for s in samples if s["header"]]
     assert any(h.startswith("running") for h in headers), (
