@@ -136,6 +136,13 @@ class LabServer:
             body = response.read()
         return json.loads(body) if body else None
 
+    def reset_workspaces(self):
+        """JupyterLab restores a page's open tabs from its workspace file: without
+        this a new page reopens the notebooks of earlier tests beside its own."""
+        for path in (self.base / "workspaces").glob("*"):
+            if path.is_file():
+                path.unlink()
+
     def delete_sessions(self):
         """A kernel outlives its page: without this a new page reconnects to an old kernel."""
         for session in self.api("GET", "sessions"):
@@ -210,6 +217,7 @@ def page(lab_server):
     from playwright.sync_api import sync_playwright
 
     lab_server.delete_sessions()
+    lab_server.reset_workspaces()
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True,
                                              args=CHROMIUM_FLAGS, env=lab_server.env)
