@@ -106,11 +106,8 @@ class BatchInFlight(keras.callbacks.Callback):
             kwargs.setdefault("start_step", kwargs["run"].next_step - 1)
         kwargs.setdefault("mode", "eager")
         kwargs.setdefault("start_batch", self.position)
-        stepper = Stepper(self.model, tf.data.Dataset.from_tensors(self.data), shuffle=False, **kwargs)
-        if stepper.run is not None:
-            # The model is as before the kept batch: so is the run's count of steps.
-            stepper.run.next_step = stepper.next_index
-        return stepper
+        # The model is as before the kept batch: the Stepper sets the run's count of steps back too.
+        return Stepper(self.model, tf.data.Dataset.from_tensors(self.data), shuffle=False, **kwargs)
 
 
 def _find(function):

@@ -128,7 +128,8 @@ class Stepper:
             generator to run more than one epoch).
         run: `lab.Run` or None; each step appends its row there.
         start_step: int or None, the index of the first step; None goes on
-            from `run.next_step` (0 without a run).
+            from `run.next_step` (0 without a run). With a run, the run's
+            `next_step` is set to it.
         start_batch: tuple (epoch, batch) of the first batch (to continue a
             fit() mid-epoch: metrics are reset only at a batch 0).
 
@@ -163,6 +164,8 @@ class Stepper:
         if start_step is None:
             start_step = run.next_step if run is not None else 0
         self._index = int(start_step)
+        if run is not None:
+            run.next_step = self._index  # the run's steps go on from this stepper's
         self._snapshots = collections.deque(maxlen=self.history)
         self._state = {}  # variable id -> (variable, array): the model's state as last seen
         self._created = {}  # variable id -> (variable, initial array), made during steps
