@@ -18,8 +18,11 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -e ".[notebook,test]"
 	touch $@
 
+# scripts/lab.sh adds --allow-root as root and --no-browser without a display;
+# JupyterLab prints the URL to open (with its token). More options: LAB_ARGS=...
+LAB_ARGS ?=
 lab: $(BIN)/.installed
-	$(BIN)/jupyter lab notebooks/01_quickstart.ipynb
+	JUPYTER=$(BIN)/jupyter sh scripts/lab.sh $(LAB_ARGS)
 
 # Debian's chromium drives the browser tests (Playwright never downloads one).
 browser-deps:
