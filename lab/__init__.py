@@ -18,9 +18,10 @@ from lab.modes import ModeError, ModeSwitcher, set_mode  # noqa: E402
 from lab.predict import predict_stream  # noqa: E402
 from lab.recorder import Recorder  # noqa: E402
 from lab.run import Run  # noqa: E402
+from lab.runfile import RunFileError  # noqa: E402
 from lab.stepper import Stepper, StepTrace  # noqa: E402
 from lab.watch import BreakpointHit, watch  # noqa: E402
 from lab.weights import load_weights_checked  # noqa: E402
 
-__all__ = ["Breakpoint", "Recorder", "Run", "breakpoints", "compare", "DataReport", "inspect_data", "datasets", "export", "layer_norms", "predict_stream", "load_weights_checked", "devices", "ModeError", "ModeSwitcher", "compare_modes", "set_mode", "StepTrace", "Stepper", "strategy", "virtual_cpus", "BreakpointHit", "watch"]
+__all__ = ["Breakpoint", "Recorder", "Run", "RunFileError", "breakpoints", "compare", "DataReport", "inspect_data", "datasets", "export", "layer_norms", "predict_stream", "load_weights_checked", "devices", "ModeError", "ModeSwitcher", "compare_modes", "set_mode", "StepTrace", "Stepper", "strategy", "virtual_cpus", "BreakpointHit", "watch"]
 __version__ = "0.1.0"

@@ -7,9 +7,12 @@ events in small lists. Views subscribe; files and comparisons read it.
 
 import threading
 import time
+import weakref
 
 import numpy as np
 import pandas as pd
+
+from lab import runfile
 
 _INDEX_COLUMNS = ("step", "epoch", "batch")
 
@@ -75,6 +78,7 @@ class Run:
         self._epochs = []
         self._events = []
         self._subscribers = []
+        self._model = None  # weak reference to the model whose rows these are
 
     # ---- writing -----------------------------------------------------------
 
@@ -224,20 +228,82 @@ class Run:
                     stacklevel=2,
                 )
 
+    # ---- the model it records --------------------------------------------
+
+    def claim_model(self, model):
+        """Marks `model` as the one whose training this run records.
+
+        A run holds one model's steps under one model's metadata. The first
+        model claimed is kept; claiming another once the run has rows raises
+        (a run loaded from a file, or still empty, may be claimed by any model).
+
+        Args:
+            model: keras.Model, the model about to be recorded.
+
+        Raises:
+            ValueError: the run already holds rows of a different model.
+        """
+        with self._lock:
+            claimed = self._model() if self._model is not None else None
+            if claimed is model:
+                return
+            if self._model is not None and self._length:
+                raise ValueError(
+                    f"This run already holds {self._length} batch rows of model "
+                    f"{self.metadata.get('model', _model_name(claimed))!r}; one run records one model, "
+                    f"so rows of model {_model_name(model)!r} would be mixed up with them under its "
+                    "metadata. Give each model its own recorder: `lab.Recorder()` (or "
+                    "`widgets.Dashboard()`) per model, then put them side by side with "
+                    "`lab.compare([run_a, run_b])`.")
+            try:
+                self._model = weakref.ref(model)
+            except TypeError:
+                self._model = lambda: model
+
     # ---- files -------------------------------------------------------------
 
     def save(self, path):
-        """Writes the run to an HDF5 file (atomically). See `lab.runfile`."""
-        from lab import runfile
+        """Writes the run to an HDF5 file, atomically (see `lab.runfile`).
 
+        Args:
+            path: str or os.PathLike, the file to (over)write.
+
+        Returns:
+            str, the path written.
+        """
         return runfile.save(self, path)
 
     @classmethod
     def load(cls, path):
-        """Reads a run saved by `Run.save`."""
-        from lab import runfile
+        """Reads a run saved by `Run.save`.
 
-        return runfile.load(path)
+        Args:
+            path: str or os.PathLike.
+
+        Returns:
+            `lab.Run`, equal to the run that was saved.
+
+        Raises:
+            lab.RunFileError: the file is missing, damaged, foreign or unsafe;
+                the message names it and the problem.
+        """
+        return cls._from_parts(runfile.load(path))
+
+    @classmethod
+    def _from_parts(cls, parts):
+        """A Run holding exactly the rows of `parts` (a `runfile.RunParts`), dtypes included."""
+        run = cls(name=parts.name, metadata=parts.metadata)
+        length = len(next(iter(parts.batches.values()))) if parts.batches else 0
+        for name, values in parts.batches.items():
+            column = _Column(values.dtype, length)
+            column.data[:length] = values
+            run._columns[name] = column
+        run._length = length
+        if length and "step" in parts.batches:
+            run._next_step = max(0, int(parts.batches["step"][-1]) + 1)
+        run._epochs = list(parts.epochs)
+        run._events = list(parts.events)
+        return run
 
     def __repr__(self):
         return f"<lab.Run {self.name!r}: {self._length} batches, {len(self._epochs)} epochs, {len(self._events)} events>"
@@ -249,3 +315,7 @@ def _is_scalar(value):
     except (TypeError, ValueError):
         return False
     return np.ndim(value) == 0
+
+
+def _model_name(model):
+    return getattr(model, "name", type(model).__name__)

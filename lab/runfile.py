@@ -2,8 +2,9 @@
 
 Layout of a run file (format "training-lab-run", version 1):
 
-- root attributes `format`, `version`, `name`, `metadata` (JSON) and
-  `written_by` (JSON: package versions of the writer);
+- root attributes `format`, `version`, `name`, `metadata` (JSON),
+  `written_by` (JSON: package versions of the writer) and `digest` (SHA-256
+  over the name, the metadata and every table, as written);
 - groups `batches`, `epochs` and `events`, one per table. A group's `columns`
   attribute (JSON) lists the column names in order and `length` the rows;
   column i is the dataset `c<i>`, whose `kind` attribute is `int`, `float`,
@@ -12,12 +13,30 @@ Layout of a run file (format "training-lab-run", version 1):
 
 Metadata is stored as JSON: tuples come back as lists and values JSON cannot
 hold come back as their `str()`.
+
+Run files are shared, so `load` trusts nothing in them. Before any data is
+read it refuses links of every kind but hard links (an external link or a
+virtual dataset would read another file), datasets whose raw data lives in
+other files, filters (run files use none; a plugin filter would load a shared
+library, a compressed one could inflate without bound) and declared sizes the
+file cannot hold. Everything read is checked against the digest, so a damaged
+file raises `RunFileError` instead of loading different numbers.
+
+This module reads and writes plain parts (`RunParts`); `lab.Run.save` and
+`lab.Run.load` turn them into a Run.
 """
 
+import collections
 import contextlib
+import hashlib
+import importlib.metadata
 import json
 import os
-import tempfile
+import re
+import secrets
+import socket
+import threading
+import time
 
 import numpy as np
 import pandas as pd
@@ -25,13 +44,31 @@ import pandas as pd
 FORMAT = "training-lab-run"
 VERSION = 1
 _TABLES = ("batches", "epochs", "events")
-# Filter ids below 256 are HDF5's own (deflate, shuffle, fletcher32, szip,
-# nbit, scaleoffset); others come from plugins, which a run file never needs.
-_FIRST_PLUGIN_FILTER = 256
+_KINDS = ("int", "float", "bool", "string")
+_INTEGER_COLUMNS = ("step", "epoch", "batch")
+# More links than any run could need (a column and its mask per name): a
+# damaged group that claims millions of members is refused, not walked.
+_MAX_MEMBERS = 200_000
+# What one read of string cells may decode at most: each cell can point at a
+# string as long as the file, so reads of long columns go in blocks.
+_STRING_BLOCK_BYTES = 1 << 30
+# Temporary files of crashed saves older than this, from before temporary
+# names carried their writer's process id, are removed by the next save.
+_LEGACY_TEMPORARY_AGE = 3600.0
+
+RunParts = collections.namedtuple("RunParts", ["name", "metadata", "batches", "epochs", "events"])
+RunParts.__doc__ = """What a run file holds, as plain data.
+
+`batches` is a dict of column name -> 1-D numpy array (all of one length);
+`epochs` and `events` are lists of dicts of plain Python values.
+"""
 
 
 class RunFileError(ValueError):
-    """A file that is not a readable run record."""
+    """A file that is not a readable run record: damaged, foreign or unsafe.
+
+    The message names the file and what is wrong with it.
+    """
 
 
 def _h5py():
@@ -60,18 +97,33 @@ def _no_plugins(h5py):
             h5py.h5pl.append(entry)
 
 
+# ---- saving -------------------------------------------------------------------
+
+_writing = set()  # temporary files this process is writing now
+_writing_lock = threading.Lock()
+
+
 def save(run, path):
     """Writes `run` to `path` (HDF5) through a temporary file and a rename.
 
-    A crash or an interrupt during the write leaves any previous file at
-    `path` intact and no temporary file behind.
+    A crash, a kill or an interrupt during the write leaves any previous file
+    at `path` intact. A save that was killed leaves its temporary file (a
+    hidden `.run-*.h5.tmp` beside `path`); the next save into that folder
+    removes every such file whose writer is no longer running.
 
     Args:
-        run: `lab.Run`, the record to write.
+        run: `lab.Run` (or anything with `name`, `metadata`, `batches()`,
+            `epochs()` and `events()`), the record to write.
         path: str or os.PathLike, the file to (over)write.
 
     Returns:
         str, the path written.
+
+    Raises:
+        TypeError: `path` is not a path.
+        IsADirectoryError, NotADirectoryError, PermissionError: `path` names a
+            folder, lies under a regular file, or cannot be written; the
+            message says which.
 
     Example:
 
@@ -80,25 +132,33 @@ def save(run, path):
     ```
     """
     h5py = _h5py()
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=".run-", suffix=".h5.tmp", dir=folder)
-    os.close(handle)
+    path = _checked_target(path)
+    folder = os.path.dirname(path)
+    remove_stale_temporaries(folder)
+    temporary = os.path.join(folder, _temporary_name())
     try:
-        # mkstemp makes the file private (0600); give it the permissions a
-        # plainly created file would get.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(temporary, 0o666 & ~umask)
+        # 0o666 less the umask: the permissions a plainly created file gets.
+        os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    except PermissionError as error:
+        raise PermissionError(
+            f"Cannot save the run to {path!r}: no permission to write in the folder {folder!r}."
+        ) from error
+    with _writing_lock:
+        _writing.add(temporary)
+    try:
+        digest = hashlib.sha256()
+        name = str(run.name)
+        metadata = json.dumps(run.metadata, default=str)
+        _digest_header(digest, name, metadata)
         with h5py.File(temporary, "w") as f:
             f.attrs["format"] = FORMAT
             f.attrs["version"] = VERSION
-            f.attrs["name"] = str(run.name)
-            f.attrs["metadata"] = json.dumps(run.metadata, default=str)
+            f.attrs["name"] = name
+            f.attrs["metadata"] = metadata
             f.attrs["written_by"] = json.dumps(_writer_versions())
             for table in _TABLES:
-                _write_table(f.create_group(table), getattr(run, table)(), h5py)
+                _write_table(f.create_group(table), getattr(run, table)(), h5py, digest)
+            f.attrs["digest"] = digest.hexdigest()
         # The rename must not reach the disk before the data it points at.
         descriptor = os.open(temporary, os.O_RDONLY)
         try:
@@ -106,25 +166,140 @@ def save(run, path):
         finally:
             os.close(descriptor)
         os.replace(temporary, path)
+        _sync_folder(folder)
     except BaseException:
         with contextlib.suppress(OSError):
             os.remove(temporary)
         raise
+    finally:
+        with _writing_lock:
+            _writing.discard(temporary)
     return path
+
+
+def _checked_target(path):
+    """The absolute file path to save to, or an error that says what is wrong with it."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"run.save(path) needs a file path (str or os.PathLike); got {type(path).__name__}.")
+    text = os.fspath(path)
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    if not text.strip():
+        raise ValueError("run.save(path) needs a file name, e.g. run.save('runs/run.h5'); got an empty path.")
+    absolute = os.path.abspath(text)
+    if text.endswith(("/", os.sep)) or os.path.isdir(absolute):
+        raise IsADirectoryError(
+            f"Cannot save the run to {text!r}: it is a folder. Give a file name in it, "
+            f"e.g. {os.path.join(text, 'run.h5')!r}.")
+    folder = os.path.dirname(absolute)
+    ancestor = folder
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise NotADirectoryError(
+            f"Cannot save the run to {text!r}: {ancestor!r} is a file, not a folder.")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except PermissionError as error:
+        raise PermissionError(
+            f"Cannot save the run to {text!r}: no permission to create the folder {folder!r}.") from error
+    return absolute
+
+
+def _sync_folder(folder):
+    # Makes the rename itself durable; not every platform can open a folder.
+    with contextlib.suppress(OSError):
+        descriptor = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+
+
+_HOST = hashlib.sha256(socket.gethostname().encode("utf-8", "replace")).hexdigest()[:8]
+_TEMPORARY = re.compile(r"^\.run-(?P<host>[0-9a-f]{8})-(?P<pid>[0-9]+)-[0-9a-f]{8}\.h5\.tmp$")
+_LEGACY_TEMPORARY = re.compile(r"^\.run-[A-Za-z0-9_]{8}\.h5\.tmp$")  # tempfile.mkstemp's names
+
+
+def _temporary_name():
+    # The writer's host and process id are in the name so that a later save
+    # can tell a crashed save's leftover from a save still under way.
+    return f".run-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}.h5.tmp"
+
+
+def remove_stale_temporaries(folder):
+    """Removes the temporary files of saves into `folder` that crashed or were killed.
+
+    Only files named as `save` names its temporary files are considered, and
+    only those whose writer, a process on this host, is no longer running (or
+    that an older training-lab left over an hour ago).
+
+    Args:
+        folder: str, the folder to tidy.
+
+    Returns:
+        list of str, the files removed.
+    """
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        match = _TEMPORARY.match(name)
+        full = os.path.join(folder, name)
+        if match:
+            if match["host"] != _HOST or _writer_alive(int(match["pid"]), full):
+                continue
+        elif _LEGACY_TEMPORARY.match(name):
+            with contextlib.suppress(OSError):
+                if time.time() - os.stat(full).st_mtime < _LEGACY_TEMPORARY_AGE:
+                    continue
+        else:
+            continue
+        with contextlib.suppress(OSError):
+            os.remove(full)
+            removed.append(full)
+    return removed
+
+
+def _writer_alive(pid, temporary):
+    if os.name != "posix":
+        return True  # no cheap, safe liveness test: leave the file
+    if pid == os.getpid():
+        with _writing_lock:
+            return temporary in _writing
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            state = stat.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")  # a killed writer not yet reaped is a zombie
 
 
 def _writer_versions():
     import h5py
 
-    import lab
-
-    return {"training-lab": lab.__version__, "h5py": h5py.__version__,
+    try:
+        own = importlib.metadata.version("training-lab")
+    except importlib.metadata.PackageNotFoundError:
+        own = "unknown"
+    return {"training-lab": own, "h5py": h5py.__version__,
             "numpy": np.__version__, "pandas": pd.__version__}
 
 
-def _write_table(group, frame, h5py):
-    group.attrs["columns"] = json.dumps([str(c) for c in frame.columns])
+def _write_table(group, frame, h5py, digest=None):
+    columns = [str(c) for c in frame.columns]
+    group.attrs["columns"] = json.dumps(columns)
     group.attrs["length"] = len(frame)
+    if digest is not None:
+        _digest_table(digest, group.name, columns, len(frame))
     for i, name in enumerate(frame.columns):
         values = frame[name]
         kind = _kind(values)
@@ -135,8 +310,13 @@ def _write_table(group, frame, h5py):
                 f"c{i}", data=np.array(text, dtype=object), dtype=h5py.string_dtype("utf-8"))
             if missing.any():
                 group.create_dataset(f"m{i}", data=missing)
+            if digest is not None:
+                _digest_strings(digest, text, missing)
         else:
-            dataset = group.create_dataset(f"c{i}", data=values.to_numpy())
+            array = values.to_numpy()
+            dataset = group.create_dataset(f"c{i}", data=array)
+            if digest is not None:
+                _digest_numbers(digest, kind, array)
         dataset.attrs["kind"] = kind
 
 
@@ -151,122 +331,278 @@ def _kind(values):
     return "string"
 
 
+# ---- the digest: the same bytes from what is written and from what is read ------
+
+def _digest_header(digest, name, metadata):
+    for part in (FORMAT, name, metadata):
+        _digest_bytes(digest, part.encode("utf-8", "surrogatepass"))
+
+
+def _digest_table(digest, table, columns, length):
+    _digest_bytes(digest, json.dumps([table.strip("/"), columns, int(length)]).encode())
+
+
+def _digest_numbers(digest, kind, array):
+    array = np.ascontiguousarray(array)
+    _digest_bytes(digest, f"{kind}:{array.dtype.kind}{array.dtype.itemsize}".encode())
+    _digest_bytes(digest, array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes())
+
+
+def _digest_strings(digest, text, missing):
+    cells = [None if gone else value for value, gone in zip(text, missing)]
+    _digest_bytes(digest, b"string")
+    _digest_bytes(digest, json.dumps(cells, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+
+
+def _digest_bytes(digest, data):
+    digest.update(len(data).to_bytes(8, "little"))
+    digest.update(data)
+
+
+# ---- loading ------------------------------------------------------------------
+
 def load(path):
-    """Reads a run written by `save`.
+    """Reads the parts of a run written by `save`, trusting nothing in the file.
 
     Args:
         path: str or os.PathLike, a file written by `Run.save`.
 
     Returns:
-        `lab.Run` whose `batches()`, `epochs()`, `events()`, `name` and
-        `metadata` equal those of the run that was saved.
+        `RunParts`: `name`, `metadata`, `batches` (dict of column arrays),
+        `epochs` and `events` (lists of row dicts). `lab.Run.load(path)` makes
+        a Run of them.
 
     Raises:
-        RunFileError: the file is missing, truncated, or not a run record; the
+        RunFileError: the file is missing, truncated, damaged, not a run
+            record, or holds what a run file never does (links to other files,
+            virtual datasets, filters, sizes beyond the file's own); the
             message names the file and what is wrong.
 
     Example:
 
     ```python
-    run = lab.Run.load("runs/lr-0.01.h5")
+    parts = lab.runfile.load("runs/lr-0.01.h5")
     ```
     """
-    h5py = _h5py()
-    path = os.fspath(path)
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"Run.load(path) needs a file path (str or os.PathLike); got {type(path).__name__}.")
+    path = os.fsdecode(os.fspath(path))
     if not os.path.isfile(path):
         raise RunFileError(f"No run file at {path!r}: it does not exist or is not a file.")
+    h5py = _h5py()
+    size = os.path.getsize(path)
     with _no_plugins(h5py):
         try:
-            f = h5py.File(path, "r")
-        except OSError as error:
+            f = h5py.File(path, "r", locking=False)
+        except Exception as error:  # noqa: BLE001 - any failure to open is a bad file
             raise RunFileError(
                 f"{path!r} is not a readable HDF5 file (truncated, or another format): {error}. "
                 "Run files are written by `run.save(path)` or `lab.Recorder(path=...)`."
             ) from None
-        with f:
-            _check_header(f, path)
-            try:
-                name = str(f.attrs["name"])
-                metadata = json.loads(f.attrs["metadata"])
-                tables = {table: _read_table(f[table], path) for table in _TABLES}
-            except RunFileError:
-                raise
-            except (KeyError, OSError, ValueError, TypeError, RuntimeError) as error:
-                raise RunFileError(
-                    f"{path!r} is a damaged or incomplete run file ({type(error).__name__}: {error})."
-                ) from None
-    return _restore(name, metadata, tables)
+        try:
+            with f:
+                return _read(f, _Reader(path, size, h5py))
+        except RunFileError:
+            raise
+        except Exception as error:  # noqa: BLE001 - whatever a damaged file makes h5py raise
+            raise RunFileError(
+                f"{path!r} is a damaged or incomplete run file ({type(error).__name__}: {error})."
+            ) from None
 
 
-def _check_header(f, path):
-    found = f.attrs.get("format")
-    if isinstance(found, bytes):
-        found = found.decode("utf-8", "replace")
+class _Reader:
+    def __init__(self, path, size, h5py):
+        self.path, self.size, self.h5py = path, size, h5py
+
+    def fail(self, problem):
+        raise RunFileError(f"{self.path!r}: {problem}")
+
+    def attribute(self, obj, name, where, kinds):
+        """A scalar attribute, checked for size and type before it is read."""
+        h5py = self.h5py
+        if name not in obj.attrs:
+            self.fail(f"{where} has no {name!r} attribute; the file is damaged or not a run record.")
+        attribute = h5py.h5a.open(obj.id, name.encode())
+        if attribute.shape not in ((), (1,)) or attribute.get_storage_size() > self.size:
+            self.fail(f"the {name!r} attribute of {where} is not a single value; the file is damaged.")
+        value = obj.attrs[name]
+        if isinstance(value, np.ndarray) and value.shape == (1,):
+            value = value[0]
+        if isinstance(value, bytes):
+            value = value.decode("utf-8")
+        if "str" in kinds and isinstance(value, str):
+            return value
+        if "int" in kinds and isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
+            return int(value)
+        expected = " or ".join({"str": "a string", "int": "an integer"}[k] for k in kinds)
+        self.fail(f"the {name!r} attribute of {where} is {value!r}, not {expected}; the file is damaged.")
+
+    def json_attribute(self, obj, name, where, expected_type, described):
+        text = self.attribute(obj, name, where, ("str",))
+        try:
+            value = json.loads(text)
+        except ValueError:
+            self.fail(f"the {name!r} attribute of {where} is not valid JSON; the file is damaged.")
+        if not isinstance(value, expected_type):
+            self.fail(f"the {name!r} attribute of {where} is {text[:80]!r}, not {described}; "
+                      "the file is damaged.")
+        return value
+
+
+def _read(f, reader):
+    _check_header(f, reader)
+    _check_structure(f, reader)
+    name = reader.attribute(f, "name", "the file", ("str",))
+    metadata_text = reader.attribute(f, "metadata", "the file", ("str",))
+    metadata = reader.json_attribute(f, "metadata", "the file", dict, "a JSON object")
+    expected = reader.attribute(f, "digest", "the file", ("str",)) if "digest" in f.attrs else None
+    digest = hashlib.sha256()
+    _digest_header(digest, name, metadata_text)
+    tables = {}
+    for table in _TABLES:
+        if table not in f or not isinstance(f[table], reader.h5py.Group):
+            reader.fail(f"it has no {table!r} table; the file is damaged or incomplete.")
+        tables[table] = _read_table(f[table], table, reader, digest)
+    if expected is not None and digest.hexdigest() != expected:
+        reader.fail("its contents do not match the digest written with them; the file is damaged.")
+    return RunParts(name, metadata, tables["batches"], _records(tables["epochs"]), _records(tables["events"]))
+
+
+def _check_header(f, reader):
+    found = reader.attribute(f, "format", "the file", ("str", "int")) if "format" in f.attrs else None
     if found != FORMAT:
-        raise RunFileError(
-            f"{path!r} is an HDF5 file but not a training-lab run record "
-            f"(its `format` attribute is {found!r}, expected {FORMAT!r})."
-        )
-    version = int(f.attrs.get("version", 0))
+        reader.fail(f"it is an HDF5 file but not a training-lab run record "
+                    f"(its `format` attribute is {found!r}, expected {FORMAT!r}).")
+    version = reader.attribute(f, "version", "the file", ("int",))
     if version > VERSION:
-        raise RunFileError(
-            f"{path!r} was written by a newer training-lab (run file version "
-            f"{version}; this one reads up to {VERSION}). Upgrade training-lab."
-        )
+        reader.fail(f"it was written by a newer training-lab (run file version {version}; "
+                    f"this one reads up to {VERSION}). Upgrade training-lab.")
+    if version < 1:
+        reader.fail(f"its run file version is {version}; versions start at 1. The file is damaged.")
 
 
-def _read_table(group, path):
-    columns = json.loads(group.attrs["columns"])
-    length = int(group.attrs["length"])
+def _check_structure(f, reader):
+    """Refuses, before any data is read, what could read other files or exhaust memory."""
+    h5py = reader.h5py
+    count = 0
+    pending = [(f, 0)]
+    while pending:
+        group, depth = pending.pop()
+        for member in group:
+            count += 1
+            if count > _MAX_MEMBERS:
+                reader.fail(f"it holds more than {_MAX_MEMBERS} objects; the file is damaged or not a run record.")
+            where = f"{group.name.rstrip('/')}/{member}"
+            link = group.get(member, getlink=True)
+            if isinstance(link, h5py.ExternalLink):
+                reader.fail(f"{where!r} is an external link (to {link.filename!r}); run files never "
+                            "link to other files, and it is not followed.")
+            if isinstance(link, h5py.SoftLink):
+                reader.fail(f"{where!r} is a soft link (to {link.path!r}); run files hold none, and it "
+                            "is not followed.")
+            if not isinstance(link, h5py.HardLink):
+                reader.fail(f"{where!r} is a link of an unknown kind; it is not followed.")
+            obj = group[member]
+            if isinstance(obj, h5py.Group):
+                if depth >= 1:
+                    reader.fail(f"{where!r} is a group nested deeper than run files nest; "
+                                "the file is not a run record.")
+                pending.append((obj, depth + 1))
+            elif isinstance(obj, h5py.Dataset):
+                _check_dataset(obj, where, reader)
+
+
+def _check_dataset(dataset, where, reader):
+    h5py = reader.h5py
+    plist = dataset.id.get_create_plist()
+    layout = plist.get_layout()
+    if layout == h5py.h5d.VIRTUAL or dataset.is_virtual:
+        reader.fail(f"{where!r} is a virtual dataset (its data would come from other files); "
+                    "run files hold none.")
+    if plist.get_external_count():
+        reader.fail(f"{where!r} keeps its data in an external file; run files keep all data inside.")
+    if layout not in (h5py.h5d.COMPACT, h5py.h5d.CONTIGUOUS, h5py.h5d.CHUNKED):
+        reader.fail(f"{where!r} has an unknown storage layout ({layout}).")
+    for k in range(plist.get_nfilters()):
+        code = plist.get_filter(k)[0]
+        if code >= 256:
+            # Ids below 256 are HDF5's own; others come from plugins (shared libraries).
+            reader.fail(f"{where!r} needs HDF5 filter {code}, which only a plugin provides; run files "
+                        "use none and plugins are never loaded.")
+        reader.fail(f"{where!r} uses HDF5 filter {code} (compression or checksums); run files are "
+                    "written without filters, so this one was not written by training-lab.")
+    if dataset.ndim != 1:
+        reader.fail(f"{where!r} has shape {dataset.shape}; run file columns are 1-D.")
+    declared = int(dataset.shape[0]) * max(1, dataset.id.get_type().get_size())
+    if declared > reader.size:
+        reader.fail(f"{where!r} declares {dataset.shape[0]} values ({declared} bytes), more than the "
+                    f"file's {reader.size} bytes can hold; the file is damaged.")
+
+
+def _read_table(group, table, reader, digest):
+    h5py = reader.h5py
+    where = f"table {table!r}"
+    columns = reader.json_attribute(group, "columns", where, list, "a JSON list of column names")
+    if not all(isinstance(c, str) for c in columns) or len(set(columns)) != len(columns):
+        reader.fail(f"the columns of {where} are not distinct names; the file is damaged.")
+    length = reader.attribute(group, "length", where, ("int",))
+    if length < 0 or length > reader.size or (length and not columns):
+        reader.fail(f"{where} declares {length} rows, which its {len(columns)} columns in a file of "
+                    f"{reader.size} bytes cannot hold; the file is damaged.")
+    _digest_table(digest, group.name, columns, length)
     data = {}
     for i, name in enumerate(columns):
-        dataset = group[f"c{i}"]
-        where = f"column {name!r} of table {group.name.strip('/')!r}"
-        plist = dataset.id.get_create_plist()
-        for k in range(plist.get_nfilters()):
-            code = plist.get_filter(k)[0]
-            if code >= _FIRST_PLUGIN_FILTER:
-                raise RunFileError(
-                    f"{path!r}: {where} needs HDF5 filter {code}, which only a plugin "
-                    "provides; run files use none and plugins are never loaded."
-                )
+        column = f"column {name!r} of {where}"
+        dataset = group.get(f"c{i}")
+        if not isinstance(dataset, h5py.Dataset):
+            reader.fail(f"{column} is missing; the file is damaged or incomplete.")
         if dataset.shape != (length,):
-            raise RunFileError(
-                f"{path!r}: {where} has shape {dataset.shape}, expected ({length},); "
-                "the file is damaged."
-            )
-        kind = dataset.attrs.get("kind")
+            reader.fail(f"{column} has shape {dataset.shape}, expected ({length},); the file is damaged.")
+        kind = reader.attribute(dataset, "kind", column, ("str",))
+        if kind not in _KINDS:
+            reader.fail(f"{column} has unknown kind {kind!r}.")
+        if name in _INTEGER_COLUMNS and kind != "int" and length:
+            reader.fail(f"{column} holds {kind} values; {name!r} counts and holds integers. "
+                        "The file is damaged.")
         if kind == "string":
-            values = np.array(dataset.asstr()[()], dtype=object) if length else np.empty(0, object)
-            if f"m{i}" in group:
-                values[group[f"m{i}"][()]] = None
-        elif kind in ("int", "float", "bool"):
-            values = dataset[()]
-            if values.dtype.kind not in "iufb":
-                raise RunFileError(f"{path!r}: {where} holds {values.dtype}, not numbers.")
+            values, missing = _read_strings(group, i, dataset, length, column, reader)
+            _digest_strings(digest, values, missing)
+            values = np.array(values, dtype=object) if length else np.empty(0, object)
+            values[missing] = None
         else:
-            raise RunFileError(f"{path!r}: {where} has unknown kind {kind!r}.")
+            wanted = {"int": "iu", "float": "f", "bool": "b"}[kind]
+            if dataset.dtype.kind not in wanted:
+                reader.fail(f"{column} is marked {kind} but holds {dataset.dtype}; the file is damaged.")
+            values = dataset[()]
+            _digest_numbers(digest, kind, values)
         data[name] = values
     return data
 
 
-def _restore(name, metadata, tables):
-    """Builds a Run holding exactly the rows read (dtypes included)."""
-    from lab.run import Run, _Column
-
-    run = Run(name=name, metadata=metadata)
-    batches = tables["batches"]
-    length = len(next(iter(batches.values()))) if batches else 0
-    for column_name, values in batches.items():
-        column = _Column(values.dtype, length)
-        column.data[:length] = values
-        run._columns[column_name] = column
-    run._length = length
-    if length and "step" in batches:
-        run._next_step = int(batches["step"][-1]) + 1
-    run._epochs = _records(tables["epochs"])
-    run._events = _records(tables["events"])
-    return run
+def _read_strings(group, i, dataset, length, column, reader):
+    h5py = reader.h5py
+    if h5py.check_string_dtype(dataset.dtype) is None:
+        reader.fail(f"{column} is marked string but holds {dataset.dtype}; the file is damaged.")
+    missing = np.zeros(length, dtype=bool)
+    if f"m{i}" in group:
+        mask = group[f"m{i}"]
+        if not isinstance(mask, h5py.Dataset) or mask.shape != (length,) or mask.dtype.kind != "b":
+            reader.fail(f"the missing-value mask of {column} is damaged.")
+        missing = mask[()]
+    # Each cell may point at a string as long as the file: read in blocks, and
+    # stop once more text was decoded than the file could hold distinct.
+    block = max(1, min(4096, _STRING_BLOCK_BYTES // max(1, reader.size)))
+    limit = 16 * reader.size + (1 << 20)
+    decoded, values = 0, []
+    text = dataset.asstr("utf-8")
+    for start in range(0, length, block):
+        cells = text[start:start + block].tolist()
+        decoded += sum(len(cell) for cell in cells)
+        if decoded > limit:
+            reader.fail(f"{column} decodes to more text than the file's {reader.size} bytes can hold "
+                        "distinct; the file is damaged.")
+        values.extend(cells)
+    return values, missing
 
 
 def _records(columns):
