@@ -28,6 +28,8 @@ from lab.probes import Probe, _StepState, variable_keys
 # (a subclassed model is often built by its first step).
 _SPARE_SLOTS = 32
 _SPARE_SLOTS_UNBUILT = 256
+# optimizer -> the loop probes that watch it (an optimizer may serve several models).
+_WATCHED_OPTIMIZERS = weakref.WeakKeyDictionary()
 # Traces of one tf.function after which the lab says why it keeps tracing.
 RETRACE_WARNING = 4
 
@@ -129,25 +131,33 @@ class LoopProbe(Probe):
         """Patches each optimizer's `apply` and update step (instance attributes)."""
         if self.installed:
             return
+        self._hooks.claim("probe", self, (
+            f"The model {self.model.name!r} is already watched (another `lab.watch` block "
+            "or a Recorder is attached). Leave that block first."))
         for name, optimizer in self.optimizers.items():
-            if getattr(getattr(optimizer, "apply", None), "_lab_probe", None) is not None:
-                raise RuntimeError(
-                    f"The optimizer {name!r} is already watched (another `lab.watch` block "
-                    "or a Recorder is attached). Leave that block first."
-                )
+            for other in _WATCHED_OPTIMIZERS.get(optimizer, ()):
+                if other is not self and other.installed:
+                    self._hooks.release(self)
+                    raise RuntimeError(
+                        f"The optimizer {name!r} is already watched (another `lab.watch` block "
+                        "or a Recorder is attached). Leave that block first."
+                    )
         self._variable_keys = variable_keys(self.model.trainable_variables)
         self._optimizer_names = list(self.optimizers)
         self._allocate_slots()
         for name, optimizer in self.optimizers.items():
-            apply = optimizer.apply
-            if self.breakpoints:
-                apply = self._wrap_apply(optimizer, apply)
-            self._patch(optimizer, "apply", self._wrap_checks(name, optimizer, apply))
+            _WATCHED_OPTIMIZERS.setdefault(optimizer, weakref.WeakSet()).add(self)
+
+            def checked_apply(apply, name=name, optimizer=optimizer):
+                if self.breakpoints:
+                    apply = self._wrap_apply(optimizer, apply, name)
+                return self._wrap_checks(name, optimizer, apply)
+
+            self._patch(optimizer, "apply", checked_apply)
             inner = getattr(optimizer, "inner_optimizer", None) or optimizer
-            self._patch(inner, "_backend_update_step", self._wrap_update_step(name, inner._backend_update_step))
+            self._patch(inner, "_backend_update_step", lambda f, n=name: self._wrap_update_step(n, f))
             if hasattr(inner, "_all_reduce_sum_gradients"):
-                self._patch(inner, "_all_reduce_sum_gradients",
-                            self._wrap_all_reduce(inner._all_reduce_sum_gradients))
+                self._patch(inner, "_all_reduce_sum_gradients", self._wrap_all_reduce)
         self._slots.active.assign(1.0)
 
     def uninstall(self):
@@ -160,7 +170,8 @@ class LoopProbe(Probe):
     def _allocate_slots(self):
         names = [(f"_lr/{name}", np.nan) for name in self.optimizers]
         names += [(f"_updates/{name}", 0.0) for name in self.optimizers]
-        names += [("_updates", 0.0), ("_grad_square", 0.0)]
+        names += [(f"_applied/{name}", 0.0) for name in self.optimizers]
+        names += [("_updates", 0.0), ("_overflow", 0.0)]
         keys = list(self._variable_keys.values())
         # Every kind, whatever this block records: a later block may ask for them.
         names += [(f"{kind}/{key}", np.nan) for kind in ("grad_norm", "weight_norm", "update_ratio")
@@ -196,11 +207,14 @@ class LoopProbe(Probe):
             "before `lab.watch` begins."), RuntimeWarning)
         return None
 
-    def _emit(self, state, name, value, reset=np.nan, accumulate=False):
+    def _emit(self, state, name, value, reset=np.nan, accumulate=False, combine=None):
         index = self._index(name, reset)
         if index is None:
             return
-        item = (index, tf.cast(value, tf.float32), accumulate)
+        value = tf.cast(value, tf.float32)
+        if combine is not None:
+            value, accumulate = combine(self._slots.vector[index], value), False
+        item = (index, value, accumulate)
         batch = getattr(self._writes, "batch", None)
         if batch is not None:
             batch.append(item)
@@ -336,7 +350,12 @@ class LoopProbe(Probe):
         updates = taken[:, index["_updates"]]
         columns["updated"] = (updates > 0).astype(np.float32)
         if self.gradients:
-            columns["grad_norm"] = np.where(updates > 0, np.sqrt(taken[:, index["_grad_square"]]), np.nan)
+            # On the host in float64: a sum of squares that float32 cannot hold is fine here.
+            norms = np.array([taken[:, i] for name, i in self._frozen.items() if name.startswith("grad_norm/")],
+                             np.float64).reshape(-1, len(taken))
+            present = ~np.isnan(norms)
+            total = np.sqrt(np.sum(np.where(present, norms, 0.0) ** 2, axis=0))
+            columns["grad_norm"] = np.where((updates > 0) & present.any(axis=0), total, np.nan).astype(np.float32)
         return columns
 
 

@@ -14,8 +14,15 @@ tf.distribute strategy, because it hooks the methods Keras itself calls:
   the gradients as the update consumes them (after clipping, after the
   cross-replica sum) and the learning rate of that step.
 
-Probes patch instance attributes only and restore them on `uninstall()`.
+Probes put their wrappers on through the instrumentation layer
+(`lab.hooks`), which takes them off on `uninstall()` whatever happened.
 Their state (the buffer) lives on the probe, never on the model.
+
+Norms are computed scaled (`scaled_norm`), so a finite gradient whose sum of
+squares overflows float32 still has a finite norm. When one optimizer
+applies several times in one step (a critic loop), a variable's
+`grad_norm/<key>` covers all of them (the root of the sum of their squares),
+and `applies/<optimizer>` says how many there were.
 """
 
 import threading
@@ -25,19 +32,44 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from lab import schema
 from lab.buffer import StepBuffer
+from lab.compat import SCALES_LOSS_BY_REPLICAS as KERAS_SCALES_LOSS
+from lab.compat import unscale_loss_for_distribution
+from lab.hooks import hooks_for
 
-try:
-    from keras.src.losses.loss import unscale_loss_for_distribution
+ALREADY_WATCHED = (
+    "This model is already watched by another lab Recorder or Dashboard. "
+    "Pass one of them to fit(), or call `.detach()` on the other first."
+)
 
-    KERAS_SCALES_LOSS = True
-except ImportError:  # Keras < 3.7 does not scale the loss by the replica count.
-    KERAS_SCALES_LOSS = False
 
-    def unscale_loss_for_distribution(value):
-        return value
+def scaled_norm(tensor):
+    """The Euclidean norm of `tensor` in float32, finite whenever it fits in
+    float32: computed as `m * sqrt(sum((x / m)^2))` with `m = max |x|`, where
+    a plain `sqrt(sum(x * x))` overflows for elements near 1e19."""
+    x = tf.reshape(tf.cast(tensor, tf.float32), [-1])
+    m = tf.reduce_max(tf.abs(x)) if x.shape[0] != 0 else tf.constant(0.0)
+    safe = tf.where(m > 0, m, 1.0)
+    return tf.where(tf.math.is_finite(m), m * tf.sqrt(tf.reduce_sum(tf.square(x / safe))), m)
 
-_PATCHED = "_lab_probe"
+
+def combined_norm(norms):
+    """The norm of the concatenation of parts whose norms are `norms`
+    (NaN entries are parts with no value), scaled as `scaled_norm`."""
+    norms = tf.stack([tf.cast(n, tf.float32) for n in norms])
+    present = tf.logical_not(tf.math.is_nan(norms))
+    values = tf.where(present, norms, 0.0)
+    m = tf.reduce_max(values)
+    safe = tf.where(m > 0, m, 1.0)
+    total = tf.where(tf.math.is_finite(m), m * tf.sqrt(tf.reduce_sum(tf.square(values / safe))), m)
+    return tf.where(tf.reduce_any(present), total, np.float32(np.nan))
+
+
+def _hypot(old, new):
+    """Combines two norms (NaN: none yet)."""
+    both = combined_norm([old, new])
+    return tf.where(tf.math.is_nan(old), new, both)
 
 
 def variable_keys(variables):
@@ -84,6 +116,17 @@ def leaf_metrics(model):
                 name = f"{group.output_name}_{leaf.name}" if group.output_name else leaf.name
                 names.setdefault(name, leaf)
     return names
+
+
+def _watched_metrics(model):
+    """The metric objects a step may return results of: the model's own
+    (trackers a custom step keeps) and the compiled metrics' leaves."""
+    found, seen = [], set()
+    for metric in list(model.metrics) + list(leaf_metrics(model).values()):
+        if id(metric) not in seen and isinstance(metric, keras.metrics.Metric) and not hasattr(metric, "_flat_metrics"):
+            seen.add(id(metric))
+            found.append(metric)
+    return found
 
 
 def _is_mean(metric):
@@ -167,6 +210,9 @@ class _StepState:
         self.optimizers = []
         self.pending = None
         self.batch_gradients = False
+        self.totals = {}  # id(mean metric) -> its (total, count) before the batch
+        self.results = {}  # id(tensor a metric's result() returned) -> (metric, tensor)
+        self.applies = {}  # optimizer name -> applies traced in this step
 
     def nested(self):
         return self.graph is not None and tf.compat.v1.get_default_graph() is not self.graph
@@ -200,10 +246,17 @@ class Probe:
         self._optimizer_names = []
         self._slots = {}
         self._hold = None
+        self.running_columns = set()  # logged values that are Keras' running ones
+        self.busy = lambda: False  # the owner's "training right now", for the layer's claim
+        self._hooks = hooks_for(model)
+        self._nonfinite_index = next((i for i, b in enumerate(self.breakpoints) if b.name == "nonfinite"), None)
 
     @property
     def installed(self):
-        return bool(self._patches)
+        return self._hooks.holder("probe") is self
+
+    def is_training(self):
+        return bool(self.busy())
 
     # ---- installing --------------------------------------------------------
 
@@ -212,49 +265,38 @@ class Probe:
         if self.installed:
             return
         model = self.model
-        if getattr(model.train_step, _PATCHED, None) is not None:
-            raise RuntimeError(
-                "This model is already watched by another lab Recorder or Dashboard. "
-                "Pass one of them to fit(), or call `.detach()` on the other first."
-            )
-        self._variable_keys = variable_keys(model.trainable_variables)
-        self._patch(model, "train_step", self._wrap_train_step(model.train_step))
-        self._patch(model, "compute_loss", self._wrap_compute_loss(model.compute_loss))
-        optimizers = find_optimizers(model)
-        self._optimizer_names = list(optimizers)
-        for name, optimizer in optimizers.items():
-            if self.breakpoints:
-                self._patch(optimizer, "apply", self._wrap_apply(optimizer, optimizer.apply))
-            inner = getattr(optimizer, "inner_optimizer", None) or optimizer
-            if getattr(inner, "gradient_accumulation_steps", None) and self.gradients:
-                # Updates happen every k-th step; each row still shows its batch's gradient.
-                self._patch(inner, "_backend_apply_gradients",
-                            self._wrap_accumulating(inner._backend_apply_gradients))
-            self._patch(inner, "_backend_update_step", self._wrap_update_step(name, inner._backend_update_step))
-            if hasattr(inner, "_all_reduce_sum_gradients"):
-                self._patch(
-                    inner,
-                    "_all_reduce_sum_gradients",
-                    self._wrap_all_reduce(inner._all_reduce_sum_gradients),
-                )
+        self._hooks.claim("probe", self, ALREADY_WATCHED)
+        try:
+            self._variable_keys = variable_keys(model.trainable_variables)
+            self._patch(model, "train_step", self._wrap_train_step)
+            self._patch(model, "compute_loss", self._wrap_compute_loss)
+            for metric in _watched_metrics(model):
+                self._patch(metric, "result", lambda inner, metric=metric: self._wrap_result(metric, inner))
+            container = getattr(model, "_compile_metrics", None)
+            if container is not None and hasattr(container, "build"):
+                self._patch(container, "update_state", lambda inner, c=container: self._wrap_metrics_update(c, inner))
+            optimizers = find_optimizers(model)
+            self._optimizer_names = list(optimizers)
+            for name, optimizer in optimizers.items():
+                if self.breakpoints:
+                    self._patch(optimizer, "apply", lambda inner, o=optimizer, n=name: self._wrap_apply(o, inner, n))
+                inner = getattr(optimizer, "inner_optimizer", None) or optimizer
+                if getattr(inner, "gradient_accumulation_steps", None) and self.gradients:
+                    # Updates happen every k-th step; each row still shows its batch's gradient.
+                    self._patch(inner, "_backend_apply_gradients", self._wrap_accumulating)
+                self._patch(inner, "_backend_update_step", lambda f, n=name: self._wrap_update_step(n, f))
+                if hasattr(inner, "_all_reduce_sum_gradients"):
+                    self._patch(inner, "_all_reduce_sum_gradients", self._wrap_all_reduce)
+        except BaseException:
+            self.uninstall()
+            raise
 
     def uninstall(self):
-        """Restores every patched method."""
-        while self._patches:
-            target, name, previous = self._patches.pop()
-            if previous is _MISSING:
-                try:
-                    object.__delattr__(target, name)
-                except AttributeError:
-                    pass
-            else:
-                object.__setattr__(target, name, previous)
+        """Takes every wrapper off again (never raises)."""
+        self._hooks.release(self)
 
-    def _patch(self, target, name, replacement):
-        previous = target.__dict__.get(name, _MISSING)
-        setattr(replacement, _PATCHED, self)
-        object.__setattr__(target, name, replacement)
-        self._patches.append((target, name, previous))
+    def _patch(self, target, name, factory):
+        self._hooks.wrap(self, target, name, factory, role="probe")
 
     # ---- wrappers ----------------------------------------------------------
 
@@ -265,7 +307,7 @@ class Probe:
             state = _StepState()
             probe._local.state = state
             try:
-                totals = probe._metric_totals()
+                totals = state.totals = probe._metric_totals()
                 logs = original(data)
                 probe._record(state, totals, logs, _batch_size(data))
             finally:
@@ -273,6 +315,36 @@ class Probe:
             return logs
 
         return train_step
+
+    def _wrap_result(self, metric, original):
+        probe = self
+
+        def result(*args, **kwargs):
+            value = original(*args, **kwargs)
+            state = getattr(probe._local, "state", None)
+            if state is not None and not isinstance(value, dict):
+                state.results[id(value)] = (metric, value)
+            return value
+
+        return result
+
+    def _wrap_metrics_update(self, container, original):
+        """The compiled metrics are built by their first update, inside the
+        first traced step: build them just before it (what Keras does first
+        anyway), so their totals before this batch can be read."""
+        probe = self
+
+        def update_state(y_true, y_pred, sample_weight=None):
+            state = getattr(probe._local, "state", None)
+            if state is not None and not container.built:
+                container.build(y_true, y_pred)
+                for metric in leaf_metrics(probe.model).values():
+                    if _is_mean(metric) and id(metric) not in state.totals:
+                        state.totals[id(metric)] = (tf.identity(metric.total.value), tf.identity(metric.count.value))
+                        probe._patch(metric, "result", lambda inner, metric=metric: probe._wrap_result(metric, inner))
+            return original(y_true, y_pred, sample_weight)
+
+        return update_state
 
     def _wrap_compute_loss(self, original):
         probe = self
@@ -295,6 +367,7 @@ class Probe:
                 return original(grads, trainable_variables, learning_rate)
             variables = list(trainable_variables)
             state.pending = None
+            state.applies[name] = state.applies.get(name, 0) + 1
             before = [tf.identity(v.value) for v in variables] if probe.weights else None
             if not state.nested():
                 probe._emit_local_square(state, grads)
@@ -313,14 +386,14 @@ class Probe:
             state = getattr(probe._local, "state", None)
             if state is not None:
                 state.batch_gradients = True
-                squares = []
+                norms = []
                 for variable, grad in zip(trainable_variables, grads):
                     if grad is not None:
-                        square = tf.reduce_sum(tf.square(tf.cast(grad, tf.float32)))
-                        squares.append(square)
-                        probe._emit(state, f"grad_norm/{probe._key(variable)}", tf.sqrt(square))
-                if squares:
-                    probe._emit(state, "_batch_grad_square", tf.add_n(squares), reset=0.0, accumulate=True)
+                        norm = scaled_norm(grad)
+                        norms.append(norm)
+                        probe._emit(state, f"grad_norm/{probe._key(variable)}", norm, combine=_hypot)
+                if norms:
+                    probe._emit(state, "_batch_grad_norm", combined_norm(norms), combine=_hypot)
             return original(grads, trainable_variables)
 
         return _backend_apply_gradients
@@ -337,7 +410,7 @@ class Probe:
 
         return _all_reduce_sum_gradients
 
-    def _wrap_apply(self, optimizer, original):
+    def _wrap_apply(self, optimizer, original, name="optimizer"):
         probe = self
 
         def apply(grads, trainable_variables=None):
@@ -354,13 +427,34 @@ class Probe:
             probe._emit_local_square(state, grads)
             skip = probe._gate(state, grads)
 
-            def update():
-                original(grads, trainable_variables)
-                return tf.constant(0)
-
             ctx = _replica_context()
+            guarded = probe._nonfinite_index is not None and ctx is None
+            watched = probe._state_variables(optimizer, trainable_variables) if guarded else []
+
+            def update():
+                if not guarded:
+                    original(grads, trainable_variables)
+                    return tf.constant(False)
+                # nonfinite() keeps weights *and* optimizer state finite: a
+                # finite gradient can still overflow a slot (Adam's g*g).
+                saved = [tf.identity(v.value) for v in watched]
+                with tf.control_dependencies(saved):
+                    original(grads, trainable_variables)
+                finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(v.value)) for v in watched])
+
+                def put_back():
+                    for variable, value in zip(watched, saved):
+                        variable.assign(value)
+                    return tf.constant(True)
+
+                return tf.cond(finite, lambda: tf.constant(False), put_back)
+
             if ctx is None or tf.__internal__.distribute.strategy_supports_no_merge_call():
-                tf.cond(skip, lambda: tf.constant(0), update)
+                overflowed = tf.cond(skip, lambda: tf.constant(False), update)
+                if guarded:
+                    probe._note_overflow(state, overflowed)
+                probe._emit(state, f"_applied/{name}", 1.0 - tf.cast(tf.logical_or(skip, overflowed), tf.float32),
+                            reset=0.0, accumulate=True)
             else:
                 # A cond whose branch calls merge_call (the update does) must
                 # run in cross-replica context, as Keras' LossScaleOptimizer does.
@@ -377,16 +471,38 @@ class Probe:
                 # Each replica's state travels with it: call_for_each_replica runs
                 # the update on other threads, where the thread-local state is unset.
                 ctx.merge_call(merged, args=(skip, grads, trainable_variables, state))
+                probe._emit(state, f"_applied/{name}", 1.0 - tf.cast(skip, tf.float32), reset=0.0, accumulate=True)
 
         return apply
+
+    def _state_variables(self, optimizer, trainable_variables):
+        """The float variables one update may change: the weights it updates
+        and the optimizer's slots (its `iterations` is an integer)."""
+        if trainable_variables is None:
+            trainable_variables = getattr(optimizer, "_trainable_variables", [])
+        found, seen = [], set()
+        for variable in list(trainable_variables) + list(optimizer.variables):
+            if id(variable) not in seen and variable.dtype in ("float16", "bfloat16", "float32", "float64"):
+                seen.add(id(variable))
+                found.append(variable)
+        return found
+
+    def _note_overflow(self, state, overflowed):
+        """An update put back because it left a variable non-finite: a nonfinite hit, held."""
+        hold = self._hold_variable()
+        number = float(self._nonfinite_index + 1)
+        self._emit(state, "_hit", tf.where(overflowed, number, 0.0), reset=0.0, accumulate=True)
+        self._emit(state, "_held", tf.cast(overflowed, tf.float32), reset=0.0, accumulate=True)
+        self._emit(state, "_overflow", tf.cast(overflowed, tf.float32), reset=0.0, accumulate=True)
+        hold.assign(tf.where(overflowed, 1.0, hold.read_value()))
 
     def _emit_local_square(self, state, grads):
         """This replica's own squared gradient norm, before the cross-replica sum."""
         if not self.gradients or _replica_context() is None:
             return
-        local = [tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for g in grads if g is not None]
+        local = [scaled_norm(g) for g in grads if g is not None]
         if local:
-            self._emit(state, "_local_grad_square", tf.add_n(local), reset=0.0, accumulate=True)
+            self._emit(state, "_local_grad_norm", combined_norm(local), combine=_hypot)
 
     def _with_state(self, state, function, *args):
         self._local.state = state
@@ -447,14 +563,21 @@ class Probe:
 
         return _in_cross_replica_context(create)
 
-    def _emit(self, state, name, value, reset=np.nan, accumulate=False):
+    def _emit(self, state, name, value, reset=np.nan, accumulate=False, combine=None):
+        """Puts one value of the step: `accumulate` adds to what the step
+        put before, `combine(old, new)` merges with it (reset: NaN)."""
         value = tf.cast(value, tf.float32)
         if state.nested():
             slot = self._slots.get(name)
             if slot is None:
                 slot = self._slots[name] = (self._make_variable("lab_slot", reset), reset)
-            (slot[0].assign_add if accumulate else slot[0].assign)(value)
-            state.slotted[name] = slot
+            if combine is not None:
+                slot[0].assign(combine(slot[0].read_value(), value))
+            else:
+                (slot[0].assign_add if accumulate else slot[0].assign)(value)
+            state.slotted[name] = (slot[0], slot[1], combine)
+        elif combine is not None and name in state.values:
+            state.values[name] = combine(state.values[name], value)
         elif accumulate and name in state.values:
             state.values[name] = state.values[name] + value
         else:
@@ -467,29 +590,26 @@ class Probe:
         self._emit(state, "_updates", 1.0, reset=0.0, accumulate=True)
         if not (self.gradients or self.weights):
             return
-        squares = []
         record_gradients = self.gradients and not state.batch_gradients
+        keys = self._keys(variables)
         for index, variable in enumerate(variables):
-            key = self._key(variable)
+            key = keys[index]
             grad = grads[index] if index < len(grads) else None
             if record_gradients and grad is not None:
-                square = tf.reduce_sum(tf.square(tf.cast(grad, tf.float32)))
-                squares.append(square)
-                self._emit(state, f"grad_norm/{key}", tf.sqrt(square))
+                # Several applies of one optimizer in a step: the norm covers them all.
+                self._emit(state, f"grad_norm/{key}", scaled_norm(grad), combine=_hypot)
             if self.weights:
-                norm = tf.norm(tf.cast(tf.convert_to_tensor(variable.value), tf.float32))
+                norm = scaled_norm(variable.value)
                 self._emit(state, f"weight_norm/{key}", norm)
                 if before is not None:
-                    delta = tf.cast(tf.convert_to_tensor(variable.value) - before[index], tf.float32)
-                    self._emit(state, f"update_ratio/{key}", tf.math.divide_no_nan(tf.norm(delta), norm))
-        if squares:
-            self._emit(state, "_grad_square", tf.add_n(squares), reset=0.0, accumulate=True)
+                    delta = tf.cast(tf.convert_to_tensor(variable.value), tf.float32) - tf.cast(before[index], tf.float32)
+                    self._emit(state, f"update_ratio/{key}", tf.math.divide_no_nan(scaled_norm(delta), norm))
 
     def _metric_totals(self):
         totals = {}
-        for name, metric in leaf_metrics(self.model).items():
+        for metric in _watched_metrics(self.model):
             if _is_mean(metric):
-                totals[name] = (tf.identity(metric.total.value), tf.identity(metric.count.value))
+                totals[id(metric)] = (tf.identity(metric.total.value), tf.identity(metric.count.value))
         return totals
 
     def _metric_delta(self, metric, before):
@@ -498,55 +618,83 @@ class Probe:
         # A metric the step did not update has no value for this batch (not 0).
         return tf.where(count > 0, tf.math.divide_no_nan(total, count), np.float32(np.nan))
 
+    def _logged_metric(self, state, key, value, by_name):
+        """The metric whose `result()` the step returned under `key`: found
+        by the tensor itself (a VAE returns its `total_loss` tracker under
+        "loss"), else by name."""
+        found = state.results.get(id(value))
+        if found is not None and found[1] is value:
+            return found[0]
+        return by_name.get(key)
+
     def _record(self, state, totals, logs, batch_size):
         values = {"_batch_size": _all_reduce(batch_size, "SUM")}
-        metrics = leaf_metrics(self.model)
+        by_name = leaf_metrics(self.model)
+        tracker = by_name.get("loss")
         tracker_loss = None
-        if "loss" in totals:
-            tracker_loss = self._metric_delta(metrics["loss"], totals["loss"])
+        if tracker is not None and id(tracker) in totals:
+            tracker_loss = self._metric_delta(tracker, totals[id(tracker)])
+        logged = dict(_flat_logs(logs))
         if state.loss is not None:
             loss = tf.cast(unscale_loss_for_distribution(tf.convert_to_tensor(state.loss)), tf.float32)
             values["loss"] = _all_reduce(tf.reduce_mean(loss), "MEAN")
             if tracker_loss is not None:
                 values["_tracker_loss"] = tracker_loss
-        elif tracker_loss is not None:
+        elif "loss" not in logged and tracker_loss is not None:
             values["loss"] = tracker_loss
-        for key, value in _flat_logs(logs):
+        for key, value in logged.items():
             if key in values:
                 continue
-            if key in totals:
-                values[key] = self._metric_delta(metrics[key], totals[key])
-            else:
-                tensor = _scalar_tensor(value)
-                if tensor is not None:
-                    values[key] = _all_reduce(tf.cast(tensor, tf.float32), "MEAN")
+            metric = self._logged_metric(state, key, value, by_name)
+            if metric is not None and id(metric) in totals:
+                values[key] = self._metric_delta(metric, totals[id(metric)])
+                continue
+            tensor = _scalar_tensor(value)
+            if tensor is None:
+                continue
+            if metric is not None:
+                # Not a mean: its batch value cannot be read off its state.
+                self.running_columns.add(key)
+            values[key] = _all_reduce(tf.cast(tensor, tf.float32), "MEAN")
         produced = dict(state.values)
-        for name, (slot, reset) in state.slotted.items():
+        for name, (slot, reset, combine) in state.slotted.items():
             read = tf.identity(slot.read_value())
             with tf.control_dependencies([read]):
                 slot.assign(tf.constant(reset, tf.float32))
-            produced[name] = produced[name] + read if name in produced else read
+            if name not in produced:
+                produced[name] = read
+            elif combine is not None:
+                produced[name] = combine(produced[name], read)
+            else:
+                produced[name] = produced[name] + read
         self._finish_row(state, values, produced)
         self._write(values)
 
     def _finish_row(self, state, values, produced):
-        self._replica_values(state, values, produced.pop("_local_grad_square", None))
+        self._replica_values(state, values, produced.pop("_local_grad_norm", None))
         several = len(state.optimizers) > 1
         for name in state.optimizers:
-            column = f"learning_rate/{name}" if several else "learning_rate"
-            values[column] = produced.pop(f"_lr/{name}")
+            values[schema.learning_rate_column(name, several)] = produced.pop(f"_lr/{name}")
+            if state.applies.get(name, 0) > 1:
+                values[schema.per_optimizer_column(schema.APPLIES_PREFIX, name)] = float(state.applies[name])
+        applied = {name[len("_applied/"):]: produced.pop(name) for name in list(produced) if name.startswith("_applied/")}
+        if several:
+            for name, value in applied.items():
+                values[schema.per_optimizer_column(schema.UPDATED_PREFIX, name)] = tf.cast(value > 0, tf.float32)
         updates = produced.pop("_updates", None)
-        square = produced.pop("_grad_square", None)
-        batch_square = produced.pop("_batch_grad_square", None)
+        batch_norm = produced.pop("_batch_grad_norm", None)
         if updates is not None:
-            values["updated"] = tf.cast(updates > 0, tf.float32)
-        if self.gradients and batch_square is not None:
-            values["grad_norm"] = tf.sqrt(batch_square)
-        elif self.gradients and square is not None:
-            values["grad_norm"] = tf.where(updates > 0, tf.sqrt(square), np.float32(np.nan))
+            went_in = updates if not applied else tf.add_n(list(applied.values()))
+            values["updated"] = tf.cast(went_in > 0, tf.float32)
+        if self.gradients and batch_norm is not None:
+            values["grad_norm"] = batch_norm
+        elif self.gradients and updates is not None:
+            norms = [v for k, v in produced.items() if schema.is_variable_column(k) and k.startswith("grad_norm/")]
+            if norms:
+                values["grad_norm"] = tf.where(updates > 0, combined_norm(norms), np.float32(np.nan))
         values.update(produced)
 
-    def _replica_values(self, state, values, local_square):
+    def _replica_values(self, state, values, local_norm):
         """Per-replica loss and gradient norm (each replica on its own share of
         the batch, before the all-reduce), and `replica_skew`: the spread of
         the replicas' losses."""
@@ -560,20 +708,25 @@ class Probe:
             for index in range(replicas):
                 values[f"loss/replica_{index}"] = losses[index]
             values["replica_skew"] = tf.reduce_max(losses) - tf.reduce_min(losses)
-        if local_square is not None:
-            # Each replica differentiates its loss scaled by 1/replicas (Keras 3.7+).
+        if local_norm is not None:
+            # Each replica differentiates its loss scaled by 1/replicas (Keras 3.8+).
             scale = replicas if KERAS_SCALES_LOSS else 1
-            norms = ctx.all_gather(tf.reshape(tf.sqrt(local_square) * scale, [1]), axis=0)
+            norms = ctx.all_gather(tf.reshape(local_norm * scale, [1]), axis=0)
             for index in range(replicas):
                 values[f"grad_norm/replica_{index}"] = norms[index]
 
+    def _keys(self, variables):
+        """Column keys of `variables`: paths, with `#2`, `#3`, ... for repeats
+        in `model.trainable_variables` order (also for a model that `fit()`
+        builds, whose variables did not exist when the probe was installed)."""
+        if any(id(v) not in self._variable_keys for v in variables):
+            known = list(self.model.trainable_variables)
+            listed = {id(v) for v in known}
+            self._variable_keys = variable_keys(known + [v for v in variables if id(v) not in listed])
+        return [self._variable_keys[id(v)] for v in variables]
+
     def _key(self, variable):
-        key = self._variable_keys.get(id(variable))
-        if key is None:
-            # A variable the model did not list when the probe was installed.
-            self._variable_keys.update(variable_keys([variable]))
-            key = self._variable_keys[id(variable)]
-        return key
+        return self._keys([variable])[0]
 
     def _expected_columns(self, values):
         """The buffer's columns: what this step produced plus every variable key,
@@ -623,5 +776,3 @@ class _NullScope:
     def __exit__(self, *exc):
         return False
 
-
-_MISSING = object()

@@ -1,7 +1,5 @@
 """Recorder: a Keras callback that turns fit()'s lifecycle into Run rows."""
 
-import inspect
-import sys
 import time
 import warnings
 import weakref
@@ -10,7 +8,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from lab import modes
+from lab import compat, modes, schema
+from lab.hooks import CompiledState, hooks_for
 from lab.probes import Probe
 from lab.run import Run
 from lab.status import StatusReporter
@@ -91,16 +90,17 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self._breakpoint_listeners = []
         self._saw_nonfinite = False
         self._probe = None
-        self._cached = None  # (signature, train_function) built with our hooks
+        self._probe_state = None  # the CompiledState the probe was made for
+        self._cached = None  # (CompiledState, train_function) traced with the probe's hooks
         self._pending = []  # host-side facts of steps whose device rows are unread
         self._epoch = 0
         self._begin_step = 0
         self._t0 = None
         self._last_flush = 0.0
         self._last_save = 0.0
-        self._guarded = None
         self._active = False
         self._mode = None
+        self._hooks = None
 
     # ---- the model's lifecycle --------------------------------------------
 
@@ -108,21 +108,41 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         # Called by fit() before make_train_function(): install hooks now so the
         # train function is traced with them, once.
         super().set_model(model)
-        if self._probe is not None and self._probe.model is not model:
-            self._detach()
+        try:
+            self._attach(model, compat.calling_callback_list(depth=2))
+        except BaseException:
+            self._release()
+            raise
+
+    def _attach(self, model, callbacks):
+        state = CompiledState(model)
+        if self._probe is not None and (self._probe.model is not model or self._probe_state != state):
+            # Another model, or this one recompiled: the old probe's hooks and
+            # its traced function belong to the old compiled state.
+            self._release()
+            if self._probe.model is model and self._probe.columns is not None:
+                self.run.add_event("recompile", "the model was compiled again; recording goes on with the new compile",
+                                   step=self.run.next_step)
             self._probe = None
             self._cached = None
+        self._hooks = hooks_for(model)
         if self._probe is None:
             self._probe = Probe(model, gradients=self.gradients, weights=self.weights,
                                 breakpoints=self.breakpoints)
+            self._probe.busy = lambda: self._active
+            self._probe_state = state
         self._probe.ensure_capacity(model.steps_per_execution)
         self._probe.install()
-        self._guard_callbacks(_calling_callback_list())
+        self._guard_callbacks(callbacks)
         cached = self._cached
-        if cached is not None and cached[0] == _signature(model):
+        if cached is not None and cached[0] == state:
             model.train_function = cached[1]
-        elif not getattr(model.train_function, "_lab_recorder", None) is self:
-            model.train_function = None
+        else:
+            model.train_function = None  # fit() traces a new one, through the hooks
+
+    def is_training(self):
+        """Whether this recorder is inside a running fit()."""
+        return self._active
 
     def on_train_begin(self, logs=None):
         self._active = True
@@ -133,9 +153,8 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self._fill_metadata()
         self._mode = modes.current_mode(self.model)
         modes.training_began(self.model)
-        # set_model dropped the function a mode switch had armed: arm it again.
-        modes.guard_first_step(self.model)
-        self._guard()
+        self._hooks.wrap_train_function(self, self._guard_factory, role="guard")
+        self._hooks.sync_train_function()
         self._set_status("running")
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -143,8 +162,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         modes.apply_pending_mode(self.model)  # a switch asked for from another thread
-        if self.model.train_function is not self._guarded:
-            self._guard()
+        self._hooks.sync_train_function()
         self._begin_step = batch
         self._t0 = time.perf_counter()
 
@@ -169,9 +187,9 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self._maybe_save(now)
 
     def _steps_in_execution(self, batch):
-        if batch > self._begin_step or not _reports_begin_step_only(self.model):
+        if batch > self._begin_step or compat.BATCH_END_REPORTS_LAST_STEP:
             return max(1, batch - self._begin_step + 1)
-        # Keras before 3.8 reports the first step of an execution at its end.
+        # Keras before 3.11 reports the first step of an execution at its end.
         steps = int(self.model.steps_per_execution)
         total = (self.params or {}).get("steps")
         if total:
@@ -193,11 +211,11 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
 
     def on_test_end(self, logs=None):
         if not self._active:
-            self._detach()
+            self._release()  # an evaluate() with this recorder: nothing to record
 
     def on_predict_end(self, logs=None):
         if not self._active:
-            self._detach()
+            self._release()
 
     # ---- reading the device buffer ----------------------------------------
 
@@ -243,10 +261,26 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         columns.update(rows)
         hit_row = self._cut_at_device_hit(columns)
         self.run.append_batches(columns)
+        self._note_running_values()
         self._check_old_style(rows)
         if hit_row is not None:
             self._on_device_hit(hit_row)
         return count
+
+    def _note_running_values(self):
+        """Says which columns hold Keras' running values, not the batch's own."""
+        running = sorted(self._probe.running_columns)
+        known = self.run.metadata.get(schema.RUNNING_VALUES, [])
+        new = [name for name in running if name not in known]
+        if not new:
+            return
+        self.run.metadata[schema.RUNNING_VALUES] = list(known) + new
+        for name in new:
+            self.run.add_event(
+                "running_value",
+                f"{name!r} is the value Keras reports, a running value since the epoch began: "
+                "its metric is not a mean, so the batch's own value cannot be read off its state",
+                step=self.run.next_step - 1)
 
     def _cut_at_device_hit(self, columns):
         """Keeps rows up to a device breakpoint's hit; later steps of the same
@@ -266,7 +300,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
                     if name.startswith("grad_norm/") and not np.isfinite(value)]
         if "loss" in row and not np.isfinite(row["loss"]):
             culprits.insert(0, "loss")
-        detail = f"{point.name} at step {step}; update skipped"
+        detail = f"{point.name} at step {step}; " + _updates_detail(row)
         if culprits:
             detail += "; not finite: " + ", ".join(culprits)
         self.run.add_event("nonfinite" if point.name == "nonfinite" else "breakpoint", detail, step=step)
@@ -315,12 +349,9 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
 
     # ---- failures ----------------------------------------------------------
 
-    def _guard(self):
+    def _guard_factory(self, function):
         """Wraps the train function so a failure inside a step is noticed:
         Keras calls no callback when the step raises."""
-        function = self.model.train_function
-        if function is None:
-            return
         recorder = self
 
         def guarded(iterator):
@@ -329,81 +360,89 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
             except _END_OF_DATA:
                 raise
             except BaseException as error:
-                if recorder._active:
-                    recorder._on_failure(error)
+                recorder._on_failure(error)
                 raise
 
-        guarded._lab_recorder = self
-        guarded._lab_inner = function
-        self._guarded = guarded
-        self.model.train_function = guarded
+        return guarded
 
     def _guard_callbacks(self, callbacks):
         """Notices an exception raised by any callback during fit() (a plot that
         fails, an interrupt between batches), which reaches no callback hook."""
-        if callbacks is None or getattr(callbacks, "_lab_guarded", None) is self:
+        if callbacks is None:
             return
-        recorder = self
         for name in _CALLBACK_METHODS:
-            original = getattr(callbacks, name, None)
-            if original is None:
+            if getattr(callbacks, name, None) is None:
                 continue
 
-            def guarded(*args, _original=original, **kwargs):
-                try:
-                    return _original(*args, **kwargs)
-                except BaseException as error:
-                    if recorder._active:
-                        recorder._on_failure(error)
-                    elif recorder._probe is not None and recorder._probe.installed:
-                        recorder._detach()  # failed before training began
-                    raise
+            def factory(inner, name=name):
+                def guarded(*args, **kwargs):
+                    try:
+                        return inner(*args, **kwargs)
+                    except BaseException as error:
+                        self._on_failure(error, where=name)
+                        raise
 
-            object.__setattr__(callbacks, name, guarded)
-        object.__setattr__(callbacks, "_lab_guarded", self)
+                return guarded
 
-    def _on_failure(self, error):
+            self._hooks.wrap(self, callbacks, name, factory, role="guard")
+
+    def _on_failure(self, error, where=None):
+        """Records what stopped training and takes every hook off; never raises."""
         try:
-            self.flush(failing=True)
-        except Exception:  # noqa: BLE001 - the user's error is the one to show
+            if self._active:
+                try:
+                    self.flush(failing=True)
+                except BaseException:  # noqa: BLE001 - the user's error is the one to show
+                    pass
+            if isinstance(error, KeyboardInterrupt):
+                self.run.add_event("interrupt", "KeyboardInterrupt" + (f" in {where}" if where else ""))
+                self._finish("interrupted")
+            else:
+                message = f"{type(error).__name__}: {error}".strip()
+                self.run.add_event("error", message)
+                self._finish("failed", message)
+        except BaseException:  # noqa: BLE001 - cleanup below must run, the user's error propagates
             pass
-        if isinstance(error, KeyboardInterrupt):
-            self.run.add_event("interrupt", "KeyboardInterrupt")
-            self._finish("interrupted")
-        else:
-            message = f"{type(error).__name__}: {error}".strip()
-            self.run.add_event("error", message)
-            self._finish("failed", message)
+        finally:
+            self._active = False
+            self._release()
 
     def _finish(self, status, detail=""):
-        if status != "stopped" or not self.status_detail:
-            self._set_status(status, detail)
-        else:
-            self._set_status(status, self.status_detail)
-        self._active = False
-        model = self.model
-        function = getattr(model.train_function, "_lab_inner", model.train_function)
-        if function is not None and status in ("finished", "stopped"):
-            self._cached = (_signature(model), function)
-        self._detach()
-        modes.training_ended(self.model)
+        try:
+            if status != "stopped" or not self.status_detail:
+                self._set_status(status, detail)
+            else:
+                self._set_status(status, self.status_detail)
+            self._active = False
+            if status in ("finished", "stopped") and self._hooks is not None:
+                function = self._hooks.train_function_base()
+                if function is not None:
+                    self._cached = (CompiledState(self.model), function)
+        finally:
+            self._active = False
+            self._release()
+            if self.model is not None:
+                modes.training_ended(self.model)
         if self.path:
             self._save()
 
-    def _detach(self):
-        """Leaves no trace: restores patched methods and drops hooked functions."""
+    def _release(self):
+        """Leaves no trace: every hook this recorder and its probe put on comes
+        off, and a train function traced with them is dropped (never raises)."""
+        if self._hooks is not None:
+            self._hooks.release(self)
         if self._probe is not None:
             self._probe.uninstall()
-        model = self.model
-        if model is not None and getattr(model.train_function, "_lab_recorder", None) is self:
-            model.train_function = None
-        elif self._cached is not None and model is not None and model.train_function is self._cached[1]:
-            model.train_function = None
-        elif model is not None and self._probe is not None and self._probe.buffer is not None:
-            # A function traced with our hooks (e.g. after a mode switch).
-            model.train_function = None
 
-    detach = _detach
+    def release_hooks(self):
+        self._release()
+
+    def detach(self):
+        """Takes the recorder's hooks off the model now (another recorder may then attach)."""
+        self._active = False
+        self._release()
+
+    _detach = detach
 
     # ---- status, metadata, saving -----------------------------------------
 
@@ -461,34 +500,17 @@ _CALLBACK_METHODS = (
 )
 
 
-def _calling_callback_list():
-    """The keras CallbackList whose set_model is calling ours, if any."""
-    frame = sys._getframe(2)
-    for _ in range(6):
-        if frame is None:
-            return None
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, keras.callbacks.CallbackList):
-            return owner
-        frame = frame.f_back
-    return None
-
-
-_BEGIN_STEP_ONLY = {}
-
-
-def _reports_begin_step_only(model):
-    """Whether this Keras passes the execution's first step to on_train_batch_end."""
-    trainer = type(model).fit
-    if trainer not in _BEGIN_STEP_ONLY:
-        try:
-            source = inspect.getsource(trainer)
-        except (OSError, TypeError):
-            source = "end_step"
-        _BEGIN_STEP_ONLY[trainer] = "end_step" not in source
-    return _BEGIN_STEP_ONLY[trainer]
-
-
-def _signature(model):
-    return (bool(model.run_eagerly), model.jit_compile, int(model.steps_per_execution),
-            id(model.distribute_strategy))
+def _updates_detail(row):
+    """Which optimizer updates of the hit step went in, from the row."""
+    per_optimizer = {name[len(schema.UPDATED_PREFIX):]: value for name, value in row.items()
+                     if name.startswith(schema.UPDATED_PREFIX)}
+    overflow = row.get("_overflow", 0) > 0
+    reason = " (it left a weight or optimizer slot non-finite; put back)" if overflow else ""
+    if not per_optimizer:
+        return "update skipped" + reason
+    applied = [name for name, value in per_optimizer.items() if value > 0]
+    skipped = [name for name, value in per_optimizer.items() if not value > 0]
+    text = "update skipped: " + ", ".join(skipped) + reason
+    if applied:
+        text += "; applied before the hit: " + ", ".join(applied)
+    return text

@@ -1,0 +1,73 @@
+"""Keras / TensorFlow version differences, decided once from the installed versions.
+
+Every Keras internal the lab relies on that moved between the supported
+releases (Keras 3.5 to 3.15) is named here, with the release it changed in,
+so no other module reads Keras' source or guesses from behaviour. The tests
+of this module run at both ends of the supported range (`make test-oldest`).
+"""
+
+import sys
+
+import keras
+
+
+def _version(text):
+    parts = []
+    for piece in text.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts + [0] * (3 - len(parts)))
+
+
+KERAS_VERSION = _version(keras.__version__)
+
+# Keras 3.8 scales each replica's loss by 1/replicas inside compute_loss
+# (`keras/src/losses/loss.py`, `scale_loss_for_distribution`); before, the
+# loss a replica returns is its own mean.
+SCALES_LOSS_BY_REPLICAS = KERAS_VERSION >= (3, 8)
+
+# Keras 3.11's fit() passes the last step of an execution to
+# on_train_batch_end (`for begin_step, end_step, iterator in epoch_iterator`);
+# before, it passes the first step, also at steps_per_execution > 1.
+BATCH_END_REPORTS_LAST_STEP = KERAS_VERSION >= (3, 11)
+
+# Keras 3.7's make_train_function binds `self.train_step` when it builds the
+# function (`self._make_function(self.train_step)`); before, the step is
+# looked up on the model when the function is traced.
+TRAIN_STEP_BOUND_AT_BUILD = KERAS_VERSION >= (3, 7)
+
+if SCALES_LOSS_BY_REPLICAS:
+    from keras.src.losses.loss import unscale_loss_for_distribution
+else:
+    def unscale_loss_for_distribution(value):
+        """Keras before 3.8 does not scale the loss: nothing to undo."""
+        return value
+
+
+def symbolic_build(model, data_batch):
+    """Builds an unbuilt model, its metrics and optimizer from one batch, as
+    `fit()` does under a strategy (`Trainer._symbolic_build`, all supported
+    releases). Raises what Keras raises for a model it cannot build that way
+    (one without `call()`, such as a GAN that only overrides `train_step`)."""
+    model._symbolic_build(data_batch=data_batch)
+
+
+def calling_callback_list(depth=2, reach=6):
+    """The `keras.callbacks.CallbackList` whose `set_model` is calling the caller.
+
+    Keras hands a callback no reference to the CallbackList that calls it,
+    and only that list sees an exception raised between callbacks (another
+    callback failing, an interrupt between batches). In every supported
+    release `CallbackList.set_model` calls each callback's `set_model`
+    directly, so the list is a few frames up; this is the one place the lab
+    reads a frame. Returns None when called otherwise.
+    """
+    frame = sys._getframe(depth)
+    for _ in range(reach):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, keras.callbacks.CallbackList):
+            return owner
+        frame = frame.f_back
+    return None

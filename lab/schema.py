@@ -1,0 +1,70 @@
+"""The row schema: what each column of a run's batch table is, declared once.
+
+The recorder, `watch`, the stepper, run files and the views read column
+names, prefixes and kinds from here.
+
+A value is either the batch's own (`BATCH`: its loss, a mean-type metric's
+value on this batch alone, the learning rate the step used) or Keras'
+running value since the epoch began (`RUNNING`: what a metric that is not a
+mean reports, because its batch value cannot be read off its state). A run
+lists its running columns in `run.metadata["running_values"]`, so a running
+value is never shown as if it were the batch's.
+"""
+
+# Columns every batch row has.
+STEP, EPOCH, BATCH_INDEX, SECONDS, MODE, SOURCE = "step", "epoch", "batch", "seconds", "mode", "source"
+BASE_COLUMNS = (STEP, EPOCH, BATCH_INDEX, SECONDS, MODE)
+
+LOSS = "loss"
+GRAD_NORM = "grad_norm"  # global norm of the gradients applied in the step
+UPDATED = "updated"  # 1 when an optimizer update went in, 0 when a breakpoint held it
+LEARNING_RATE = "learning_rate"
+
+# Per-variable and per-optimizer columns: prefix + "/" + key.
+GRAD_NORM_PREFIX = "grad_norm/"  # norm of the variable's applied gradient (all applies in the step)
+WEIGHT_NORM_PREFIX = "weight_norm/"
+UPDATE_RATIO_PREFIX = "update_ratio/"
+LEARNING_RATE_PREFIX = "learning_rate/"
+UPDATED_PREFIX = "updated/"  # per optimizer, when several update
+APPLIES_PREFIX = "applies/"  # per optimizer, when one applies more than once per step
+REPLICA_LOSS_PREFIX = "loss/replica_"
+REPLICA_GRAD_NORM_PREFIX = "grad_norm/replica_"
+
+PER_VARIABLE_PREFIXES = (GRAD_NORM_PREFIX, WEIGHT_NORM_PREFIX, UPDATE_RATIO_PREFIX)
+
+# Value kinds.
+BATCH = "batch"
+RUNNING = "running"
+RUNNING_VALUES = "running_values"  # run.metadata key: columns holding running values
+
+# Columns starting with "_" are the probe's bookkeeping, never shown or saved.
+INTERNAL = "_"
+
+
+def is_internal(name):
+    """Whether a column is the lab's bookkeeping rather than a value of the step."""
+    return name.startswith(INTERNAL)
+
+
+def learning_rate_column(optimizer_name, several):
+    """The learning-rate column of one optimizer: `learning_rate` when one
+    optimizer updates, `learning_rate/<attribute>` when several do."""
+    return f"{LEARNING_RATE_PREFIX}{optimizer_name}" if several else LEARNING_RATE
+
+
+def per_optimizer_column(prefix, optimizer_name):
+    return f"{prefix}{optimizer_name}"
+
+
+def variable_column(prefix, key):
+    return f"{prefix}{key}"
+
+
+def is_variable_column(name):
+    """Whether `name` is a per-variable column (not a per-replica one)."""
+    return name.startswith(PER_VARIABLE_PREFIXES) and not name.startswith(REPLICA_GRAD_NORM_PREFIX)
+
+
+def value_kind(run, name):
+    """`BATCH` or `RUNNING` for a column of `run`."""
+    return RUNNING if name in run.metadata.get(RUNNING_VALUES, ()) else BATCH
