@@ -58,7 +58,8 @@ class BackgroundFit:
         self.model = model
         self.args, self.kwargs = args, kwargs
         self.callbacks = list(kwargs.pop("callbacks", None) or [])
-        self.recorder = next((c for c in self.callbacks if isinstance(c, Recorder)), None)
+        self.recorder = next((r for r in (c if isinstance(c, Recorder) else getattr(c, "recorder", None)
+                                          for c in self.callbacks) if isinstance(r, Recorder)), None)
         self.state = "idle"
         self.detail = ""
         self.error = None

@@ -1,4 +1,4 @@
-"""Dashboard: a Recorder that is also a live view of its run.
+"""Dashboard: a live view over a Recorder (it holds one; it is no Recorder itself).
 
 The callback only turns lifecycle events into calls: recording is
 `lab.Recorder`'s, drawing is `widgets.charts.LiveFigure`'s and
@@ -22,6 +22,7 @@ import time
 import warnings
 
 import ipywidgets
+import keras
 
 import lab
 
@@ -51,16 +52,17 @@ def _frontend_available():
     return shell is not None and getattr(shell, "kernel", None) is not None
 
 
-class Dashboard(Recorder):
+class Dashboard(keras.callbacks.Callback):
     """A Keras callback and a notebook view: live loss, metrics, gradients, status.
 
-    Records like `lab.Recorder` (its record is `dashboard.run`) and shows,
-    while `fit()` runs: a status line (with the exception's message when a
-    step fails), epoch/batch progress with an estimate of the time left,
-    steps per second, per-batch loss and metrics with validation points per
-    epoch, events (`nonfinite`, `breakpoint`, `error`) marked on the loss,
-    and with `gradients=True` per-layer gradient norms (log scale) and a
-    layer x step heatmap; with `weights=True` update/weight ratios.
+    A view over a `lab.Recorder` (composition: `dashboard.recorder` records,
+    its record is `dashboard.run`) that shows, while `fit()` runs: a status
+    line (with the exception's message when a step fails), epoch/batch
+    progress with an estimate of the time left, steps per second, per-batch
+    loss and metrics with validation points per epoch, events (`nonfinite`,
+    `breakpoint`, `error`) marked on the loss, and with `gradients=True`
+    per-layer gradient norms (log scale) and a layer x step heatmap; with
+    `weights=True` update/weight ratios.
 
     It shows itself when training begins if it is not displayed already.
     Where no widget frontend exists (nbconvert, nbval, HTML export) its output
@@ -101,14 +103,19 @@ class Dashboard(Recorder):
             raise ValueError(f"refresh_budget is a share of training time in (0, 1]; got {refresh_budget}.")
         if max_points < 8:
             raise ValueError(f"max_points must be at least 8; got {max_points}.")
-        super().__init__(gradients=gradients, weights=weights, breakpoints=breakpoints,
-                         path=path, run=run, **recorder_options)
+        super().__init__()
+        self.recorder = Recorder(gradients=gradients, weights=weights, breakpoints=breakpoints,
+                                 path=path, run=run, **recorder_options)
+        _forward_batch_hooks(self, self.recorder)
+        self._followed = None  # a watched loop's run, when following one
         self.refresh_every = refresh_every
         self.refresh_budget = refresh_budget
         self.max_points = max_points
         self.refreshes = 0
         self._progress = dict(epoch=0, batch=-1, done=0)
+        self._first_batch = 0
         self._rate_samples = collections.deque(maxlen=20)
+        self._predicting = None
         self.header = ipywidgets.HTML(value=self._header_html())
         self.chart = LiveFigure(gradients=gradients, weights=weights)
         self._series = ChartState(self.run, max_points)
@@ -119,13 +126,51 @@ class Dashboard(Recorder):
         self._final_views = []
         self._next_refresh = 0.0
         self._view_failed = False
-        self._predicting = None
-        self.add_status_listener(self._on_status)
+        self.recorder.add_status_listener(self._on_status)
 
-    # ---- the fit() lifecycle -------------------------------------------------
+    # ---- what it shows: the recorder's (or a followed loop's) record and status
+
+    @property
+    def run(self):
+        """lab.Run, the record shown: the recorder's, or the watched loop's after `follow`."""
+        return self._followed if self._followed is not None else self.recorder.run
+
+    @property
+    def status(self):
+        """str, the recording's status: `idle`, `running`, `breakpoint`, `finished`, `failed`, ..."""
+        source = self._followed if self._followed is not None else self.recorder
+        return getattr(source, "status", "running")
+
+    @property
+    def status_detail(self):
+        """str, what the status says more (the exception's message when a step failed)."""
+        source = self._followed if self._followed is not None else self.recorder
+        return getattr(source, "status_detail", "")
+
+    @property
+    def gradients(self):
+        return self.recorder.gradients
+
+    @property
+    def weights(self):
+        return self.recorder.weights
+
+    @property
+    def breakpoints(self):
+        return self.recorder.breakpoints
+
+    # ---- the fit() lifecycle: forwarded to the recorder, then drawn ---------
+
+    def set_model(self, model):
+        super().set_model(model)
+        self.recorder.set_model(model)
+
+    def set_params(self, params):
+        super().set_params(params)
+        self.recorder.set_params(params)
 
     def on_train_begin(self, logs=None):
-        super().on_train_begin(logs)
+        self.recorder.on_train_begin(logs)
         self._progress = dict(epoch=0, batch=-1, done=0)
         self._rate_samples.clear()
         self._rate_samples.append((time.monotonic(), 0))
@@ -134,16 +179,37 @@ class Dashboard(Recorder):
         self.refresh()
 
     def on_epoch_begin(self, epoch, logs=None):
-        super().on_epoch_begin(epoch, logs)
+        self.recorder.on_epoch_begin(epoch, logs)
         self._progress["epoch"] = epoch
 
+    def on_train_batch_begin(self, batch, logs=None):
+        self.recorder.on_train_batch_begin(batch, logs)
+        self._first_batch = batch  # several steps per call at steps_per_execution > 1
+
     def on_train_batch_end(self, batch, logs=None):
-        first = self._begin_step  # several steps per call at steps_per_execution > 1
-        super().on_train_batch_end(batch, logs)
+        self.recorder.on_train_batch_end(batch, logs)
         self._progress["batch"] = batch
-        self._progress["done"] += max(1, batch - first + 1)
+        self._progress["done"] += max(1, batch - self._first_batch + 1)
         if time.monotonic() >= self._next_refresh:
             self.refresh()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.recorder.on_epoch_end(epoch, logs)
+
+    def on_train_end(self, logs=None):
+        self.recorder.on_train_end(logs)
+
+    def on_test_begin(self, logs=None):
+        self.recorder.on_test_begin(logs)
+
+    def on_test_end(self, logs=None):
+        self.recorder.on_test_end(logs)
+
+    def on_predict_begin(self, logs=None):
+        self.recorder.on_predict_begin(logs)
+
+    def on_predict_end(self, logs=None):
+        self.recorder.on_predict_end(logs)
 
     # ---- prediction ------------------------------------------------------------
 
@@ -202,7 +268,7 @@ class Dashboard(Recorder):
                 run.step(loss=train_step(x, y))
         ```
         """
-        self.run = run
+        self._followed = run
         self._series = ChartState(run, self.max_points)
         self._progress = dict(epoch=0, batch=-1, done=0)
         self._rate_samples.clear()
@@ -216,8 +282,8 @@ class Dashboard(Recorder):
 
         run.subscribe(on_rows)
         if hasattr(run, "add_status_listener"):
-            run.add_status_listener(lambda status, detail: self._set_status(status, detail))
-        self._set_status(getattr(run, "status", "running"), getattr(run, "status_detail", ""))
+            run.add_status_listener(self._on_status)
+        self._on_status(self.status, self.status_detail)
         if self._should_show_itself():
             self._ipython_display_()
         self.refresh()
@@ -288,7 +354,7 @@ class Dashboard(Recorder):
                     on_final_view(bundle)
 
     def _header_html(self):
-        status = getattr(self, "status", "idle")
+        status = self.status
         color = _STATUS_COLORS.get(status, "#666")
         line = f'<b style="color:{color}">{html.escape(status)}</b>'
         if self.status_detail:
@@ -296,7 +362,7 @@ class Dashboard(Recorder):
         progress = self.progress_text()
         if progress:
             line += f" &middot; {html.escape(progress)}"
-        predicted = self.prediction_text() if hasattr(self, "_predicting") else ""
+        predicted = self.prediction_text()
         if predicted:
             line += f" &middot; {html.escape(predicted)}"
         return f'<div class="training-lab-status" style="font-family:sans-serif">{line}</div>'
@@ -363,6 +429,19 @@ class Dashboard(Recorder):
 
     def __repr__(self):
         return f"<widgets.Dashboard {self.status}: {len(self.run)} steps>"
+
+
+# Batch-level hooks of evaluate() and predict(): forwarded only where the
+# recorder has its own, so Keras (which dispatches batch callbacks
+# asynchronously when none overrides them) treats a Dashboard as its Recorder.
+_BATCH_HOOKS = ("on_test_batch_begin", "on_test_batch_end", "on_predict_batch_begin", "on_predict_batch_end")
+
+
+def _forward_batch_hooks(dashboard, recorder):
+    for name in _BATCH_HOOKS:
+        hook = getattr(recorder, name)
+        if not getattr(hook, "_is_default", False):
+            setattr(dashboard, name, hook)
 
 
 def _metric_and_val_names(run):

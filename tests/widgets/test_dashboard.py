@@ -1,4 +1,4 @@
-"""widgets.Dashboard: records like a Recorder, draws live, fails visibly, renders statically."""
+"""widgets.Dashboard: records through its Recorder, draws live, fails visibly, renders statically."""
 
 import keras
 import numpy as np
@@ -36,11 +36,14 @@ def notebook(monkeypatch):
     return handles
 
 
-def test_dashboard_is_a_recorder_callback_and_a_widget():
-    dashboard = widgets.Dashboard()
+def test_dashboard_is_a_callback_over_a_recorder_and_a_widget():
+    dashboard = widgets.Dashboard(breakpoints=[lab.breakpoints.nonfinite()])
     assert isinstance(dashboard, keras.callbacks.Callback)
-    assert isinstance(dashboard, lab.Recorder)
+    assert not isinstance(dashboard, lab.Recorder)  # composition: it holds one
+    assert isinstance(dashboard.recorder, lab.Recorder)
+    assert dashboard.run is dashboard.recorder.run
     assert dashboard.gradients is True and dashboard.weights is False
+    assert dashboard.recorder.gradients is True and len(dashboard.recorder.breakpoints) == 1
     header, figure = dashboard.widget.children
     assert figure is dashboard.chart.figure
     assert figure.data[0].name == "loss"  # the browser test reads data[0].y
