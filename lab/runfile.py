@@ -31,6 +31,7 @@ import contextlib
 import hashlib
 import importlib.metadata
 import json
+import mmap
 import os
 import re
 import secrets
@@ -425,6 +426,9 @@ class _Reader:
         attribute = h5py.h5a.open(obj.id, name.encode())
         if attribute.shape not in ((), (1,)) or attribute.get_storage_size() > self.size:
             self.fail(f"the {name!r} attribute of {where} is not a single value; the file is damaged.")
+        if not any(self.stored_as(attribute.get_type(), kind) for kind in kinds):
+            self.fail(f"the {name!r} attribute of {where} is stored as neither "
+                      f"{' nor '.join(kinds)}; the file is damaged.")
         value = obj.attrs[name]
         if isinstance(value, np.ndarray) and value.shape == (1,):
             value = value[0]
@@ -436,6 +440,28 @@ class _Reader:
             return int(value)
         expected = " or ".join({"str": "a string", "int": "an integer"}[k] for k in kinds)
         self.fail(f"the {name!r} attribute of {where} is {value!r}, not {expected}; the file is damaged.")
+
+    def stored_as(self, datatype, kind):
+        """Whether an HDF5 datatype is one a run file stores `kind` as.
+
+        Checked before a value is read: HDF5 converts what a damaged datatype
+        message says (a string whose flags turned it into a variable-length
+        sequence crashes the conversion), so only the plain types pass.
+        """
+        t = self.h5py.h5t
+        if kind in ("str", "string"):
+            return (isinstance(datatype, t.TypeStringID)
+                    and datatype.get_cset() in (t.CSET_ASCII, t.CSET_UTF8)
+                    and datatype.get_strpad() in (t.STR_NULLTERM, t.STR_NULLPAD, t.STR_SPACEPAD)
+                    and (datatype.is_variable_str() or 0 < datatype.get_size() <= self.size))
+        if kind == "int":
+            return isinstance(datatype, t.TypeIntegerID) and datatype.get_size() in (1, 2, 4, 8)
+        if kind == "float":
+            return isinstance(datatype, t.TypeFloatID) and datatype.get_size() in (2, 4, 8)
+        if kind == "bool":
+            return (isinstance(datatype, t.TypeEnumID) and datatype.get_size() == 1
+                    and datatype.get_nmembers() == 2)
+        return False
 
     def json_attribute(self, obj, name, where, expected_type, described):
         text = self.attribute(obj, name, where, ("str",))
@@ -450,6 +476,7 @@ class _Reader:
 
 
 def _read(f, reader):
+    _check_global_heaps(f, reader)
     _check_header(f, reader)
     _check_structure(f, reader)
     name = reader.attribute(f, "name", "the file", ("str",))
@@ -466,6 +493,41 @@ def _read(f, reader):
     if expected is not None and digest.hexdigest() != expected:
         reader.fail("its contents do not match the digest written with them; the file is damaged.")
     return RunParts(name, metadata, tables["batches"], _records(tables["epochs"]), _records(tables["events"]))
+
+
+def _check_global_heaps(f, reader):
+    """Refuses global heap collections whose objects do not tile them.
+
+    Variable-length strings live in HDF5's global heap. HDF5 1.14 decodes a
+    collection by stepping from object to object by their declared sizes and
+    loops forever (in `H5HG__cache_heap_deserialize`) when a damaged size makes
+    a step zero, or runs outside the collection when a step overshoots. No
+    h5py call can look at a collection before HDF5 decodes it, so every
+    collection in the file (it begins with `GCOL`, version 1, and is at least
+    4096 bytes) is walked here first, the way HDF5 walks it.
+    """
+    length_size = f.id.get_create_plist().get_sizes()[1]
+    header = 8 + length_size
+    with open(reader.path, "rb") as file:
+        if not reader.size:
+            return
+        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as view:
+            at = view.find(b"GCOL")
+            while at != -1:
+                size = int.from_bytes(view[at + 8:at + 8 + length_size], "little")
+                end = at + size
+                if view[at + 4:at + 8] == b"\x01\0\0\0" and 4096 <= size and end <= len(view):
+                    p = at + header
+                    while p + header <= end:
+                        index = int.from_bytes(view[p:p + 2], "little")
+                        declared = int.from_bytes(view[p + 8:p + 8 + length_size], "little")
+                        step = declared if index == 0 else header + ((declared + 7) & ~7)
+                        step %= 1 << 64  # size_t arithmetic, as in HDF5
+                        if step == 0 or step > end - p:
+                            reader.fail(f"its global heap (the variable-length strings) at byte {at} is "
+                                        "damaged: an object's size does not fit the heap.")
+                        p += step
+                at = view.find(b"GCOL", at + 1)
 
 
 def _check_header(f, reader):
@@ -564,6 +626,8 @@ def _read_table(group, table, reader, digest):
         if name in _INTEGER_COLUMNS and kind != "int" and length:
             reader.fail(f"{column} holds {kind} values; {name!r} counts and holds integers. "
                         "The file is damaged.")
+        if not reader.stored_as(dataset.id.get_type(), kind):
+            reader.fail(f"{column} is marked {kind} but stored as another type; the file is damaged.")
         if kind == "string":
             values, missing = _read_strings(group, i, dataset, length, column, reader)
             _digest_strings(digest, values, missing)
@@ -586,7 +650,8 @@ def _read_strings(group, i, dataset, length, column, reader):
     missing = np.zeros(length, dtype=bool)
     if f"m{i}" in group:
         mask = group[f"m{i}"]
-        if not isinstance(mask, h5py.Dataset) or mask.shape != (length,) or mask.dtype.kind != "b":
+        if (not isinstance(mask, h5py.Dataset) or mask.shape != (length,)
+                or not reader.stored_as(mask.id.get_type(), "bool")):
             reader.fail(f"the missing-value mask of {column} is damaged.")
         missing = mask[()]
     # Each cell may point at a string as long as the file: read in blocks, and
