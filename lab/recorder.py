@@ -493,6 +493,18 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         except Exception as error:  # noqa: BLE001 - saving must not stop training
             warnings.warn(f"Could not save the run to {self.path}: {error}", RuntimeWarning, stacklevel=2)
 
+    # ---- pausing at a breakpoint (lab.pause) -------------------------------
+
+    def remove_breakpoint_listener(self, fn):
+        """Stops calling `fn` on breakpoint hits (nothing happens if it was not added)."""
+        if fn in self._breakpoint_listeners:
+            self._breakpoint_listeners.remove(fn)
+
+    def resume_after_breakpoint(self):
+        """Sets the status back to "running" when training paused at a hit goes on."""
+        if self.status == "breakpoint":
+            self._set_status("running")
+
 
 _CALLBACK_METHODS = (
     "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_train_batch_begin", "on_train_batch_end",

@@ -3,8 +3,10 @@
 While a cell runs a blocking `fit()`, ipykernel handles widget clicks only
 after the cell ends. `BackgroundFit` runs `model.fit(...)` on a daemon thread
 and returns at once; Pause, Continue, Stop and Step act at the next batch
-boundary through a `threading.Event` checked in a callback, and so does a
-mode switch asked for with `lab.modes.request_mode` (the ModeSwitch widget).
+boundary through `lab.pause.PauseController`, which also pauses at a
+breakpoint's hit and opens the stepper on it, and so does a mode switch
+asked for with `lab.modes.request_mode` (the ModeSwitch widget). This module
+is the thread and the buttons; what a pause does is `lab.pause`'s.
 
 Threading rules kept here: widget callbacks only set flags (never run model
 ops) while training runs; model ops from the panel happen only while the
@@ -16,12 +18,7 @@ every wait, so nothing here can hang a notebook run.
 import threading
 import time
 
-import keras
-
-from lab.in_flight import BatchInFlight
-from lab.modes import ModeSwitcher
-from lab.recorder import Recorder
-from lab.state import read_state, write_state
+from lab.pause import PauseController, find_recorder
 
 STATES = ("idle", "running", "paused", "stopped", "finished", "failed")
 
@@ -58,22 +55,29 @@ class BackgroundFit:
         self.model = model
         self.args, self.kwargs = args, kwargs
         self.callbacks = list(kwargs.pop("callbacks", None) or [])
-        self.recorder = next((r for r in (c if isinstance(c, Recorder) else getattr(c, "recorder", None)
-                                          for c in self.callbacks) if isinstance(r, Recorder)), None)
+        self.recorder = find_recorder(self.callbacks)
+        self.controller = PauseController(self.recorder, on_state=self._set_state)
         self.state = "idle"
         self.detail = ""
         self.error = None
         self.history = None
-        self.stepper = None
-        self.batches_done = 0
         self._thread = None
-        self._go = threading.Event()
-        self._go.set()
-        self._pause_requested = False
-        self._step_once = False
-        self._stop_requested = False
         self._listeners = []
         self._view = None
+
+    @property
+    def stepper(self):
+        """`lab.Stepper` on the batch that hit a breakpoint, or None before any hit."""
+        return self.controller.stepper
+
+    @property
+    def batches_done(self):
+        """int, batches of `fit()` that ended."""
+        return self.controller.batches_done
+
+    @property
+    def breakpoints_armed(self):
+        return self.controller.breakpoints_armed
 
     # ---- control (safe from any thread) --------------------------------------
 
@@ -88,25 +92,20 @@ class BackgroundFit:
 
     def pause(self):
         """Parks training at the next batch boundary."""
-        self._pause_requested = True
+        self.controller.pause()
 
     def resume(self):
         """Continues a paused training (after a breakpoint: with the next batch)."""
-        self._pause_requested = False
-        self._step_once = False
-        self._go.set()
+        self.controller.resume()
 
     def step(self):
         """Lets one batch of `fit()` run, then parks again."""
-        self._pause_requested = True
-        self._step_once = True
-        self._go.set()
+        self.controller.step()
 
     def stop(self):
         """Ends training at the next batch boundary (a paused one at once)."""
-        self._stop_requested = True
         self.model.stop_training = True
-        self._go.set()
+        self.controller.stop()
 
     def join(self, timeout=None):
         """Waits for the thread; True when training has ended.
@@ -140,19 +139,15 @@ class BackgroundFit:
     # ---- the training thread ---------------------------------------------------
 
     def _train(self):
-        self._keeper = BatchInFlight(armed=lambda: self.breakpoints_armed)
-        callbacks = [self._keeper] + self.callbacks + [_Control(self)]
-        if not any(isinstance(c, ModeSwitcher) for c in self.callbacks):
-            # First, so a switch asked for meanwhile (the ModeSwitch widget) is
-            # applied before the batch is kept and run.
-            callbacks.insert(0, ModeSwitcher())
         try:
-            self.history = self.model.fit(*self.args, callbacks=callbacks, **self.kwargs)
+            self.history = self.model.fit(*self.args, callbacks=self.controller.callbacks(self.callbacks),
+                                          **self.kwargs)
         except BaseException as error:  # noqa: BLE001 - reported through state, not print
             self.error = error
             self._set_state("failed", f"{type(error).__name__}: {error}")
             return
-        self._set_state("stopped" if self._stop_requested else "finished", self.detail)
+        self._set_state("stopped" if self.controller.stop_requested else "finished",
+                        self.controller.detail or self.detail)
 
     def _set_state(self, state, detail=""):
         # Views first, then the state: whoever waits for "paused" finds the
@@ -163,63 +158,6 @@ class BackgroundFit:
             except Exception:  # noqa: BLE001 - a view must not stop training
                 self._listeners.remove(fn)
         self.state, self.detail = state, detail
-
-    @property
-    def breakpoints_armed(self):
-        return bool(self.recorder is not None and self.recorder.breakpoints)
-
-    def _park(self, detail):
-        """Blocks the training thread until resume(), step() or stop()."""
-        self._go.clear()
-        self._set_state("paused", detail)
-        while not self._go.wait(0.05):
-            pass
-        if self._stop_requested:
-            self.model.stop_training = True
-            return
-        self._set_state("running")
-
-    def _paused_at_breakpoint(self):
-        detail = self.recorder.status_detail if self.recorder is not None else "breakpoint"
-        self.model.stop_training = False  # the Recorder stops on a hit; here we pause
-        after = read_state(self.model)
-        run = self.recorder.run if self.recorder is not None else None
-        step = run.next_step - 1 if run is not None else self.batches_done - 1
-        # The stepper puts the model and the run's step count back to before
-        # the batch that hit; its steps and rewinds move both on.
-        self.stepper = self._keeper.stepper(run=run, start_step=step)
-        self._pause_requested = True
-        self._park(detail)
-        if not self.stepper.traces and self.stepper.last_trace is None:
-            # Nothing stepped: continue as if the pause never happened.
-            write_state(after)
-            if run is not None:
-                run.next_step = step + 1
-        if self.recorder is not None and self.recorder.status == "breakpoint":
-            self.recorder._set_status("running")
-
-
-class _Control(keras.callbacks.Callback):
-    """Last callback: turns flags into pauses and stops at batch ends."""
-
-    def __init__(self, owner):
-        super().__init__()
-        self.owner = owner
-
-    def on_train_batch_end(self, batch, logs=None):
-        owner = self.owner
-        owner.batches_done += 1
-        recorder = owner.recorder
-        if owner._stop_requested:
-            self.model.stop_training = True
-            return
-        hit = recorder is not None and recorder.status == "breakpoint" and self.model.stop_training
-        if hit and owner._keeper.data is not None:
-            owner._paused_at_breakpoint()
-        elif hit:
-            owner.detail = recorder.status_detail  # no batch kept: the Recorder's stop stands
-        elif owner._pause_requested:
-            owner._park("stepped one batch" if owner._step_once else "paused")
 
 
 class TrainingControls:
