@@ -13,6 +13,7 @@ from lab.hooks import CompiledState, hooks_for
 from lab.probes import Probe
 from lab.run import Run
 from lab.status import StatusReporter
+from lab.breakpoints import as_breakpoints
 
 _WARNED_OLD_STYLE = weakref.WeakSet()
 _END_OF_DATA = (StopIteration, tf.errors.OutOfRangeError)
@@ -81,7 +82,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         super().__init__()
         self.gradients = gradients
         self.weights = weights
-        self.breakpoints = list(breakpoints)
+        self.breakpoints = as_breakpoints(breakpoints)
         self.path = path
         self.run = run if run is not None else Run()
         self.flush_every = flush_every

@@ -432,7 +432,7 @@ def watch(model, *optimizers, gradients=True, weights=False, breakpoints=(), flu
     run.batches()
     ```
     """
-    points = list(breakpoints)
+    points = breakpoints_module.as_breakpoints(breakpoints)
     for point in points:
         if isinstance(point, breakpoints_module._LossSpike):
             raise ValueError(
