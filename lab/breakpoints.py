@@ -1,5 +1,10 @@
 """Breakpoints: conditions checked per batch that stop or pause training."""
 
+import numbers
+
+import numpy as np
+
+
 class Breakpoint:
     """A condition over the batch row the Recorder just made.
 
@@ -22,17 +27,123 @@ class Breakpoint:
     def __init__(self, condition, name=None):
         if not callable(condition):
             raise TypeError(
-                f"Breakpoint needs a callable condition(row) -> bool, got {type(condition).__name__}."
+                f"Breakpoint(condition) needs a callable condition(row) -> bool, got "
+                f"{type(condition).__name__}: e.g. `lab.Breakpoint(lambda row: row['loss'] > 10)`."
             )
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"Breakpoint(name=...) must be a str, got {type(name).__name__}.")
         self.condition = condition
         self.name = name or getattr(condition, "__name__", "condition")
 
     def hit(self, row):
-        return bool(self.condition(row))
+        """Whether the condition holds for `row`.
+
+        Raises:
+            BreakpointError: the condition raised, read a column the row does
+                not have, or returned something other than one truth value;
+                the message names the breakpoint (and the column).
+        """
+        try:
+            result = self.condition(row)
+        except KeyError as error:
+            column = error.args[0] if error.args else "?"
+            raise BreakpointError(
+                f"Breakpoint {self.name!r} reads the column {column!r}, which the run's rows do not "
+                f"have (they have {', '.join(repr(str(c)) for c in _columns(row))}). Read a column "
+                "that is recorded, or `row.get(name)` for one that may be missing."
+            ) from error
+        except Exception as error:
+            raise BreakpointError(
+                f"Breakpoint {self.name!r} raised {type(error).__name__}: {error} (its condition "
+                f"was called with the row of step {_step(row)}). Fix the condition; it gets the "
+                "row as a pandas Series of the run's batch columns."
+            ) from error
+        if isinstance(result, (bool, np.bool_)):
+            return bool(result)
+        if np.ndim(result) != 0:
+            raise BreakpointError(
+                f"Breakpoint {self.name!r} returned {type(result).__name__} of shape {np.shape(result)}, "
+                "not one truth value: a condition sees one row at a time, so compare scalars, "
+                "e.g. `row['loss'] > 10`, or reduce with `.any()` / `.all()`."
+            )
+        try:
+            return bool(result)
+        except (TypeError, ValueError) as error:
+            raise BreakpointError(
+                f"Breakpoint {self.name!r} returned {result!r}, which is neither true nor false "
+                "(a missing value?); return a bool."
+            ) from error
 
     def describe(self, row):
         return f"{self.name} at step {int(row['step'])}"
 
+    def __repr__(self):
+        return f"lab.Breakpoint({self.name!r})"
+
+
+class BreakpointError(RuntimeError):
+    """A breakpoint's condition failed; the message names the breakpoint and the column."""
+
+
+def _columns(row):
+    try:
+        return list(row.keys())
+    except Exception:  # noqa: BLE001 - only for the message
+        return []
+
+
+def _step(row):
+    try:
+        return int(row["step"])
+    except Exception:  # noqa: BLE001 - only for the message
+        return "?"
+
+
+def as_breakpoints(value, argument="breakpoints"):
+    """The breakpoints a Recorder, Dashboard, watch or panel is given, as a list.
+
+    Accepts a list or tuple of breakpoints, a single breakpoint, or plain
+    callables `fn(row) -> bool`, each wrapped as `lab.Breakpoint(fn)`.
+
+    Args:
+        value: what the user passed.
+        argument: str, the argument's name, for the error message.
+
+    Returns:
+        list of `lab.Breakpoint`.
+
+    Raises:
+        TypeError: `value` (or one of its items) is neither a breakpoint nor
+            a callable; the message names the argument and the fix.
+
+    Example:
+
+    ```python
+    as_breakpoints(lambda row: row["loss"] > 10)   # [lab.Breakpoint(<lambda>)]
+    ```
+    """
+    if value is None:
+        return []
+    if isinstance(value, Breakpoint) or callable(value):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(
+            f"{argument} must be a list of lab.Breakpoint objects (or of conditions row -> bool); "
+            f"got {type(value).__name__}. E.g. {argument}=[lab.breakpoints.nonfinite(), "
+            "lab.Breakpoint(lambda row: row['loss'] > 10)]."
+        )
+    points = []
+    for i, item in enumerate(value):
+        if isinstance(item, Breakpoint):
+            points.append(item)
+        elif callable(item):
+            points.append(Breakpoint(item))
+        else:
+            raise TypeError(
+                f"{argument}[{i}] is {type(item).__name__}, not a breakpoint: give lab.Breakpoint "
+                "objects, lab.breakpoints.nonfinite() / loss_spike(...), or callables row -> bool."
+            )
+    return points
 
 
 class DeviceBreakpoint(Breakpoint):
@@ -80,9 +191,15 @@ class _NonFinite(DeviceBreakpoint):
 
 class _LossSpike(DeviceBreakpoint):
     def __init__(self, factor, warmup, decay):
-        if not factor > 1:
-            raise ValueError(f"loss_spike(factor) needs a factor above 1, got {factor!r} (e.g. 3.0: three times the recent loss).")
-        super().__init__(f"loss_spike({factor:g})")
+        _check_number("factor", factor, numbers.Real,
+                      lambda: bool(np.isfinite(factor)) and factor > 1,
+                      "a number above 1", "loss_spike(3.0): three times the recent average loss")
+        _check_number("warmup", warmup, numbers.Integral, lambda: warmup >= 0,
+                      "a whole number of steps, 0 or more", "warmup=10: look for spikes from the 11th step on")
+        _check_number("decay", decay, numbers.Real, lambda: 0 <= decay < 1,
+                      "a number from 0 up to (not including) 1",
+                      "decay=0.9: each step moves the recent average 10% towards the new loss")
+        super().__init__(f"loss_spike({float(factor):g})")
         self.factor, self.warmup, self.decay = float(factor), int(warmup), float(decay)
         self._average = self._seen = None
 
@@ -109,6 +226,14 @@ class _LossSpike(DeviceBreakpoint):
             self._seen.assign(0.0)
 
 
+def _check_number(argument, value, kind, valid, described, example):
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise TypeError(f"loss_spike({argument}=...) must be {described}; got {type(value).__name__} "
+                        f"{value!r} (e.g. {example}).")
+    if not valid():
+        raise ValueError(f"loss_spike({argument}=...) must be {described}; got {value!r} (e.g. {example}).")
+
+
 def nonfinite():
     """Stops at the first batch whose loss or any applied gradient is NaN or infinite.
 
@@ -129,8 +254,11 @@ def loss_spike(factor=3.0, warmup=10, decay=0.9):
     """Stops at a batch whose loss exceeds `factor` times its recent average.
 
     Args:
-        factor: float, how many times the running average counts as a spike.
-        warmup: int, steps before spikes are looked for.
-        decay: float, the running average's decay per step.
+        factor: float above 1, how many times the running average counts as a spike.
+        warmup: int, 0 or more, steps before spikes are looked for.
+        decay: float in [0, 1), the running average's decay per step.
+
+    Raises:
+        ValueError: an argument out of its range or of the wrong type.
     """
     return _LossSpike(factor, warmup, decay)
