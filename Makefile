@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: lab test test-current test-oldest unit notebooks browser-deps demo bench clean
+.PHONY: lab screenshot test test-current test-oldest unit notebooks browser-deps demo bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,12 @@ $(BIN)/.installed: pyproject.toml
 LAB_ARGS ?=
 lab: $(BIN)/.installed
 	JUPYTER=$(BIN)/jupyter sh scripts/lab.sh $(LAB_ARGS)
+
+# The README's picture (docs/dashboard.png): the browser test photographs the
+# Dashboard while the quickstart trains in Notebook 7.
+screenshot: $(BIN)/.installed browser-deps
+	TRAINING_LAB_SCREENSHOT=docs/dashboard.png $(BIN)/python -m pytest tests/browser/test_frontends_browser.py \
+	  -k notebook7 -q $(PYTEST_ARGS)
 
 # Debian's chromium drives the browser tests (Playwright never downloads one).
 browser-deps:

@@ -108,12 +108,23 @@ class LabServer:
         _write_settings(self.base / "settings")
         return env
 
+    def command(self):
+        """The server's command line (NotebookServer runs Notebook 7 instead)."""
+        return [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root",
+                "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={self.port}",
+                "--ServerApp.port_retries=0", f"--IdentityProvider.token={self.token}",
+                f"--ServerApp.root_dir={self.notebook_dir}",
+                "--LabApp.expose_app_in_browser=True"]
+
+    def jupyter(self, *args):
+        """Runs `jupyter ARGS` in this server's environment (its own config and
+        data folders): `server.jupyter("labextension", "disable", "--level=user", name)`
+        changes this server's settings only. Call it before start()."""
+        return subprocess.run([sys.executable, "-m", "jupyter", *args], cwd=self.base, env=self.env,
+                              capture_output=True, text=True, check=True)
+
     def start(self):
-        command = [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root",
-                   "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={self.port}",
-                   "--ServerApp.port_retries=0", f"--IdentityProvider.token={self.token}",
-                   f"--ServerApp.root_dir={self.notebook_dir}",
-                   "--LabApp.expose_app_in_browser=True"]
+        command = self.command()
         log = open(self.log_path, "wb")
         self.process = subprocess.Popen(command, cwd=self.notebook_dir, env=self.env, stdout=log,
                                         stderr=subprocess.STDOUT, start_new_session=True)
@@ -171,6 +182,21 @@ class LabServer:
                 self.process.wait()
 
 
+class NotebookServer(LabServer):
+    """Notebook 7 (`jupyter notebook`) instead of JupyterLab; same settings,
+    same `window.jupyterapp`, notebooks at /notebooks/<name>."""
+
+    def command(self):
+        return [sys.executable, "-m", "notebook", "--no-browser", "--allow-root",
+                "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={self.port}",
+                "--ServerApp.port_retries=0", f"--IdentityProvider.token={self.token}",
+                f"--ServerApp.root_dir={self.notebook_dir}",
+                "--JupyterNotebookApp.expose_app_in_browser=True"]
+
+    def page_url(self, notebook):
+        return f"{self.url}/notebooks/{notebook}?token={self.token}"
+
+
 def copy_without_outputs(source, folder):
     """A copy of notebook `source` in `folder`, outputs and execution counts cleared."""
     notebook = nbformat.read(source, as_version=4)
@@ -210,6 +236,41 @@ def lab_server(chromium_path, tmp_path_factory):
     server.stop()
     if os.environ.get("TRAINING_LAB_KEEP_SERVER_LOG"):
         shutil.copy(server.log_path, artifacts_dir() / "jupyterlab.log")
+
+
+@pytest.fixture(scope="module")
+def start_server(chromium_path, tmp_path_factory):
+    """A function that starts a server of the test module's own, stopped after
+    the module: `start_server(app="lab", notebooks=("01_quickstart.ipynb",),
+    edit=None, configure=None)`. app "notebook" runs Notebook 7. `edit(name,
+    notebook)` may change each served copy (an nbformat notebook, outputs
+    cleared) before it is written; `configure(server)` runs before the server
+    starts (its settings: `server.jupyter(...)`, files under `server.base`).
+    A module that overrides `lab_server` with it gets `page` and
+    `open_notebook` on that server."""
+    servers = []
+
+    def start(app="lab", notebooks=("01_quickstart.ipynb",), edit=None, configure=None):
+        base = tmp_path_factory.mktemp(app)
+        notebook_dir = base / "notebooks"
+        notebook_dir.mkdir()
+        for name in notebooks:
+            target = copy_without_outputs(ROOT / "notebooks" / name, notebook_dir)
+            if edit is not None:
+                notebook = nbformat.read(target, as_version=4)
+                edit(name, notebook)
+                nbformat.write(notebook, target)
+        server = (NotebookServer if app == "notebook" else LabServer)(base, notebook_dir)
+        if configure is not None:
+            configure(server)
+        servers.append(server)
+        return server.start()
+
+    yield start
+    for server in servers:
+        server.stop()
+        if os.environ.get("TRAINING_LAB_KEEP_SERVER_LOG"):
+            shutil.copy(server.log_path, artifacts_dir() / f"{server.base.name}.log")
 
 
 @pytest.fixture
