@@ -83,7 +83,7 @@ def main():
 
     def timings():
         model = build_model()  # default placement: the GPU when there is one
-        comparison["frame"] = modes.compare_modes(model, (x, y), steps=args.steps, batch_size=64)
+        comparison["frame"] = lab.compare_modes(model, (x, y), steps=args.steps, batch_size=64)
         failed = comparison["frame"]["error"].notna().sum()
         return f"{failed} mode(s) failed" if failed else "all modes ran"
 

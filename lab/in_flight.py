@@ -11,14 +11,15 @@ metric totals) and a one-batch call of the train function; it needs
 import keras
 import tensorflow as tf
 
+from lab.hooks import hooks_for
 from lab.state import read_state, write_state
 
 
 class BatchInFlight(keras.callbacks.Callback):
     """Keeps the batch in flight and the model's state before it.
 
-    Put it first in the callbacks, before a Recorder, so the Recorder's
-    failure guard wraps it once.
+    Its wrapper sits inside a Recorder's failure guard on the train function
+    (the instrumentation layer's order), wherever it is in the callbacks.
 
     Args:
         armed: callable `armed() -> bool`, or a bool; batches are kept only
@@ -49,34 +50,35 @@ class BatchInFlight(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
 
+    def on_train_begin(self, logs=None):
+        hooks_for(self.model).wrap_train_function(self, self._keeper, role="keep_batch")
+
     def on_train_batch_begin(self, batch, logs=None):
         self.data = self.before = None
-        if not self.is_armed():
-            return
         self.position = (self._epoch, batch)
-        function = self.model.train_function
-        if function is None or _find(function) is not None:
-            return
-        while getattr(function, "_lab_recorder", None) is not None:
-            function = function._lab_inner  # the Recorder guards this wrapper in turn: guard once
+        hooks_for(self.model).sync_train_function()
+
+    def _keeper(self, function):
         keeper = self
 
         def keep_batch(iterator):
+            if not keeper.is_armed():
+                return function(iterator)
             data = next(iter(iterator))
             keeper.data, keeper.before = data, read_state(keeper.model)
             # Keras' train function runs a plain iterable of batches one by one;
             # Keras before 3.6 calls next() on it, so it is an iterator too.
             return function(iter([data]))
 
-        keep_batch._lab_keep_batch = True
-        keep_batch._lab_inner = function
-        self.model.train_function = keep_batch
+        return keep_batch
 
     def on_train_end(self, logs=None):
         # Leave no trace: the next fit() gets Keras' own function back.
-        wrapper = _find(self.model.train_function)
-        if wrapper is not None:
-            self.model.train_function = wrapper._lab_inner
+        hooks_for(self.model).release(self)
+
+    def release_hooks(self):
+        if self.model is not None:
+            hooks_for(self.model).release(self)
 
     def stepper(self, **kwargs):
         """A `lab.Stepper` on the kept batch, with the model put back to before it.
@@ -108,11 +110,3 @@ class BatchInFlight(keras.callbacks.Callback):
         kwargs.setdefault("start_batch", self.position)
         # The model is as before the kept batch: the Stepper sets the run's count of steps back too.
         return Stepper(self.model, tf.data.Dataset.from_tensors(self.data), shuffle=False, **kwargs)
-
-
-def _find(function):
-    while function is not None:
-        if getattr(function, "_lab_keep_batch", False):
-            return function
-        function = getattr(function, "_lab_inner", None)
-    return None

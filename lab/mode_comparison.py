@@ -15,22 +15,24 @@ import pandas as pd
 import tensorflow as tf
 
 from lab.modes import (
-    _END_OF_DATA,
-    _XLA_COMPILE_HINT,
+    END_OF_DATA,
+    XLA_COMPILE_HINT,
     MODES,
     ModeError,
-    _check_compiled,
-    _check_mode,
-    _check_steps_per_execution,
-    _check_xla,
-    _set_attributes,
-    _Settings,
+    check_compiled,
+    check_mode,
+    check_steps_per_execution,
+    check_xla,
+    set_attributes,
+    Settings,
     is_training,
 )
+from lab.compat import symbolic_build
+from lab.hooks import hooks_for
 from lab.probes import find_optimizers
 
 
-def compare_modes(model, data, steps=32, batch_size=None, modes=MODES, steps_per_execution=(1, 8)):
+def compare_modes(model, data, steps=32, batch_size=None, modes=MODES, steps_per_execution=None):
     """Times the same training steps in each mode, each from the same starting state.
 
     Every (mode, steps_per_execution) pair trains `steps` batches, the same
@@ -46,11 +48,13 @@ def compare_modes(model, data, steps=32, batch_size=None, modes=MODES, steps_per
         model: keras.Model, compiled.
         data: tuple `(x, y)` or `(x, y, sample_weight)` of arrays, or a
             `tf.data.Dataset` of batches (repeated if shorter than `steps`).
-        steps: int, training steps per run; at least twice the largest
-            `steps_per_execution`, so each run has a timed call after the first.
+        steps: int, training steps per run (at least 2); at least twice the
+            largest `steps_per_execution`, so each run has a timed call after
+            the first.
         batch_size: int or None, for arrays (default 32); None for a Dataset.
         modes: sequence of str, among "eager", "graph", "xla".
-        steps_per_execution: sequence of int, the second axis.
+        steps_per_execution: sequence of int, the second axis; None (the
+            default) takes 1 and 8, keeping those that `steps` allows.
 
     Returns:
         pandas.DataFrame, one row per (mode, steps_per_execution): `mode`,
@@ -74,25 +78,31 @@ def compare_modes(model, data, steps=32, batch_size=None, modes=MODES, steps_per
     frame.attrs["bottleneck"]
     ```
     """
-    _check_compiled(model)
+    check_compiled(model)
     modes = list(modes)
     for mode in modes:
-        _check_mode(mode)
-    spes = [_check_steps_per_execution(n) for n in steps_per_execution]
+        check_mode(mode)
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)):
+        raise TypeError(f"steps must be an int (training steps per run), got {steps!r}.")
+    if steps < 2:
+        raise ValueError(f"steps={steps} is too few: use at least 2, so each run has a timed call after its first.")
+    if steps_per_execution is None:
+        steps_per_execution = [n for n in (1, 8) if 2 * n <= steps]
+    spes = [check_steps_per_execution(n) for n in steps_per_execution]
     if not modes or not spes:
         raise ValueError("Give at least one mode and one steps_per_execution.")
-    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 2 * max(spes):
+    if steps < 2 * max(spes):
         raise ValueError(
-            f"steps={steps!r} is too few: use at least {2 * max(spes)} (twice the largest "
-            "steps_per_execution) so each run has a timed call after its first."
+            f"steps={steps!r} is too few for steps_per_execution={max(spes)}: use at least {2 * max(spes)} "
+            "(twice the largest steps_per_execution) so each run has a timed call after its first, "
+            "or leave steps_per_execution=None to take what steps allows."
         )
     if is_training(model):
         raise RuntimeError("compare_modes cannot run while fit() trains this model; call it when training is done.")
     batches, data_rate = _batches_and_rate(data, batch_size, steps)
-    # fit() builds an unbuilt model, its metrics and optimizer from the first
-    # batch the same way; the train function cannot create variables later.
-    model._symbolic_build(data_batch=next(iter(batches)))
-    state = _State(model)
+    first = next(iter(batches))
+    created = _build(model, first)
+    state = _State(model, created)
     rows, losses = [], []
     try:
         for mode in modes:
@@ -104,6 +114,37 @@ def compare_modes(model, data, steps=32, batch_size=None, modes=MODES, steps_per
     finally:
         state.restore()
     return _comparison_frame(rows, losses, data_rate)
+
+
+def _build(model, batch):
+    """Creates every variable a step needs before the timed runs (a train
+    function cannot create variables after its first trace).
+
+    Like `fit()` under a strategy, an unbuilt model is built symbolically from
+    one batch. A model Keras cannot build that way (one with no `call()`, such
+    as a GAN or VAE that only overrides `train_step`) is built by one eager
+    step, whose effect is then undone: the variables it created are put back
+    to their initial values by `_State`. Returns those (variable, initial).
+    """
+    try:
+        symbolic_build(model, batch)
+        return []
+    except Exception:  # noqa: BLE001 - Keras' "Unable to automatically build the model"
+        pass
+    created = []
+
+    def record(next_creator, **kwargs):
+        variable = next_creator(**kwargs)
+        created.append((variable, np.array(variable.numpy(), copy=True)))
+        return variable
+
+    before = _State(model)
+    with tf.variable_creator_scope(record):
+        model.train_step(batch)
+    before.restore_values()
+    for variable, initial in created:
+        variable.assign(initial)
+    return created
 
 
 def _batches_and_rate(data, batch_size, steps):
@@ -146,8 +187,8 @@ def _time_run(model, mode, spe, batches, steps):
     losses = {}
     try:
         if mode == "xla":
-            _check_xla(model)
-        _set_attributes(model, mode, spe)
+            check_xla(model)
+        set_attributes(model, mode, spe)
         function, traces, restore = _counted_train_function(model)
         try:
             row, losses = _timed_calls(function, model, batches, spe, steps, row, traces, mode)
@@ -155,12 +196,12 @@ def _time_run(model, mode, spe, batches, steps):
             restore()
     except ModeError as error:
         row["error"] = str(error)
-    except _END_OF_DATA:
+    except END_OF_DATA:
         raise
     except Exception as error:  # noqa: BLE001 - one mode failing must not hide the others
         text = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
         if mode == "xla":
-            text += " " + _XLA_COMPILE_HINT
+            text += " " + XLA_COMPILE_HINT
         row["error"] = text
         losses = {}
     return row, losses
@@ -196,23 +237,23 @@ def _timed_calls(function, model, batches, spe, steps, row, traces, mode):
 def _counted_train_function(model):
     """A fresh train function whose train_step counts its Python runs (traces)."""
     traces = [0]
-    step = model.train_step
-    previous = model.__dict__.get("train_step", _MISSING)
+    owner = _TraceCounter()
+    hooks = hooks_for(model)
 
-    def counted(data):
-        traces[0] += 1
-        return step(data)
+    def counter(step):
+        def counted(data):
+            traces[0] += 1
+            return step(data)
+
+        return counted
 
     # Newer Keras reads model.train_step once, when the function is built;
-    # Keras before 3.6 reads it when the step is traced. So the counter stays
-    # on the instance until the run is over (`restore`).
-    object.__setattr__(model, "train_step", counted)
+    # Keras before 3.7 reads it when the step is traced. So the counter stays
+    # on until the run is over (`restore`).
+    hooks.wrap(owner, model, "train_step", counter, role="counter")
 
     def restore():
-        if previous is _MISSING:
-            object.__delattr__(model, "train_step")
-        else:
-            object.__setattr__(model, "train_step", previous)
+        hooks.release(owner)
 
     try:
         model.make_train_function(force=True)
@@ -222,7 +263,8 @@ def _counted_train_function(model):
     return model.train_function, traces, restore
 
 
-_MISSING = object()
+class _TraceCounter:
+    """The owner of compare_modes' trace counter in the instrumentation layer."""
 
 
 def _distributed(model, batches):
@@ -240,11 +282,12 @@ def _loss(logs):
 class _State:
     """Copies of a model's variables and settings, restored after comparing."""
 
-    def __init__(self, model):
+    def __init__(self, model, created=()):
         self.model = model
         variables, seen = [], set()
         optimizers = find_optimizers(model).values()
         groups = [model.variables, model.metrics_variables] + [o.variables for o in optimizers]
+        groups.append([variable for variable, _ in created])
         for group in groups:
             for variable in group:
                 if id(variable) not in seen:
@@ -252,7 +295,7 @@ class _State:
                     variables.append(variable)
         self.variables = variables
         self.values = [np.array(v.numpy(), copy=True) for v in variables]
-        self.settings = _Settings(model)
+        self.settings = Settings(model)
 
     def restore_values(self):
         for variable, value in zip(self.variables, self.values):

@@ -251,6 +251,10 @@ def _check_mode(mode):
 
 
 def _check_compiled(model):
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            f"set_mode(model, mode): model must be a compiled keras.Model; got {type(model).__name__}. "
+            "E.g. lab.set_mode(model, \"graph\").")
     if not getattr(model, "compiled", False):
         raise ValueError(
             "The model is not compiled: call model.compile(optimizer=..., loss=...) "

@@ -247,6 +247,7 @@ class Probe:
         self._slots = {}
         self._hold = None
         self.running_columns = set()  # logged values that are Keras' running ones
+        self.record_errors = []  # why steps could not be recorded (the lab's own failures)
         self.busy = lambda: False  # the owner's "training right now", for the layer's claim
         self._hooks = hooks_for(model)
         self._nonfinite_index = next((i for i, b in enumerate(self.breakpoints) if b.name == "nonfinite"), None)
@@ -309,12 +310,24 @@ class Probe:
             try:
                 totals = state.totals = probe._metric_totals()
                 logs = original(data)
-                probe._record(state, totals, logs, _batch_size(data))
+                try:
+                    probe._record(state, totals, logs, _batch_size(data))
+                except Exception as error:  # noqa: BLE001 - training never dies of the lab
+                    probe._could_not_record(error)
             finally:
                 probe._local.state = None
             return logs
 
         return train_step
+
+    def _could_not_record(self, error):
+        """The lab's own code failed on this step: the step runs as Keras
+        wrote it, without a row, and the run is told (`record_errors`)."""
+        message = f"{type(error).__name__}: {error}".strip().splitlines()[0]
+        if message not in self.record_errors:
+            self.record_errors.append(message)
+            warnings.warn(f"The lab could not record a training step ({message}); training goes on "
+                          "unchanged, without rows for these steps.", RuntimeWarning, stacklevel=3)
 
     def _wrap_result(self, metric, original):
         probe = self
@@ -440,7 +453,8 @@ class Probe:
                 saved = [tf.identity(v.value) for v in watched]
                 with tf.control_dependencies(saved):
                     original(grads, trainable_variables)
-                finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(v.value)) for v in watched])
+                finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(v.value)) for v in watched
+                                        if v.dtype in ("float16", "bfloat16", "float32", "float64")])
 
                 def put_back():
                     for variable, value in zip(watched, saved):
@@ -476,13 +490,13 @@ class Probe:
         return apply
 
     def _state_variables(self, optimizer, trainable_variables):
-        """The float variables one update may change: the weights it updates
-        and the optimizer's slots (its `iterations` is an integer)."""
+        """The variables one update may change: the weights it updates and
+        the optimizer's slots and `iterations`."""
         if trainable_variables is None:
             trainable_variables = getattr(optimizer, "_trainable_variables", [])
         found, seen = [], set()
         for variable in list(trainable_variables) + list(optimizer.variables):
-            if id(variable) not in seen and variable.dtype in ("float16", "bfloat16", "float32", "float64"):
+            if id(variable) not in seen:
                 seen.add(id(variable))
                 found.append(variable)
         return found

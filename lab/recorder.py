@@ -9,7 +9,7 @@ import numpy as np
 import tensorflow as tf
 
 from lab import compat, modes, schema
-from lab.hooks import CompiledState, hooks_for
+from lab.hooks import CompiledState, hooks_for, release_all
 from lab.probes import Probe
 from lab.run import Run
 from lab.status import StatusReporter
@@ -131,6 +131,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
             self._probe = Probe(model, gradients=self.gradients, weights=self.weights,
                                 breakpoints=self.breakpoints)
             self._probe.busy = lambda: self._active
+            self._probe.release_hooks = self._release  # a claim that frees the probe frees all of ours
             self._probe_state = state
         self._probe.ensure_capacity(model.steps_per_execution)
         self._probe.install()
@@ -205,6 +206,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self.flush()
+        self._note_record_errors()
         # Host-side guesses of steps that never ran (the last, partial
         # execution of data of unknown size on older Keras).
         self._pending = []
@@ -267,6 +269,13 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         if hit_row is not None:
             self._on_device_hit(hit_row)
         return count
+
+    def _note_record_errors(self):
+        told = self.run.metadata.setdefault("record_errors", [])
+        for message in self._probe.record_errors:
+            if message not in told:
+                told.append(message)
+                self.run.add_event("error", f"the lab could not record steps: {message}", step=self.run.next_step)
 
     def _note_running_values(self):
         """Says which columns hold Keras' running values, not the batch's own."""
@@ -407,6 +416,8 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         finally:
             self._active = False
             self._release()
+            if self.model is not None:
+                release_all(self.model)  # fit() is over: no wrapper of the lab stays on
 
     def _finish(self, status, detail=""):
         try:

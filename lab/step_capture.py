@@ -1,8 +1,8 @@
 """What one training step touched, caught by hooks that live only for that step.
 
-`StepCapture` patches instance attributes of the model (`compute_loss`,
-`call`) and of each optimizer (`apply`, `_backend_update_step`) while a step
-runs, and records the predictions, the loss, the gradients each optimizer
+`StepCapture` wraps, through the instrumentation layer (`lab.hooks`), the
+model's `compute_loss` and `call` and each optimizer's `apply` and
+`_backend_update_step` while a step runs, and records the predictions, the loss, the gradients each optimizer
 applied (where the Probe reads them too) and the variables the step created.
 In a `tf.function` the hooks run while tracing, and what they saw is returned
 from the compiled step. `hint(...)` names the fix for the usual mistakes.
@@ -14,10 +14,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from lab.hooks import hooks_for
 from lab.probes import variable_keys
 
 _LOSS_ARGS = ("x", "y", "y_pred", "sample_weight", "training")
-_MISSING = object()
 
 
 class StepCapture:
@@ -46,7 +46,8 @@ class StepCapture:
         self.learning_rates = {}
         self.no_gradient = []
         self.created = []
-        self._patches = []
+        self.applies = []  # (optimizer name, {key: gradient}) per apply, in order
+        self._hooks = hooks_for(model)
         self._depth = 0
         self._keys = {}
 
@@ -56,29 +57,34 @@ class StepCapture:
                                                variable_keys(model.trainable_variables).values())}
         self._creator = tf.variable_creator_scope(self._create)
         self._creator.__enter__()
-        self._patch(model, "compute_loss", self._wrap_compute_loss(model.compute_loss))
-        self._patch(model, "call", self._wrap_call(model.call))
-        for name, optimizer in self.optimizers.items():
-            self._patch(optimizer, "apply", self._wrap_apply(optimizer.apply))
-            self._patch(optimizer, "_backend_update_step",
-                        self._wrap_update(name, optimizer._backend_update_step))
+        try:
+            self._patch(model, "compute_loss", self._wrap_compute_loss)
+            self._patch(model, "call", self._wrap_call)
+            for name, optimizer in self.optimizers.items():
+                self._patch(optimizer, "apply", lambda inner, o=optimizer: self._wrap_apply(o, inner))
+                self._patch(optimizer, "_backend_update_step", lambda inner, n=name: self._wrap_update(n, inner))
+        except BaseException:
+            self._hooks.release(self)
+            self._creator.__exit__(None, None, None)
+            raise
         return self
 
     def __exit__(self, *exc):
-        while self._patches:
-            target, name, previous = self._patches.pop()
-            if previous is _MISSING:
-                object.__delattr__(target, name)
-            else:
-                object.__setattr__(target, name, previous)
+        self._hooks.release(self)
         self._creator.__exit__(*exc)
         if self.y_pred is None:
             self.y_pred = self.call_output
         return False
 
-    def _patch(self, target, name, replacement):
-        self._patches.append((target, name, target.__dict__.get(name, _MISSING)))
-        object.__setattr__(target, name, replacement)
+    def begin_trace(self):
+        """Forgets what an earlier trace of the same step saw: tf.function
+        traces a step twice when its first trace creates variables."""
+        self.y_pred = self.call_output = self.loss = None
+        self.gradients, self.learning_rates = {}, {}
+        self.no_gradient, self.applies = [], []
+
+    def _patch(self, target, name, factory):
+        self._hooks.wrap(self, target, name, factory, role="capture")
 
     def _create(self, next_creator, **kwargs):
         variable = next_creator(**kwargs)
@@ -118,11 +124,11 @@ class StepCapture:
         call.__signature__ = inspect.signature(original)
         return call
 
-    def _wrap_apply(self, original):
+    def _wrap_apply(self, optimizer, original):
         def apply(grads, trainable_variables=None):
             variables = trainable_variables
             if variables is None:
-                variables = getattr(original.__self__, "_trainable_variables", [])
+                variables = getattr(optimizer, "_trainable_variables", [])
             grads = list(grads)
             variables = list(variables)
             self.no_gradient += [self._key(v) for g, v in zip(grads, variables) if g is None]
@@ -133,8 +139,11 @@ class StepCapture:
     def _wrap_update(self, name, original):
         def _backend_update_step(grads, trainable_variables, learning_rate):
             result = original(grads, trainable_variables, learning_rate)
+            applied = {}
             for grad, variable in zip(grads, trainable_variables):
-                self.gradients[self._key(variable)] = tf.convert_to_tensor(grad)
+                applied[self._key(variable)] = tf.convert_to_tensor(grad)
+            self.gradients.update(applied)  # the last apply's, per variable
+            self.applies.append((name, applied))
             self.learning_rates[name] = learning_rate
             return result
 
@@ -167,7 +176,7 @@ def hint(error, trace, capture):
             "`(x, y, sample_weight)`; unpack it with "
             "`x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)`."
         )
-    if any(word in message.lower() for word in ("shape", "incompatible", "dimension", "rank")):
+    if _is_shape_error(error, message):
         shapes = f"x {np.shape(trace.x)}"
         if trace.y is not None:
             shapes += f", y {np.shape(trace.y)}"
@@ -180,6 +189,24 @@ def hint(error, trace, capture):
     if "GradientTape" in message or "tape" in message.lower():
         return "Open the tape with `with tf.GradientTape() as tape:` around the forward pass and loss."
     return ""
+
+
+_SHAPE_PHRASES = ("incompatible shapes", "shapes are incompatible", "is incompatible with", "shape mismatch",
+                  "dimensions must be equal", "expected shape", "expected ndim", "expected min_ndim",
+                  "expected axis", "must have rank", "must be rank", "incompatible with the layer",
+                  "cannot reshape", "cannot be broadcast", "shapes must be equal", "matrix size-incompatible",
+                  "arguments `target` and `output` must have the same")
+# Errors about graphs and tensors leaving them also mention shapes; they are no shape mismatch.
+_GRAPH_PHRASES = ("funcgraph", "out of scope", "inaccessible", "symbolic tensor", "defined in another function",
+                  "tf.function", "graph tensor", "non-eager")
+
+
+def _is_shape_error(error, message):
+    text = message.lower()
+    if any(phrase in text for phrase in _GRAPH_PHRASES):
+        return False
+    return isinstance(error, (ValueError, TypeError, tf.errors.InvalidArgumentError)) and any(
+        phrase in text for phrase in _SHAPE_PHRASES)
 
 
 def _raised_reading_a_metric(error):

@@ -25,7 +25,9 @@ import numpy as np
 import pandas as pd
 import tensorflow as tf
 
+from lab import schema
 from lab.feed import Feed, to_numpy
+from lab.hooks import CompiledState, hooks_for
 from lab.probes import _is_mean, find_optimizers, leaf_metrics, variable_keys
 from lab.state import raw_variable, read_variables, same_array, training_variables
 from lab.step_capture import StepCapture, hint
@@ -105,6 +107,7 @@ class _Snapshot:
     trace: StepTrace
     fed: object  # the Feed item the step consumed
     before: dict  # variable id -> array before the step, for variables it changed
+    compiled: object = None  # the model's CompiledState when the step ran
 
 
 class Stepper:
@@ -204,6 +207,10 @@ class Stepper:
         """
         if not callable(step_fn):
             raise TypeError(f"step_fn must be callable as step_fn(x, y), got {type(step_fn).__name__}.")
+        # A `@tf.function` step runs as the Python it was written as: eagerly
+        # in "eager" mode (every value inspectable), inside the stepper's own
+        # tf.function in "graph" mode.
+        step_fn = getattr(step_fn, "python_function", step_fn)
         return cls(model, data, _step_fn=step_fn, _optimizers=optimizers, **kwargs)
 
     @property
@@ -313,6 +320,17 @@ class Stepper:
                 "set_weights, ...), so its history no longer applies and was dropped. "
                 "Step again to start a new history."
             )
+        compiled = CompiledState(self.model)
+        stale = [s.trace.index for s in list(self._snapshots)[-n:] if s.compiled != compiled]
+        missing = [key for s in list(self._snapshots)[-n:] for key in s.before if key not in self._state]
+        if stale or missing:
+            # Checked before anything is written: a rewind is whole or not at all.
+            self._snapshots.clear()
+            raise ValueError(
+                f"Cannot rewind: the model was compiled again (or its optimizer replaced) after step "
+                f"{(stale or [self._index])[0]}, so the optimizer and metric state those steps changed "
+                "is gone. Nothing was restored; the history was dropped. Step again to start a new history."
+            )
         undone = [self._snapshots.pop() for _ in range(n)]
         restore = {}
         for snapshot in undone:  # newest first, so the oldest value wins
@@ -355,20 +373,13 @@ class Stepper:
                 self.model.reset_metrics()  # fit() does this at every epoch start
             outputs = self._run(fed.data, capture)
             trace.seconds = time.perf_counter() - start
+            # Reading what the step returned may fail too (a value that cannot
+            # leave its graph): the step is then undone like one that raised.
+            after = self._read_all()
+            self._fill_outputs(trace, outputs, capture, before_state, after)
         except Exception as error:  # noqa: BLE001 - the trace carries it
-            trace.seconds = time.perf_counter() - start
-            self._restore(before_state, capture)
-            self.feed.push_back([fed])
-            trace.error = error
-            trace.traceback = "".join(traceback_module.format_exception(error))
-            trace.no_gradient = capture.no_gradient
-            trace.hint = hint(error, trace, capture)
-            if self.run is not None:
-                self.run.add_event("error", f"{type(error).__name__}: {error}", step=self._index)
-            self.last_trace = trace
-            return trace
+            return self._failed(trace, error, fed, before_state, capture, start)
         self._absorb_created(capture)
-        after = self._read_all()
         changed = {}
         for key, (variable, array) in after.items():
             old = before_state.get(key) or self._created.get(key)
@@ -382,11 +393,24 @@ class Stepper:
         # Variables built inside this step: their initial values are the "before".
         trace.weights_before = self._trainable_arrays({**self._created, **before_state})
         trace.weights_after = self._trainable_arrays(after)
-        self._fill_outputs(trace, outputs, capture, before_state, after)
-        self._snapshots.append(_Snapshot(trace, fed, changed))
+        self._snapshots.append(_Snapshot(trace, fed, changed, CompiledState(self.model)))
         self._index += 1
         if self.run is not None:
             self._append_row(trace)
+        self.last_trace = trace
+        return trace
+
+    def _failed(self, trace, error, fed, before_state, capture, start):
+        if not trace.seconds == trace.seconds:  # NaN: failed before the step returned
+            trace.seconds = time.perf_counter() - start
+        self._restore(before_state, capture)
+        self.feed.push_back([fed])
+        trace.error = error
+        trace.traceback = "".join(traceback_module.format_exception(error))
+        trace.no_gradient = capture.no_gradient
+        trace.hint = hint(error, trace, capture)
+        if self.run is not None:
+            self.run.add_event("error", f"{type(error).__name__}: {error}", step=self._index)
         self.last_trace = trace
         return trace
 
@@ -416,6 +440,7 @@ class Stepper:
             pass  # its variables are then made in the first trace (see `mode` in the docstring)
 
     def _traced(self, data, capture):
+        capture.begin_trace()
         with capture:
             if self._step_function is not None:
                 x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
@@ -432,6 +457,9 @@ class Stepper:
             if value is not None:
                 outputs[name] = value
         outputs["gradients"] = dict(capture.gradients)
+        outputs["applies"] = [grads for _, grads in capture.applies]
+        if capture.applies:
+            self._apply_names = [name for name, _ in capture.applies]  # Python values: kept at trace time
         outputs["learning_rate"] = {k: tf.convert_to_tensor(v) for k, v in capture.learning_rates.items()}
         return outputs
 
@@ -522,13 +550,21 @@ class Stepper:
         rates = outputs["learning_rate"]
         for name, rate in rates.items():
             row["learning_rate" if len(rates) == 1 else f"learning_rate/{name}"] = float(np.asarray(rate))
-        squares = 0.0
-        for key, grad in trace.gradients.items():
-            square = float(np.sum(np.square(grad.astype(np.float64))))
-            squares += square
-            row[f"grad_norm/{key}"] = square ** 0.5
-        if trace.gradients:
-            row["grad_norm"] = squares ** 0.5
+        # The probe's rule: a variable's norm covers every apply of the step
+        # (in float64 here, so no finite gradient overflows).
+        applies = [{k: np.asarray(g) for k, g in grads.items()} for grads in outputs.get("applies", [])]
+        squares = {}
+        for grads in applies or [trace.gradients]:
+            for key, grad in grads.items():
+                squares[key] = squares.get(key, 0.0) + float(np.sum(np.square(grad.astype(np.float64))))
+        for key, square in squares.items():
+            row[schema.variable_column(schema.GRAD_NORM_PREFIX, key)] = square ** 0.5
+        if squares:
+            row[schema.GRAD_NORM] = sum(squares.values()) ** 0.5
+        names = getattr(self, "_apply_names", [])[: len(applies)]
+        for name in set(names):
+            if names.count(name) > 1:
+                row[schema.per_optimizer_column(schema.APPLIES_PREFIX, name)] = float(names.count(name))
         trace.row = row
 
     def _append_row(self, trace):
@@ -541,10 +577,7 @@ class Stepper:
 def _own_train_step(model):
     """The model's train_step, without a Recorder's probe around it: a step
     taken here must not become a row of the fit() that is paused meanwhile."""
-    step = model.train_step
-    if getattr(step, "_lab_probe", None) is not None:
-        return type(model).train_step.__get__(model)
-    return step
+    return hooks_for(model).original(model, "train_step")
 
 
 def _scalar_or_array(value):
