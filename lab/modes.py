@@ -15,6 +15,7 @@ a `ModeSwitcher` callback (or by a Recorder or Dashboard).
 """
 
 import threading
+import warnings
 import weakref
 
 import keras
@@ -22,10 +23,12 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import config as tf_config
 
+from lab.hooks import hooks_for
+
 
 MODES = ("eager", "graph", "xla")
-_END_OF_DATA = (StopIteration, tf.errors.OutOfRangeError)
-_XLA_COMPILE_HINT = (
+END_OF_DATA = (StopIteration, tf.errors.OutOfRangeError)
+XLA_COMPILE_HINT = (
     "XLA cannot compile an op of this model (tf.py_function, tf.numpy_function "
     "and most tf.strings ops have no XLA kernel). Keep 'graph', or move that op "
     "into the input pipeline."
@@ -87,10 +90,10 @@ def set_mode(model, mode, steps_per_execution=None):
     lab.set_mode(model, "graph", steps_per_execution=8)
     ```
     """
-    _check_mode(mode)
-    _check_compiled(model)
+    check_mode(mode)
+    check_compiled(model)
     if steps_per_execution is not None:
-        steps_per_execution = _check_steps_per_execution(steps_per_execution)
+        steps_per_execution = check_steps_per_execution(steps_per_execution)
         if steps_per_execution != model.steps_per_execution and is_training(model):
             raise ValueError(
                 "steps_per_execution cannot change while fit() runs: fit() cut "
@@ -99,10 +102,10 @@ def set_mode(model, mode, steps_per_execution=None):
                 "between fit() calls."
             )
     if mode == "xla":
-        _check_xla(model)
+        check_xla(model)
     previous = current_mode(model)
-    saved = _Settings(model)
-    _set_attributes(model, mode, steps_per_execution)
+    saved = Settings(model)
+    set_attributes(model, mode, steps_per_execution)
     if current_mode(model) != mode:
         saved.restore(model)
         raise ModeError(f"Keras refused to run this model in {mode!r} mode; it stays in {previous!r}.")
@@ -134,13 +137,18 @@ def _notify(model, mode):
     with _lock:
         _listeners[:] = [ref for ref in _listeners if ref() is not None]
         listeners = [ref() for ref in _listeners]
-    for fn in listeners:
+    for ref, fn in zip(list(_listeners), listeners):
         if fn is None:
             continue
         try:
             fn(model, mode)
-        except Exception:  # noqa: BLE001 - a view must not stop training
-            pass
+        except Exception as error:  # noqa: BLE001 - a view must not stop training
+            # The lab's one failure policy (lab.observers): reported once, removed.
+            with _lock:
+                if ref in _listeners:
+                    _listeners.remove(ref)
+            warnings.warn(f"A mode listener ({getattr(fn, '__qualname__', fn)!r}) raised {error!r} and was "
+                          "removed; training goes on.", RuntimeWarning, stacklevel=2)
 
 
 def _rebuild(model):
@@ -149,7 +157,7 @@ def _rebuild(model):
     model.make_predict_function(force=True)
 
 
-def _set_attributes(model, mode, steps_per_execution=None):
+def set_attributes(model, mode, steps_per_execution=None):
     # Order matters: Keras refuses run_eagerly and jit_compile both True.
     if mode == "eager":
         model.jit_compile = False
@@ -161,7 +169,7 @@ def _set_attributes(model, mode, steps_per_execution=None):
         model.steps_per_execution = steps_per_execution
 
 
-class _Settings:
+class Settings:
     """A model's mode attributes and compiled functions, to put back."""
 
     def __init__(self, model):
@@ -181,56 +189,65 @@ class _Settings:
 def guard_first_step(model):
     """Makes the first step after a switch revert the switch if it fails.
 
-    `set_mode` does this itself; call it again when something rebuilt the train
-    function after the switch and before any step ran (a Recorder does, as
-    `fit()` starts), i.e. at `on_train_begin`, before wrapping the function in
-    anything else. Does nothing once the new mode has run a step.
+    `set_mode` does this itself, through the instrumentation layer: the check
+    stays on the train function (also one that `fit()` rebuilds) until the
+    new mode has run a step. Calling it again does nothing more.
 
     Args:
         model: keras.Model.
     """
     with _lock:
         entry = _unverified.get(model)
-    function = model.train_function
-    if entry is None or function is None or _in_chain(function, "_lab_first_step"):
+    if entry is None:
         return
-    saved, previous, mode = entry
+    hooks = hooks_for(model)
+    owner = _first_step_owner(model)
+    hooks.unwrap_train_function(owner)
+    hooks.wrap_train_function(owner, lambda function: _first_step(model, function), role="first_step")
 
+
+def _first_step(model, function):
     def first_step(iterator):
-        if model not in _unverified:
+        with _lock:
+            entry = _unverified.get(model)
+        if entry is None:
             return function(iterator)
+        saved, previous, mode = entry
         try:
             outputs = function(iterator)
-        except _END_OF_DATA:
+        except END_OF_DATA:
             raise
         except Exception as error:
             _revert(model, saved)
             raise ModeError(_first_step_message(mode, previous, error)) from error
         with _lock:
             _unverified.pop(model, None)
-        if model.train_function is first_step:
-            model.train_function = function  # nothing left to check: drop the wrapper
+        hooks_for(model).release(_first_step_owner(model))  # nothing left to check
         return outputs
 
-    first_step._lab_first_step = True
-    first_step._lab_inner = function
-    model.train_function = first_step
+    return first_step
 
 
-def _in_chain(function, marker):
-    """Whether `function` or one it wraps (through `_lab_inner`) carries `marker`."""
-    seen = 0
-    while function is not None and seen < 16:
-        if getattr(function, marker, False):
-            return True
-        function, seen = getattr(function, "_lab_inner", None), seen + 1
-    return False
+class _FirstStepCheck:
+    """The owner of one model's first-step check in the instrumentation layer."""
+
+
+_first_step_owners = weakref.WeakKeyDictionary()
+
+
+def _first_step_owner(model):
+    with _lock:
+        owner = _first_step_owners.get(model)
+        if owner is None:
+            owner = _first_step_owners[model] = _FirstStepCheck()
+        return owner
 
 
 def _revert(model, saved):
     """Back to the settings of the last mode that ran, with freshly built functions."""
     with _lock:
         _unverified.pop(model, None)
+    hooks_for(model).release(_first_step_owner(model))
     saved.restore(model, functions=False)
     _rebuild(model)
     _notify(model, current_mode(model))
@@ -241,16 +258,16 @@ def _first_step_message(mode, previous, error):
     first_line = text.splitlines()[0] if text else type(error).__name__
     message = f"The first step in {mode!r} mode failed, so the model is back in {previous!r} mode. {first_line}"
     if mode == "xla" and ("XLA" in text or "unsupported op" in text.lower()):
-        message += "\n" + _XLA_COMPILE_HINT
+        message += "\n" + XLA_COMPILE_HINT
     return message
 
 
-def _check_mode(mode):
+def check_mode(mode):
     if mode not in MODES:
         raise ValueError(f"Unknown mode {mode!r}; use one of {', '.join(repr(m) for m in MODES)}.")
 
 
-def _check_compiled(model):
+def check_compiled(model):
     if not isinstance(model, keras.Model):
         raise TypeError(
             f"set_mode(model, mode): model must be a compiled keras.Model; got {type(model).__name__}. "
@@ -262,13 +279,13 @@ def _check_compiled(model):
         )
 
 
-def _check_steps_per_execution(value):
+def check_steps_per_execution(value):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"steps_per_execution must be a positive int, got {value!r}.")
     return int(value)
 
 
-def _check_xla(model):
+def check_xla(model):
     """Raises ModeError for what is known to stop XLA before any step runs."""
     if tf_config.is_op_determinism_enabled():
         raise ModeError(
@@ -322,10 +339,10 @@ def request_mode(model, mode):
     lab.modes.request_mode(model, "eager")  # "pending" while fit() trains it
     ```
     """
-    _check_mode(mode)
-    _check_compiled(model)
+    check_mode(mode)
+    check_compiled(model)
     if mode == "xla":
-        _check_xla(model)
+        check_xla(model)
     with _lock:
         thread = _training.get(model)
         elsewhere = thread is not None and thread is not threading.current_thread() and thread.is_alive()
@@ -406,7 +423,7 @@ class ModeSwitcher(keras.callbacks.Callback):
         super().__init__()
         self.schedule = dict(schedule or {})
         for step, mode in self.schedule.items():
-            _check_mode(mode)
+            check_mode(mode)
             if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
                 raise ValueError(f"Schedule steps must be ints >= 0, got {step!r}.")
         self.step = 0
@@ -430,13 +447,3 @@ class ModeSwitcher(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         training_ended(self.model)
-
-
-def __getattr__(name):
-    # compare_modes lives in lab/mode_comparison.py (it imports this module);
-    # `lab.modes.compare_modes` still finds it, without an import cycle.
-    if name == "compare_modes":
-        from lab.mode_comparison import compare_modes
-
-        return compare_modes
-    raise AttributeError(f"module 'lab.modes' has no attribute {name!r}")

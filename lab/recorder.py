@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from lab import compat, modes, schema
 from lab.hooks import CompiledState, hooks_for, release_all
+from lab.observers import Observers
 from lab.probes import Probe
 from lab.run import Run
 from lab.status import StatusReporter
@@ -88,7 +89,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self.flush_every = flush_every
         self.save_every = save_every
         self._init_status()
-        self._breakpoint_listeners = []
+        self._breakpoint_listeners = Observers("a recorder's breakpoints")
         self._saw_nonfinite = False
         self._probe = None
         self._probe_state = None  # the CompiledState the probe was made for
@@ -316,8 +317,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self.run.add_event("nonfinite" if point.name == "nonfinite" else "breakpoint", detail, step=step)
         self.model.stop_training = True
         self._set_status("breakpoint", detail)
-        for fn in list(self._breakpoint_listeners):
-            fn(step, detail)
+        self._breakpoint_listeners.notify(step, detail)
 
     def _check_old_style(self, rows):
         if "_tracker_loss" not in rows or self.model in _WARNED_OLD_STYLE:
@@ -353,8 +353,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
                     self.run.add_event("breakpoint", point.describe(row), step=int(row["step"]))
                     self.model.stop_training = True
                     self._set_status("breakpoint", point.describe(row))
-                    for fn in list(self._breakpoint_listeners):
-                        fn(int(row["step"]), point.describe(row))
+                    self._breakpoint_listeners.notify(int(row["step"]), point.describe(row))
                     return
 
     # ---- failures ----------------------------------------------------------
@@ -460,7 +459,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
 
     def add_breakpoint_listener(self, fn):
         """Calls `fn(step, detail)` when a breakpoint hits (the background runner pauses on it)."""
-        self._breakpoint_listeners.append(fn)
+        self._breakpoint_listeners.add(fn)
 
     def _fill_metadata(self):
         meta = self.run.metadata
@@ -509,8 +508,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
 
     def remove_breakpoint_listener(self, fn):
         """Stops calling `fn` on breakpoint hits (nothing happens if it was not added)."""
-        if fn in self._breakpoint_listeners:
-            self._breakpoint_listeners.remove(fn)
+        self._breakpoint_listeners.remove(fn)
 
     def resume_after_breakpoint(self):
         """Sets the status back to "running" when training paused at a hit goes on."""

@@ -1,5 +1,7 @@
 """Status: what a recording is doing, told to the views that listen."""
 
+from lab.observers import Observers
+
 
 class StatusReporter:
     """A `status` ("idle", "running", "finished", "failed", ...) with listeners.
@@ -10,16 +12,15 @@ class StatusReporter:
 
     def _init_status(self):
         self.status, self.status_detail = "idle", ""
-        self._status_listeners = []
+        self._status_listeners = Observers("a recording's status")
 
     def add_status_listener(self, fn):
-        """Calls `fn(status, detail)` when the status changes (views use this)."""
-        self._status_listeners.append(fn)
+        """Calls `fn(status, detail)` when the status changes (views use this).
+
+        A listener that raises is reported once and removed.
+        """
+        self._status_listeners.add(fn)
 
     def _set_status(self, status, detail=""):
         self.status, self.status_detail = status, detail
-        for fn in list(self._status_listeners):
-            try:
-                fn(status, detail)
-            except Exception:  # noqa: BLE001 - a view must not stop training
-                self._status_listeners.remove(fn)
+        self._status_listeners.notify(status, detail)
