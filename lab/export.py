@@ -31,6 +31,11 @@ _TEXT = summary_pb2.SummaryMetadata(
 def to_csv(run, path, table="batches"):
     """Writes one table of a run to a CSV file (no index column; NaN as empty).
 
+    Text cells (and column names) that a spreadsheet would run as a formula,
+    those beginning with `=`, `+`, `-`, `@`, a tab or a carriage return, are
+    written with a leading `'`, as OWASP advises; numeric columns are written
+    as numbers, negative ones included.
+
     Args:
         run: `lab.Run`, the record to export.
         path: str or os.PathLike, the CSV file to write.
@@ -49,8 +54,24 @@ def to_csv(run, path, table="batches"):
     if table not in _TABLES:
         raise ValueError(f"table must be one of {_TABLES}; got {table!r}.")
     path = os.fspath(path)
-    getattr(run, table)().to_csv(path, index=False)
+    frame = getattr(run, table)()
+    safe = frame.rename(columns=lambda name: _neutralized(str(name)))
+    for column in safe.columns:
+        if not pd.api.types.is_numeric_dtype(safe[column].dtype):
+            safe[column] = safe[column].map(_neutralized, na_action="ignore")
+    safe.to_csv(path, index=False)
     return path
+
+
+# Spreadsheets run a cell that begins with one of these as a formula (OWASP,
+# "CSV Injection"): such text cells get a leading single quote.
+_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _neutralized(value):
+    if isinstance(value, str) and value.startswith(_FORMULA_STARTS):
+        return "'" + value
+    return value
 
 
 def to_tensorboard(run, logdir, overwrite=False):

@@ -156,8 +156,11 @@ class _ArraySource:
         for start in range(0, self.count, self.batch_size):
             rows = order[start:start + self.batch_size]
             batch = keras.tree.map_structure(lambda a: a[rows], self.data)
-            # fit(x) without targets hands train_step the bare x, not (x,).
-            yield batch[0] if len(batch) == 1 else batch
+            # fit(x) without targets hands train_step the bare x, not (x,) --
+            # unless x is a list or tuple (several inputs): then (x,), so that
+            # fit([x, y]) means two inputs and no targets, never (x, y).
+            bare = len(batch) == 1 and not isinstance(batch[0], (list, tuple))
+            yield batch[0] if bare else batch
 
     def empty_error(self, epoch):
         return ValueError("The arrays hold no samples.")

@@ -9,6 +9,7 @@ charts, and prints where both are.
 import argparse
 import os
 import sys
+import tempfile
 
 
 def quickstart_model(seed=0):
@@ -55,6 +56,7 @@ def demo(epochs=5, out="training-lab-demo", batch_size=32, seed=0):
     import lab
     from widgets.report import write_report
 
+    out = output_folder(out)
     (x, y), (x_test, y_test) = lab.datasets.digits()
     model = quickstart_model(seed)
     recorder = lab.Recorder(gradients=True)
@@ -67,10 +69,48 @@ def demo(epochs=5, out="training-lab-demo", batch_size=32, seed=0):
     return os.path.abspath(run_path), os.path.abspath(report_path)
 
 
+def output_folder(out):
+    """Checks, before any training, that `out` is a folder the demo can write into.
+
+    Creates it (and its parents) when missing.
+
+    Args:
+        out: str or os.PathLike, the folder for `run.h5` and `report.html`.
+
+    Returns:
+        str, the folder.
+
+    Raises:
+        NotADirectoryError: `out`, or a folder above it, is a regular file.
+        PermissionError: the folder cannot be created or written.
+    """
+    out = os.fspath(out)
+    if not out.strip():
+        raise NotADirectoryError("the output folder is empty; give a folder, e.g. --out training-lab-demo")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise NotADirectoryError(f"{out!r} is a file, not a folder; give a folder for run.h5 and report.html")
+    above = os.path.abspath(out)
+    while not os.path.exists(above):
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        raise NotADirectoryError(f"cannot make the folder {out!r}: {above!r} is a file")
+    try:
+        os.makedirs(out, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as error:
+        raise PermissionError(f"cannot write into the folder {out!r} ({error.strerror or error}); "
+                              "give a folder you can write to") from error
+    return out
+
+
 def _positive(text):
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, 1 or more; got {text!r}") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+        raise argparse.ArgumentTypeError(f"must be a whole number, 1 or more; got {value}")
     return value
 
 
@@ -99,10 +139,15 @@ def parser():
 
 def main(argv=None):
     """Runs `training-lab` with `argv` (default: the process's arguments); returns the exit status."""
-    args = parser().parse_args(argv)
+    command_line = parser()
+    args = command_line.parse_args(argv)
     if args.command is None:
-        parser().print_help()
+        command_line.print_help()
         return 2
+    try:
+        output_folder(args.out)  # before training: a bad --out fails in a second, not after it
+    except OSError as error:
+        command_line.error(f"argument --out: {error}")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     run_path, report_path = demo(epochs=args.epochs, out=args.out, batch_size=args.batch_size)
     print(f"run:    {run_path}")

@@ -10,8 +10,10 @@ live switching needs training off the main thread (`widgets.BackgroundFit`).
 """
 
 import html
+import numbers
 
 import ipywidgets
+import keras
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
@@ -49,6 +51,11 @@ class ModeSwitch(ipywidgets.VBox):
     """
 
     def __init__(self, model, data=None, steps=32, batch_size=None, modes=MODES, steps_per_execution=(1, 8)):
+        if not isinstance(model, keras.Model):
+            raise TypeError(f"ModeSwitch(model): model must be a compiled keras.Model; got {type(model).__name__}. "
+                            "E.g. widgets.ModeSwitch(model, data=(x, y)).")
+        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
+            raise TypeError(f"ModeSwitch(steps=...) must be a whole number of training steps; got {steps!r}.")
         self.model = model
         self.data = data
         self.compare_options = dict(steps=steps, batch_size=batch_size, modes=tuple(modes),

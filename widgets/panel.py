@@ -9,13 +9,15 @@ one chart.
 """
 
 import html
+import numbers
 import threading
 import time
 
 import ipywidgets
 import keras
+import tensorflow as tf
 
-from lab.breakpoints import nonfinite
+from lab.breakpoints import as_breakpoints, nonfinite
 from lab.devices import devices
 from lab.stepper import Stepper
 from widgets.background import BackgroundFit
@@ -70,12 +72,18 @@ class Lab(ipywidgets.VBox):
                  breakpoints=None, build_model=None, **fit_options):
         if model is None and build_model is None:
             raise ValueError("Lab needs a compiled model, or build_model= (a function that builds one).")
+        if model is not None and not isinstance(model, keras.Model):
+            raise TypeError(f"Lab(model, data): model must be a compiled keras.Model (or None with "
+                            f"build_model=...); got {type(model).__name__}.")
+        if build_model is not None and not callable(build_model):
+            raise TypeError(f"Lab(build_model=...) must be a function that returns a compiled model; "
+                            f"got {type(build_model).__name__}.")
         self.data = _checked_data(data)
-        self.batch_size = batch_size
-        self.epochs = int(epochs)
+        self.batch_size = _positive_int("batch_size", batch_size, optional=True)
+        self.epochs = _positive_int("epochs", epochs)
         self.validation_data = validation_data
         self.fit_options = fit_options
-        self.breakpoints = [nonfinite()] if breakpoints is None else list(breakpoints)
+        self.breakpoints = [nonfinite()] if breakpoints is None else as_breakpoints(breakpoints)
         # With breakpoints armed the training thread keeps each batch in flight
         # (a host copy per batch anyway); reading the device rows after every
         # batch too makes a device breakpoint's hit pause on its own batch,
@@ -304,9 +312,28 @@ def _is_arrays(data):
 def _checked_data(data):
     if isinstance(data, list):
         data = tuple(data)
-    if isinstance(data, tuple) and len(data) not in (2, 3):
-        raise ValueError(f"data must be (x, y) or (x, y, sample_weight); got a tuple of {len(data)}.")
+    if isinstance(data, (tf.data.Dataset, keras.utils.PyDataset)):
+        return data
+    if not isinstance(data, tuple):
+        raise TypeError(
+            f"Lab(model, data): data must be a tuple (x, y) or (x, y, sample_weight) of arrays, or a "
+            f"batched tf.data.Dataset; got {type(data).__name__}. E.g. widgets.Lab(model, (x_train, y_train)).")
+    if len(data) not in (2, 3):
+        raise ValueError(f"Lab(model, data): data must be (x, y) or (x, y, sample_weight); got a tuple of {len(data)}.")
+    if data[0] is None:
+        raise ValueError("Lab(model, data): data's x is None; pass the training inputs as data=(x, y).")
     return data
+
+
+def _positive_int(argument, value, optional=False):
+    if value is None and optional:
+        return None
+    message = f"Lab({argument}=...) must be a whole number, 1 or more; got {value!r}."
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(message)
+    if value < 1:
+        raise ValueError(message)
+    return int(value)
 
 
 def _fit_arguments(data, batch_size):

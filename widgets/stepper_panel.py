@@ -8,7 +8,7 @@ import ipywidgets
 import numpy as np
 import plotly.graph_objects as go
 
-from lab.stepper import trace_condition
+from lab.stepper import Stepper, trace_condition
 
 MAX_ITEMS = 16  # batch rows or images shown
 MAX_HISTOGRAM_VALUES = 5000  # gradient values sent for the histogram
@@ -41,6 +41,15 @@ class StepperPanel(ipywidgets.VBox):
     """
 
     def __init__(self, stepper, breakpoints=(), on_continue=None, max_steps=500):
+        if not isinstance(stepper, Stepper):
+            raise TypeError(f"StepperPanel(stepper): stepper must be a lab.Stepper; got {type(stepper).__name__}. "
+                            "E.g. widgets.StepperPanel(lab.Stepper(model, (x, y))).")
+        if isinstance(breakpoints, (str, bytes)) or not hasattr(breakpoints, "__iter__"):
+            breakpoints = [breakpoints]
+        if on_continue is not None and not callable(on_continue):
+            raise TypeError(f"StepperPanel(on_continue=...) must be a function or None; got {type(on_continue).__name__}.")
+        if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
+            raise TypeError(f"StepperPanel(max_steps=...) must be a whole number, 1 or more; got {max_steps!r}.")
         self.stepper = stepper
         self.breakpoints = list(breakpoints)
         for point in self.breakpoints:
