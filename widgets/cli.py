@@ -108,9 +108,9 @@ def _positive(text):
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number, 1 or more; got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"must be 1 or more, a whole number; got {text!r}") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number, 1 or more; got {value}")
+        raise argparse.ArgumentTypeError(f"must be 1 or more, a whole number; got {value}")
     return value
 
 
