@@ -32,11 +32,13 @@ fi
 cd "$(dirname "$0")/.."
 jupyter=${JUPYTER:-.venv/bin/jupyter}
 options=$(lab_options)
-echo "make lab: starting JupyterLab ($jupyter lab $(echo $options)); open the URL with ?token= it prints below." >&2
+echo "make lab: starting JupyterLab ($jupyter lab $(echo $options)); open the URL with ?token= it prints below:" >&2
+echo "          it opens the quickstart." >&2
 case " $(echo $options) " in
     *" --no-browser "*)
         echo "make lab: no display here: open that URL in a browser on this machine, or from yours after" >&2
         echo "          ssh -L 8888:127.0.0.1:8888 <this host>   (use the port the URL shows)" >&2 ;;
 esac
+# The URL JupyterLab prints (LabApp.default_url) opens the quickstart itself.
 # shellcheck disable=SC2086 # one option a word, none holds a space
-exec "$jupyter" lab $options "$@" notebooks/01_quickstart.ipynb
+exec "$jupyter" lab $options --LabApp.default_url=/lab/tree/01_quickstart.ipynb "$@" notebooks/01_quickstart.ipynb

@@ -68,6 +68,15 @@ def _status(url, token):
         return response.status
 
 
+def _page(url):
+    """The page at the printed URL, as a browser gets it (the token becomes a cookie)."""
+    import http.cookiejar
+
+    opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(http.cookiejar.CookieJar()))
+    with opener.open(url, timeout=30) as response:
+        return response.status, response.read().decode(errors="replace")
+
+
 def _shutdown(url, token):
     request = urllib.request.Request(f"{url}/api/shutdown", method="POST",
                                      headers={"Authorization": f"token {token}"})
@@ -103,7 +112,10 @@ def _run_make_lab(base, prefix=(), owner=None):
                 url, token = f"http://127.0.0.1:{port}", found.group(2)
                 try:
                     if _status(url, token) == 200:
-                        return time.monotonic() - started, found.group(0), printed
+                        seconds = time.monotonic() - started
+                        status, body = _page(found.group(0))
+                        assert status == 200 and "jupyter-config-data" in body, (status, body[:500])
+                        return seconds, found.group(0), printed
                 except (urllib.error.URLError, ConnectionError):
                     pass
             time.sleep(0.25)
@@ -167,7 +179,7 @@ def test_make_lab_answers_within_a_minute_as_this_user_and_prints_its_url(lab_ho
     assert "Running as root is not recommended" not in printed
     assert ("--allow-root" in printed) == (os.getuid() == 0), printed[-2000:]
     assert "--no-browser" in printed or sys.platform == "darwin", printed[-2000:]
-    assert "/lab" in url
+    assert "/lab/tree/01_quickstart.ipynb?token=" in url, url
     print(f"`make lab` as uid {os.getuid()} answered /api/status after {seconds:.1f} s at {url}")
 
 
