@@ -238,6 +238,45 @@ def lab_server(chromium_path, tmp_path_factory):
         shutil.copy(server.log_path, artifacts_dir() / "jupyterlab.log")
 
 
+# Run all cells without handing the command's promise back: Playwright would
+# otherwise wait for every cell to finish before the first sample.
+RUN_ALL_JS = "() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }"
+RUNNING_JS = "() => [...document.querySelectorAll('.jp-InputArea-prompt')].some(p => p.textContent.includes('*'))"
+
+
+def run_all_and_sample(page, sample_js, arg=None, on_sample=None, seconds=600, every=0.25):
+    """Runs all cells of the open notebook and samples the page every `every`
+    seconds until a sample says `done`; returns the samples (each with `t`,
+    monotonic seconds). `sample_js` returns a dict with at least `done`,
+    `status` (the execution indicator's), `errors` (failed outputs' text) and
+    `dialog`; `on_sample(sample)` runs after each sample (a screenshot, say)."""
+    page.evaluate(RUN_ALL_JS)
+    page.wait_for_function(RUNNING_JS, timeout=60_000)
+    samples, idle_since = [], None
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        sample = page.evaluate(sample_js, arg)
+        sample["t"] = time.monotonic()
+        samples.append(sample)
+        if sample["dialog"]:
+            pytest.fail(f"a dialog blocks the notebook: {sample['dialog']!r}")
+        if sample["errors"]:
+            pytest.fail("a cell failed in the page:\n" + "\n".join(sample["errors"])[-3000:])
+        if sample["done"]:
+            return samples
+        if on_sample is not None:
+            on_sample(sample)
+        # A run-all that stopped early leaves the kernel idle with no last output.
+        if sample["status"] == "idle" and any(s["status"] == "busy" for s in samples):
+            idle_since = idle_since or sample["t"]
+            if sample["t"] - idle_since > 30:
+                pytest.fail("the kernel went idle before the notebook's last output appeared")
+        else:
+            idle_since = None
+        page.wait_for_timeout(every * 1000)
+    pytest.fail(f"the notebook did not finish in {seconds} s; last sample {samples[-1]}")
+
+
 @pytest.fixture(scope="module")
 def start_server(chromium_path, tmp_path_factory):
     """A function that starts a server of the test module's own, stopped after
@@ -303,3 +342,14 @@ def open_notebook(page, lab_server):
         page.wait_for_function(KERNEL_READY_JS, timeout=180_000)
 
     return open_
+
+
+@pytest.fixture
+def run_and_sample(page):
+    """`run_and_sample(sample_js, arg=None, on_sample=None, ...)`: `run_all_and_sample`
+    on this test's page (test modules cannot import conftest)."""
+
+    def run(sample_js, arg=None, **options):
+        return run_all_and_sample(page, sample_js, arg, **options)
+
+    return run

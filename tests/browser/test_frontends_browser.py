@@ -17,14 +17,11 @@ becomes the README's.
 import json
 import os
 import pathlib
-import time
 
 import nbformat
 import pytest
 
 NOTEBOOK = "01_quickstart.ipynb"
-RUN_SECONDS = 600  # the whole notebook, on a busy 2-core machine
-SAMPLE_EVERY = 0.25
 MARK = "TRAINING_LAB_RUN "
 SCREENSHOT_ENV = "TRAINING_LAB_SCREENSHOT"
 SCREENSHOT_MIN_POINTS = 100  # of the quickstart's 360: the run well under way
@@ -75,6 +72,7 @@ SAMPLE_JS = """([mark]) => {
         points: trace && trace.y ? trace.y.length : null,
         status: indicator ? indicator.getAttribute('data-status') : null,
         check: check ? check.slice(check.indexOf(mark) + mark.length) : null,
+        done: !!check,
         errors: errors,
         dialog: dialog ? dialog.textContent : null,
     };
@@ -89,10 +87,6 @@ FINAL_TRACE_JS = """() => {
             drawn: plot.querySelectorAll('.scatterlayer .trace path.js-line').length,
             height: plot.getBoundingClientRect().height};
 }"""
-
-RUN_ALL_JS = "() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }"
-RUNNING_JS = "() => [...document.querySelectorAll('.jp-InputArea-prompt')].some(p => p.textContent.includes('*'))"
-
 
 def _add_check_cell(name, notebook):
     if name == NOTEBOOK:
@@ -117,51 +111,34 @@ def _save_readme_screenshot(source, target):
     return size
 
 
-def _run_and_sample(page, screenshot):
-    """Runs all cells; returns the samples taken until the check cell printed.
-    Photographs the Dashboard once while it trains, to `screenshot`."""
-    page.evaluate(RUN_ALL_JS)
-    page.wait_for_function(RUNNING_JS, timeout=60_000)
-    samples, idle_since, shot = [], None, False
-    deadline = time.monotonic() + RUN_SECONDS
-    while time.monotonic() < deadline:
-        sample = page.evaluate(SAMPLE_JS, [MARK])
-        sample["t"] = time.monotonic()
-        samples.append(sample)
-        if sample["dialog"]:
-            pytest.fail(f"a dialog blocks the notebook: {sample['dialog']!r}")
-        if sample["errors"]:
-            pytest.fail("a cell failed in the page:\n" + "\n".join(sample["errors"])[-3000:])
-        if sample["check"]:
-            return samples
-        if (not shot and (sample["header"] or "").startswith("running")
-                and (sample["points"] or 0) >= SCREENSHOT_MIN_POINTS):
-            # A clip of the page as it is now: an element screenshot would wait
-            # for the chart to stop moving, that is, for the run to end. Kept
-            # only if the status line still reads "running" afterwards, so the
-            # picture was taken during the run.
-            candidate = screenshot.with_suffix(".tmp.png")
-            page.screenshot(path=str(candidate), clip=page.evaluate(DASHBOARD_BOX_JS),
-                            animations="allow")
-            if page.evaluate(HEADER_JS).startswith("running"):
-                candidate.replace(screenshot)
-                shot = sample["photographed"] = True
-            else:
-                candidate.unlink()
-        # A run-all that stopped early leaves the kernel idle with no check output.
-        if sample["status"] == "idle" and any(s["status"] == "busy" for s in samples):
-            idle_since = idle_since or sample["t"]
-            if sample["t"] - idle_since > 30:
-                pytest.fail("the kernel went idle before the check cell printed")
+def _photographer(page, screenshot):
+    """An on_sample hook that photographs the Dashboard once while it trains,
+    to `screenshot`."""
+    shot = False
+
+    def on_sample(sample):
+        nonlocal shot
+        if (shot or not (sample["header"] or "").startswith("running")
+                or (sample["points"] or 0) < SCREENSHOT_MIN_POINTS):
+            return
+        # A clip of the page as it is now: an element screenshot would wait
+        # for the chart to stop moving, that is, for the run to end. Kept
+        # only if the status line still reads "running" afterwards, so the
+        # picture was taken during the run.
+        candidate = screenshot.with_suffix(".tmp.png")
+        page.screenshot(path=str(candidate), clip=page.evaluate(DASHBOARD_BOX_JS), animations="allow")
+        if page.evaluate(HEADER_JS).startswith("running"):
+            candidate.replace(screenshot)
+            shot = sample["photographed"] = True
         else:
-            idle_since = None
-        page.wait_for_timeout(SAMPLE_EVERY * 1000)
-    pytest.fail(f"the notebook did not finish in {RUN_SECONDS} s; last sample {samples[-1]}")
+            candidate.unlink()
+
+    return on_sample
 
 
 @pytest.mark.browser
 def test_notebook7_draws_the_quickstarts_loss_live_and_ends_with_the_kernels_run(
-        page, open_notebook, artifacts):
+        page, open_notebook, run_and_sample, artifacts):
     # Tall enough for the whole Dashboard, centred below Notebook 7's header.
     page.set_viewport_size(VIEWPORT)
     console = []
@@ -172,7 +149,7 @@ def test_notebook7_draws_the_quickstarts_loss_live_and_ends_with_the_kernels_run
     screenshot.unlink(missing_ok=True)
     samples = []
     try:
-        samples = _run_and_sample(page, screenshot)
+        samples = run_and_sample(SAMPLE_JS, [MARK], on_sample=_photographer(page, screenshot))
     finally:
         page.screenshot(path=str(artifacts / "notebook7-quickstart.png"))
         (artifacts / "notebook7-console.txt").write_text("\n".join(console))
