@@ -250,7 +250,8 @@ class Run:
             if self._model is not None and self._length:
                 raise ValueError(
                     f"This run already holds {self._length} batch rows of model "
-                    f"{self.metadata.get('model', _model_name(claimed))!r}; one run records one model, "
+                    f"{_model_name(claimed) if claimed is not None else self.metadata.get('model', '?')!r}; "
+                    "one run records one model, "
                     f"so rows of model {_model_name(model)!r} would be mixed up with them under its "
                     "metadata. Give each model its own recorder: `lab.Recorder()` (or "
                     "`widgets.Dashboard()`) per model, then put them side by side with "
