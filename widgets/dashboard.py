@@ -30,7 +30,10 @@ from lab.recorder import Recorder
 from widgets import static
 from widgets.charts import LiveFigure
 from widgets.display import show, view_bundle
-from widgets.series import ChartState, metric_names
+from widgets.downsampling import downsample
+from widgets.html_view import HtmlView
+from widgets.series import ChartState, Series, metric_names
+from widgets.views import PlotlyView, check_view, choose_view
 
 _TERMINAL = ("finished", "stopped", "failed", "interrupted")
 _STATUS_COLORS = {
@@ -84,6 +87,12 @@ class Dashboard(keras.callbacks.Callback):
         max_points: int, the most points a line sends per refresh.
         ghost: `lab.Run`, or the path of a saved one, drawn faintly behind the
             live loss for comparison (a baseline, yesterday's run).
+        view: str, where the charts render: `"plotly"` (a plotly
+            FigureWidget), `"html"` (SVG in one output updated in place, for
+            front ends without the plotly widget: `widgets.html_view`) or
+            `"auto"`, which picks `"html"` on Colab and in VS Code and
+            `"plotly"` elsewhere when training begins
+            (`widgets.views.choose_view`).
         **recorder_options: passed to `lab.Recorder` (`flush_every`, ...).
 
     Example:
@@ -96,7 +105,9 @@ class Dashboard(keras.callbacks.Callback):
     """
 
     def __init__(self, gradients=True, weights=False, breakpoints=(), path=None, run=None,
-                 refresh_every=0.25, refresh_budget=0.02, max_points=2000, ghost=None, **recorder_options):
+                 refresh_every=0.25, refresh_budget=0.02, max_points=2000, ghost=None, view="auto",
+                 **recorder_options):
+        self.requested_view = check_view(view)
         if refresh_every < 0:
             raise ValueError(f"refresh_every must be 0 or more seconds; got {refresh_every}.")
         if not 0 < refresh_budget <= 1:
@@ -117,11 +128,19 @@ class Dashboard(keras.callbacks.Callback):
         self._rate_samples = collections.deque(maxlen=20)
         self._predicting = None
         self.header = ipywidgets.HTML(value=self._header_html())
-        self.chart = LiveFigure(gradients=gradients, weights=weights)
+        # The HTML view's page when the Dashboard is shown inside a container.
+        self.chart_html = ipywidgets.HTML()
+        # The plotly figure is built unless only the HTML view was asked for.
+        self.chart = LiveFigure(gradients=gradients, weights=weights) if view != "html" else None
+        self.live_view = None  # the view drawing, chosen when training begins
         self._series = ChartState(self.run, max_points)
+        self._ghost = None
         if ghost is not None:
-            self.chart.show_ghost(ghost if isinstance(ghost, lab.Run) else lab.Run.load(ghost), max_points)
-        self.widget = ipywidgets.VBox([self.header, self.chart.figure])
+            saved = ghost if isinstance(ghost, lab.Run) else lab.Run.load(ghost)
+            if self.chart is not None:
+                self.chart.show_ghost(saved, max_points)
+            self._ghost = _ghost_series(saved, max_points)
+        self.widget = ipywidgets.VBox([self.header, self.chart.figure] if self.chart is not None else [self.chart_html])
         self._handles = []
         self._final_views = []
         self._next_refresh = 0.0
@@ -174,6 +193,7 @@ class Dashboard(keras.callbacks.Callback):
         self._progress = dict(epoch=0, batch=-1, done=0)
         self._rate_samples.clear()
         self._rate_samples.append((time.monotonic(), 0))
+        self._choose_view()
         if self._should_show_itself():
             self._ipython_display_()
         self.refresh()
@@ -236,10 +256,10 @@ class Dashboard(keras.callbacks.Callback):
                 now = time.monotonic()
                 if now - last >= self.refresh_every:
                     last = now
-                    self.header.value = self._header_html()
+                    self._show_header()
                 yield predictions
         finally:
-            self.header.value = self._header_html()
+            self._show_header(final=True)
 
     def prediction_text(self):
         """Prediction progress as text ("" when nothing was predicted)."""
@@ -284,6 +304,7 @@ class Dashboard(keras.callbacks.Callback):
         if hasattr(run, "add_status_listener"):
             run.add_status_listener(self._on_status)
         self._on_status(self.status, self.status_detail)
+        self._choose_view()
         if self._should_show_itself():
             self._ipython_display_()
         self.refresh()
@@ -325,14 +346,44 @@ class Dashboard(keras.callbacks.Callback):
         return (not self._handles and not self._final_views and _frontend_available()
                 and threading.current_thread() is threading.main_thread())
 
-    def refresh(self):
-        """Redraws the view from the run: one plotly update and the header line."""
+    def _choose_view(self):
+        """The view to draw with (`widgets.views.choose_view`), built on first use."""
+        kind = choose_view(self.requested_view)
+        if self.live_view is not None and self.live_view.kind == kind:
+            return self.live_view
+        if kind == "plotly":
+            self.live_view = PlotlyView(self.chart, self.header)
+            self.widget.children = (self.header, self.chart.figure)
+        else:
+            # Into the Dashboard's own output when it has one, else into
+            # chart_html (inside a container such as the Lab panel).
+            self.live_view = HtmlView(handles=self._handles, widget=self.chart_html, text=self.summary,
+                                      update_every=self.refresh_every)
+            self.widget.children = (self.chart_html,)
+        return self.live_view
+
+    def refresh(self, final=False):
+        """Redraws the view from the run: one plotly update, or one HTML update, and the header line.
+
+        Args:
+            final: bool, the last refresh of a training: the HTML view sends
+                it whatever its throttle says, with a status line that holds
+                no timings.
+        """
         if self._view_failed:
             return
         started = time.monotonic()
         self._rate_samples.append((started, self._progress["done"]))
         try:
-            self.chart.update(self._series.update())
+            view = self.live_view or self._choose_view()
+            data = self._series.update()
+            status = self._header_html()
+            if view.kind == "html":
+                if self._ghost is not None:
+                    data.loss.insert(1, self._ghost)
+                if final:
+                    status = self._static_status_html()
+            view.send(data, status, final=final)
             self.header.value = self._header_html()
             self.refreshes += 1
         except Exception as error:  # noqa: BLE001 - a view must never stop training
@@ -345,13 +396,23 @@ class Dashboard(keras.callbacks.Callback):
     def _on_status(self, status, detail):
         self.header.value = self._header_html()
         if status in _TERMINAL:
-            self.refresh()
+            self.refresh(final=True)
             if self._handles or self._final_views:
                 bundle = self._repr_mimebundle_()
-                for handle in self._handles:
-                    handle.update(bundle, raw=True)
+                if not self._html_view():  # the HTML view's final refresh updated the handles
+                    for handle in self._handles:
+                        handle.update(bundle, raw=True)
                 for on_final_view in list(self._final_views):
                     on_final_view(bundle)
+
+    def _show_header(self, final=False):
+        """The header line now (prediction progress), in the header widget or the HTML view."""
+        self.header.value = self._header_html()
+        if self._html_view() and not self._view_failed:
+            self.live_view.send(self._series.update(), self._header_html(), final=final)
+
+    def _html_view(self):
+        return self.live_view is not None and self.live_view.kind == "html"
 
     def _header_html(self):
         status = self.status
@@ -416,13 +477,21 @@ class Dashboard(keras.callbacks.Callback):
 
     def static_html(self):
         """The status and the charts as HTML with inline SVG (no JavaScript)."""
-        status = html.escape(self.status + (f": {self.status_detail}" if self.status_detail else ""))
         charts = static.charts_html(self._series.update())
-        return (f'<div class="training-lab-dashboard"><p style="font-family:sans-serif">'
-                f"<b>Training Lab dashboard</b> ({status}), {len(self.run)} steps</p>{charts}</div>")
+        return f'<div class="training-lab-dashboard">{self._static_status_html()}{charts}</div>'
+
+    def _static_status_html(self):
+        # No timings: a checked notebook compares it (the SVG is sanitized).
+        status = html.escape(self.status + (f": {self.status_detail}" if self.status_detail else ""))
+        return (f'<p style="font-family:sans-serif"><b>Training Lab dashboard</b> ({status}), '
+                f"{len(self.run)} steps</p>")
 
     def _repr_mimebundle_(self, include=None, exclude=None, **kwargs):
-        return view_bundle(self.widget.model_id, self.summary(), self.static_html(), include, exclude)
+        bundle = view_bundle(self.widget.model_id, self.summary(), self.static_html(), include, exclude)
+        if self._html_view():
+            # The HTML view needs no widget front end: its output carries none.
+            bundle.pop("application/vnd.jupyter.widget-view+json", None)
+        return bundle
 
     def _ipython_display_(self):
         show(self, self._handles)
@@ -442,6 +511,14 @@ def _forward_batch_hooks(dashboard, recorder):
         hook = getattr(recorder, name)
         if not getattr(hook, "_is_default", False):
             setattr(dashboard, name, hook)
+
+
+def _ghost_series(run, max_points):
+    """A saved run's loss as a line for the HTML view (the plotly view draws its own)."""
+    if "loss" not in run.columns:
+        raise ValueError(f"The ghost run {run.name!r} has no loss column to draw.")
+    x, y = downsample(run.column("step"), run.column("loss"), max_points)
+    return Series(f"{run.name} (saved)", x, y)
 
 
 def _metric_and_val_names(run):

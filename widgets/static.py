@@ -107,7 +107,10 @@ def line_chart(series, title, width=640, height=200, log_y=False, right=()):
                     parts.append(f'<circle cx="{a:.1f}" cy="{b:.1f}" r="3" fill="{color}"/>')
         elif len(px):
             points = " ".join(f"{a:.1f},{b:.1f}" for a, b in zip(px, py))
-            parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.2" points="{points}"/>')
+            # The series' name and last value, for a test (or a reader) to check the line against the run.
+            last = float(y[keep][-1])
+            parts.append(f'<polyline data-name="{html.escape(s.name)}" data-last="{last:.7g}" fill="none" '
+                         f'stroke="{color}" stroke-width="1.2" points="{points}"/>')
         parts.append(_legend(i, s.name + (" (right)" if s.name in right else ""), color, x0))
     return "".join(parts + ["</svg>"])
 

@@ -1,0 +1,205 @@
+"""The HTML live view: chosen by front end when training begins, bounded, throttled, true to the run."""
+
+import re
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import widgets
+from widgets import dashboard as dashboard_module
+from widgets.html_view import HtmlView, html_page
+from widgets.series import ChartState, chart_data
+from widgets.views import choose_view, frontend
+
+# One refresh of the HTML view, whatever the run's length (2 layers of gradients here).
+PAGE_BOUND = 120_000
+
+
+@pytest.fixture
+def plain_jupyter(monkeypatch):
+    """A front end that is neither Colab nor VS Code, whatever runs the tests."""
+    for name in ("VSCODE_PID", "VSCODE_CWD", "TRAINING_LAB_VIEW"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delitem(sys.modules, "google.colab", raising=False)
+    return monkeypatch
+
+
+class FakeHandle:
+    def __init__(self, bundle):
+        self.shown = [bundle]
+
+    def update(self, bundle, raw=False):
+        assert raw
+        self.shown.append(bundle)
+
+
+@pytest.fixture
+def notebook(monkeypatch):
+    """A kernel with a front end; what gets displayed, by handle."""
+    handles = []
+
+    def display(bundle, raw=False, display_id=None):
+        assert raw and display_id
+        handles.append(FakeHandle(bundle))
+        return handles[-1]
+
+    import IPython.display
+
+    monkeypatch.setattr(dashboard_module, "_frontend_available", lambda: True)
+    monkeypatch.setattr(IPython.display, "display", display)
+    return handles
+
+
+def polyline(page, name):
+    """(number of points, data-last) of the line drawn for series `name`."""
+    match = re.search(rf'<polyline data-name="{re.escape(name)}" data-last="([^"]+)"[^>]* points="([^"]*)"', page)
+    assert match, f"no line {name!r} in the page"
+    return len(match.group(2).split()), float(match.group(1))
+
+
+# ---- the choice ------------------------------------------------------------------
+
+
+def test_the_view_follows_the_front_end_when_asked_not_at_import(plain_jupyter):
+    assert frontend() == "jupyter" and choose_view("auto") == "plotly"
+    plain_jupyter.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
+    assert frontend() == "colab" and choose_view("auto") == "html"
+    plain_jupyter.delitem(sys.modules, "google.colab")
+    plain_jupyter.setenv("VSCODE_PID", "4242")
+    assert frontend() == "vscode" and choose_view("auto") == "html"
+    plain_jupyter.delenv("VSCODE_PID")
+    plain_jupyter.setenv("VSCODE_CWD", "/home/me")
+    assert choose_view("auto") == "html"
+    plain_jupyter.delenv("VSCODE_CWD")
+    assert choose_view("auto") == "plotly"
+    # Asked for by name, the front end does not matter; the environment variable overrides "auto" only.
+    plain_jupyter.setenv("TRAINING_LAB_VIEW", "html")
+    assert choose_view("auto") == "html" and choose_view("plotly") == "plotly"
+
+
+def test_importing_widgets_decides_nothing():
+    code = ("import sys, widgets, widgets.views; "
+            "assert 'IPython' not in sys.modules and 'plotly' not in sys.modules, sorted(sys.modules); "
+            "import widgets.views as v; assert not [k for k, x in vars(v).items() if x in ('html', 'plotly')]")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_a_bad_view_names_the_allowed_ones():
+    with pytest.raises(ValueError, match="'auto', 'plotly', 'html'; got 'svg'"):
+        widgets.Dashboard(view="svg")
+    with pytest.raises(ValueError, match="'auto', 'plotly', 'html'"):
+        choose_view("HTML")
+
+
+def test_a_dashboard_built_before_colab_is_seen_draws_html_when_training_begins(
+        plain_jupyter, digits, make_model, notebook):
+    (x, y), _ = digits
+    dashboard = widgets.Dashboard(gradients=False)  # auto: nothing decided yet
+    assert dashboard.live_view is None
+    plain_jupyter.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
+    make_model().fit(x, y, epochs=1, batch_size=64, callbacks=[dashboard], verbose=0)
+    assert dashboard.live_view.kind == "html"
+    shown = notebook[0].shown
+    assert all("application/vnd.jupyter.widget-view+json" not in b for b in shown)  # no widget front end needed
+    assert "<svg" in shown[-1]["text/html"] and "Dashboard (finished)" in shown[-1]["text/plain"]
+
+
+# ---- the Dashboard's HTML view -----------------------------------------------------
+
+
+def test_view_html_updates_one_output_in_place_and_ends_on_the_run(digits, make_model, notebook, comm_log):
+    (x, y), validation = digits
+    model = make_model()
+    dashboard = widgets.Dashboard(gradients=True, view="html", refresh_every=0)
+    assert dashboard.chart is None  # no plotly figure is built for the HTML view
+    model.fit(x, y, epochs=2, batch_size=32, validation_data=validation, callbacks=[dashboard], verbose=0)
+    assert len(notebook) == 1  # one output, displayed once with a display id
+    shown = notebook[0].shown
+    assert len(shown) >= 3  # updated in place while training ran
+    running = [b["text/html"] for b in shown if "running" in b["text/html"]]
+    assert running and "epoch" in running[-1]
+    final = shown[-1]["text/html"]
+    run = dashboard.run.batches()
+    points, last = polyline(final, "loss")
+    assert points == len(run) == 20
+    assert last == pytest.approx(float(run["loss"].iloc[-1]), rel=1e-6)
+    points, last = polyline(final, "accuracy")
+    assert points == 20 and last == pytest.approx(float(run["accuracy"].iloc[-1]), rel=1e-6)
+    assert "(finished), 20 steps" in final and "steps/s" not in final  # no timings in the final page
+    assert final.count("<svg") == 3  # loss, gradient norms, heatmap
+    assert "<script" not in final
+
+
+def test_inside_a_container_the_html_view_draws_into_its_widget(digits, make_model):
+    (x, y), _ = digits
+    received = []
+    dashboard = widgets.Dashboard(gradients=False, view="html", refresh_every=0).show_inside(received.append)
+    make_model().fit(x, y, epochs=1, batch_size=64, callbacks=[dashboard], verbose=0)
+    assert dashboard.widget.children == (dashboard.chart_html,)
+    assert polyline(dashboard.chart_html.value, "loss")[0] == len(dashboard.run) == 5
+    assert "widget-view" not in " ".join(received[0]) and "<svg" in received[0]["text/html"]
+
+
+def test_the_lab_panel_charts_through_the_html_view(plain_jupyter, digits, make_model):
+    plain_jupyter.setenv("VSCODE_PID", "4242")
+    (x, y), _ = digits
+    panel = widgets.Lab(make_model(), (x, y), batch_size=64, epochs=1, breakpoints=())
+    panel.start()
+    assert panel.wait(120) and panel.state == "finished"
+    chart = panel.tabs.children[0]
+    assert chart is panel.dashboard.widget and chart.children == (panel.dashboard.chart_html,)
+    assert polyline(panel.dashboard.chart_html.value, "loss")[0] == len(panel.run) == 5
+
+
+# ---- the view itself ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("steps", [1_000, 10_000, 100_000, 1_000_000])
+def test_one_refresh_has_a_bounded_payload_at_any_run_length(make_run, steps):
+    run = make_run(steps)
+    run.append_epoch(0, {"loss": 1.0, "val_loss": 1.1})
+    view = HtmlView(update_every=0)
+    handle = FakeHandle(None)
+    view.handles.append(handle)
+    assert view.send(ChartState(run).update(), "<b>running</b>")
+    page = handle.shown[-1]["text/html"]
+    assert len(page.encode()) < PAGE_BOUND
+    points, last = polyline(page, "loss")
+    assert points <= 410
+    # The line ends on a value of the run's last few rows (a long run is drawn by min/max buckets).
+    tail = run.column("loss")[-max(1, steps // 100):]
+    assert np.isclose(tail, last, rtol=1e-6).any()
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_updates_are_throttled_and_the_final_one_always_goes(make_run):
+    run = make_run(50)
+    clock = Clock()
+    view = HtmlView(widget=types.SimpleNamespace(value=""), update_every=0.25, clock=clock)
+    sent = 0
+    for i in range(100):  # a refresh every 10 ms for a second
+        clock.now = i * 0.01
+        sent += view.send(chart_data(run), f"step {i}")
+    assert 4 <= sent <= 5 and view.updates == sent
+    clock.now += 0.001
+    assert view.send(chart_data(run), "finished", final=True)  # too soon, but final
+    assert "finished" in view.widget.value and view.updates == sent + 1
+
+
+def test_the_page_is_a_pure_function_of_the_data(make_run):
+    data = chart_data(make_run(30))
+    page = html_page(data, "<b>finished</b>")
+    assert page == html_page(data, "<b>finished</b>")
+    assert page.startswith('<div class="training-lab-dashboard') and "<b>finished</b>" in page
+    assert polyline(page, "loss")[0] == 30
+    np.testing.assert_allclose(polyline(page, "loss")[1], data.loss[0].y[-1], rtol=1e-6)
