@@ -6,16 +6,16 @@ so no other module reads Keras' source or guesses from behaviour. The tests
 of this module run at both ends of the supported range (`make test-oldest`).
 """
 
+import re
 import sys
 
 import keras
 
 
 def _version(text):
-    parts = []
-    for piece in text.split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits or 0))
+    """(major, minor, patch) from a version string; "3.10.0rc1" -> (3, 10, 0)."""
+    parts = [int(match.group()) if match else 0
+             for match in (re.match(r"\d+", piece) for piece in text.split(".")[:3])]
     return tuple(parts + [0] * (3 - len(parts)))
 
 

@@ -1,0 +1,77 @@
+"""Each Keras difference lab.compat decides by version, checked against what Keras does.
+
+These run at both ends of the supported range (`make test` runs tests/lab
+again on TensorFlow 2.16 / Keras 3.5), so a flag that is wrong for either end
+fails here rather than as a wrong row somewhere else.
+"""
+
+import importlib
+
+import keras
+import numpy as np
+
+from lab import compat
+
+
+def tiny(steps_per_execution=1):
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=steps_per_execution)
+    return model
+
+
+def test_the_version_is_read_from_keras():
+    assert compat.KERAS_VERSION[:2] == tuple(int(p) for p in keras.__version__.split(".")[:2])
+    assert compat._version("3.10.0rc1") == (3, 10, 0)
+
+
+def test_batch_end_step_matches_what_fit_passes():
+    seen = []
+
+    class Steps(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(batch)
+
+    x, y = np.zeros((8, 2), "float32"), np.zeros((8, 1), "float32")
+    tiny(steps_per_execution=2).fit(x, y, batch_size=2, verbose=0, callbacks=[Steps()])
+    last_steps, first_steps = [1, 3], [0, 2]
+    assert seen == (last_steps if compat.BATCH_END_REPORTS_LAST_STEP else first_steps)
+
+
+def test_loss_scaling_by_replicas_matches_the_installed_losses_module():
+    losses = importlib.import_module("keras.src.losses.loss")
+    assert hasattr(losses, "scale_loss_for_distribution") == compat.SCALES_LOSS_BY_REPLICAS
+    value = np.float32(3.0)
+    assert float(compat.unscale_loss_for_distribution(value)) == 3.0  # no strategy: nothing to undo
+
+
+def test_train_step_binding_matches_make_train_function():
+    model = tiny()
+    model.make_train_function()
+    called = []
+    original = model.train_step
+
+    def counting(data):
+        called.append(1)
+        return original(data)
+
+    object.__setattr__(model, "train_step", counting)  # after the function was built
+    try:
+        x, y = np.zeros((2, 2), "float32"), np.zeros((2, 1), "float32")
+        model.train_function(iter([(x, y)]))
+    finally:
+        object.__delattr__(model, "train_step")
+    assert bool(called) == (not compat.TRAIN_STEP_BOUND_AT_BUILD)
+
+
+def test_the_calling_callback_list_is_found_from_set_model():
+    found = []
+
+    class Finder(keras.callbacks.Callback):
+        def set_model(self, model):
+            super().set_model(model)
+            found.append(compat.calling_callback_list())
+
+    x, y = np.zeros((2, 2), "float32"), np.zeros((2, 1), "float32")
+    tiny().fit(x, y, verbose=0, callbacks=[Finder()])
+    assert isinstance(found[0], keras.callbacks.CallbackList)
+    assert compat.calling_callback_list() is None  # called from anywhere else
