@@ -6,10 +6,12 @@ so no other module reads Keras' source or guesses from behaviour. The tests
 of this module run at both ends of the supported range (`make test-oldest`).
 """
 
+import inspect
 import re
 import sys
 
 import keras
+import tensorflow as tf
 
 
 def _version(text):
@@ -60,7 +62,8 @@ def calling_callback_list(depth=2, reach=6):
     callback failing, an interrupt between batches). In every supported
     release `CallbackList.set_model` calls each callback's `set_model`
     directly, so the list is a few frames up; this is the one place the lab
-    reads a frame. Returns None when called otherwise.
+    reads a frame to find a Keras object (see also
+    `tracing_tf_function`). Returns None when called otherwise.
     """
     frame = sys._getframe(depth)
     for _ in range(reach):
@@ -69,5 +72,28 @@ def calling_callback_list(depth=2, reach=6):
         owner = frame.f_locals.get("self")
         if isinstance(owner, keras.callbacks.CallbackList):
             return owner
+        frame = frame.f_back
+    return None
+
+
+def tracing_tf_function(describe=repr, depth=2):
+    """The `tf.function` whose trace is calling the caller, and its call's
+    arguments (name -> `describe(value)`), or None outside a trace.
+
+    TensorFlow hands traced Python code no handle on the function being
+    traced; its `__call__` frame holds it (as `self`, with `args` and `kwds`)
+    in every supported release. Used only to explain retracing.
+    """
+    frame = sys._getframe(depth)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, tf.types.experimental.PolymorphicFunction) and "args" in frame.f_locals:
+            args, kwargs = frame.f_locals["args"], frame.f_locals.get("kwds") or {}
+            try:
+                bound = inspect.signature(owner.python_function).bind(*args, **kwargs)
+                arguments = dict(bound.arguments)
+            except (TypeError, ValueError, AttributeError):
+                arguments = {f"#{i}": a for i, a in enumerate(args)} | dict(kwargs)
+            return owner, {name: describe(value) for name, value in arguments.items()}
         frame = frame.f_back
     return None

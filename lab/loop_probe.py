@@ -12,8 +12,6 @@ wrong: no gradient at all (the loss computed outside the tape), `None`
 gradients for some variables, and a `tf.function` that traces again and again.
 """
 
-import inspect
-import sys
 import threading
 import warnings
 import weakref
@@ -22,7 +20,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from lab.probes import Probe, _StepState, variable_keys
+from lab import compat
+from lab.probes import Probe, StepState, variable_keys
 
 # Slots kept free for variables the model did not list when watching began
 # (a subclassed model is often built by its first step).
@@ -50,7 +49,7 @@ SOME_NONE_MESSAGE = (
 )
 
 
-class _LoopState(_StepState):
+class _LoopState(StepState):
     """The one step state of a watched loop: every value goes to a slot."""
 
     def nested(self):
@@ -201,7 +200,7 @@ class LoopProbe(Probe):
             index = self._slots.add(name, reset)
             if index is not None:
                 return index
-        self._warn_once(("slot", name), (
+        self.warn_once(("slot", name), (
             f"The lab cannot record {name!r}: it appeared after recording started or "
             "there are too many variables. Build the model (call it on one batch) "
             "before `lab.watch` begins."), RuntimeWarning)
@@ -274,11 +273,11 @@ class LoopProbe(Probe):
         if len(missing) == len(grads):
             raise ValueError(ALL_NONE_MESSAGE.format(name=name, count=len(grads)))
         paths = ", ".join(self._key(variables[i]) if variables else f"#{i}" for i in missing)
-        self._warn_once(("none", name, paths), SOME_NONE_MESSAGE.format(
+        self.warn_once(("none", name, paths), SOME_NONE_MESSAGE.format(
             name=name, missing=len(missing), count=len(grads), paths=paths), UserWarning)
 
     def _note_trace(self):
-        found = _calling_tf_function()
+        found = compat.tracing_tf_function(_describe)
         if found is None:
             return
         function, arguments = found
@@ -288,12 +287,13 @@ class LoopProbe(Probe):
             return  # a second optimizer in the same trace
         record["traces"][trace] = arguments
         if len(record["traces"]) >= RETRACE_WARNING:
-            self._warn_once(("retrace", id(function)), _retrace_message(function, list(record["traces"].values()),
+            self.warn_once(("retrace", id(function)), _retrace_message(function, list(record["traces"].values()),
                                                                         self.steps_seen + 1), RuntimeWarning)
 
     steps_seen = 0  # the run keeps it current, for messages
 
-    def _warn_once(self, key, message, category):
+    def warn_once(self, key, message, category):
+        """Warns once per `key`; the run turns the warning into an event."""
         if key in self._warned:
             return
         self._warned.add(key)
@@ -301,6 +301,14 @@ class LoopProbe(Probe):
         warnings.warn(message, category, stacklevel=4)
 
     # ---- the row -------------------------------------------------------------
+
+    def updates_waiting(self):
+        """Updates made since the last `take()`, by every optimizer (waits for the device)."""
+        return float(self._slots.vector[self._slots.index["_updates"]].numpy())
+
+    def end_block(self):
+        """Forgets the user's functions seen while the block was open (kept only while watching)."""
+        self._traces.clear()
 
     def freeze(self):
         """Fixes which slots become columns (names appearing later are not recorded)."""
@@ -357,23 +365,6 @@ class LoopProbe(Probe):
             total = np.sqrt(np.sum(np.where(present, norms, 0.0) ** 2, axis=0))
             columns["grad_norm"] = np.where((updates > 0) & present.any(axis=0), total, np.nan).astype(np.float32)
         return columns
-
-
-def _calling_tf_function():
-    """The tf.function being traced and its call's arguments (name -> value)."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, tf.types.experimental.PolymorphicFunction) and "args" in frame.f_locals:
-            args, kwargs = frame.f_locals["args"], frame.f_locals.get("kwds") or {}
-            try:
-                bound = inspect.signature(owner.python_function).bind(*args, **kwargs)
-                arguments = dict(bound.arguments)
-            except (TypeError, ValueError, AttributeError):
-                arguments = {f"#{i}": a for i, a in enumerate(args)} | dict(kwargs)
-            return owner, {name: _describe(value) for name, value in arguments.items()}
-        frame = frame.f_back
-    return None
 
 
 def _describe(value):

@@ -129,7 +129,8 @@ def _watched_metrics(model):
     return found
 
 
-def _is_mean(metric):
+def is_mean(metric):
+    """Whether a metric is a mean (`total / count`): its batch value can be read off its state."""
     return isinstance(metric, keras.metrics.Mean) and hasattr(metric, "total") and hasattr(metric, "count")
 
 
@@ -193,7 +194,7 @@ def _scalar_tensor(value):
     return None
 
 
-class _StepState:
+class StepState:
     """What one call of train_step produced, collected while it runs (or traces).
 
     Values computed in the step's own graph are kept as tensors. Values an
@@ -305,7 +306,7 @@ class Probe:
         probe = self
 
         def train_step(data):
-            state = _StepState()
+            state = StepState()
             probe._local.state = state
             try:
                 totals = state.totals = probe._metric_totals()
@@ -352,7 +353,7 @@ class Probe:
             if state is not None and not container.built:
                 container.build(y_true, y_pred)
                 for metric in leaf_metrics(probe.model).values():
-                    if _is_mean(metric) and id(metric) not in state.totals:
+                    if is_mean(metric) and id(metric) not in state.totals:
                         state.totals[id(metric)] = (tf.identity(metric.total.value), tf.identity(metric.count.value))
                         probe._patch(metric, "result", lambda inner, metric=metric: probe._wrap_result(metric, inner))
             return original(y_true, y_pred, sample_weight)
@@ -622,7 +623,7 @@ class Probe:
     def _metric_totals(self):
         totals = {}
         for metric in _watched_metrics(self.model):
-            if _is_mean(metric):
+            if is_mean(metric):
                 totals[id(metric)] = (tf.identity(metric.total.value), tf.identity(metric.count.value))
         return totals
 

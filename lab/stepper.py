@@ -28,7 +28,7 @@ import tensorflow as tf
 from lab import schema
 from lab.feed import Feed, to_numpy
 from lab.hooks import CompiledState, hooks_for
-from lab.probes import _is_mean, find_optimizers, leaf_metrics, variable_keys
+from lab.probes import find_optimizers, is_mean, leaf_metrics, variable_keys
 from lab.state import raw_variable, read_variables, same_array, training_variables
 from lab.step_capture import StepCapture, hint
 
@@ -534,7 +534,7 @@ class Stepper:
         metrics = leaf_metrics(self.model)
         for name, value in trace.logs.items():
             metric = metrics.get(name)
-            if metric is not None and _is_mean(metric):
+            if metric is not None and is_mean(metric):
                 total = [before.get(id(raw_variable(v))) for v in (metric.total, metric.count)]
                 new = [after.get(id(raw_variable(v))) for v in (metric.total, metric.count)]
                 reset = trace.batch == 0

@@ -153,7 +153,7 @@ class WatchedRun(StatusReporter, Run):
             values.append(_value(name, metrics[name]) if name in metrics else np.float32(np.nan))
         new = [name for name in metrics if name not in self._given]
         if new:
-            self.probe._warn_once(("new", tuple(new)), (
+            self.probe.warn_once(("new", tuple(new)), (
                 f"run.step got {new} after the first step, which set the columns "
                 f"{self._given}: they are not recorded. Pass every value from the first step "
                 "on (or a new `lab.watch` block)."), RuntimeWarning)
@@ -167,7 +167,7 @@ class WatchedRun(StatusReporter, Run):
         if self.probe.breakpoints:
             hit, gated, updates = self.probe.hit(taken)
             if updates > 0 and not gated:
-                self.probe._warn_once("ungated", UNGATED_MESSAGE, RuntimeWarning)
+                self.probe.warn_once("ungated", UNGATED_MESSAGE, RuntimeWarning)
                 self._note_warnings()
             if hit > 0:
                 self.flush()
@@ -263,7 +263,7 @@ class WatchedRun(StatusReporter, Run):
             unseen = iterations - self._iterations[name] - seen - waiting
             self._iterations[name] = iterations - waiting
             if unseen > 0:
-                self.probe._warn_once(("unseen", name), UNSEEN_UPDATE_MESSAGE.format(name=name, count=unseen),
+                self.probe.warn_once(("unseen", name), UNSEEN_UPDATE_MESSAGE.format(name=name, count=unseen),
                                       RuntimeWarning)
         self._note_warnings()
 
@@ -277,7 +277,7 @@ class WatchedRun(StatusReporter, Run):
         for name in self._given:
             values = super().column(name)
             if name != "loss" and np.isfinite(values).all() and (values == values[0]).all():
-                self.probe._warn_once(("constant", name), CONSTANT_METRIC_MESSAGE.format(
+                self.probe.warn_once(("constant", name), CONSTANT_METRIC_MESSAGE.format(
                     metric=name, value=float(values[0]), steps=len(values)), UserWarning)
         self._note_warnings()
 
@@ -293,13 +293,12 @@ class WatchedRun(StatusReporter, Run):
             self.flush()
         finally:
             self.probe.uninstall()
-            self.probe._traces.clear()  # the user's functions, kept only while watching
+            self.probe.end_block()
             self._closed = True
         if self._steps == 0 and error is None:
-            slots = self.probe._slots
-            updates = float(slots.vector[slots.index["_updates"]].numpy())
+            updates = self.probe.updates_waiting()
             if updates > 0:
-                self.probe._warn_once("no step", (
+                self.probe.warn_once("no step", (
                     f"The optimizers updated {updates:g} times but run.step(...) was never "
                     "called: the run has no rows. Call `run.step(loss=loss)` once per step."),
                     RuntimeWarning)
