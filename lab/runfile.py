@@ -426,20 +426,19 @@ class _Reader:
         attribute = h5py.h5a.open(obj.id, name.encode())
         if attribute.shape not in ((), (1,)) or attribute.get_storage_size() > self.size:
             self.fail(f"the {name!r} attribute of {where} is not a single value; the file is damaged.")
-        if not any(self.stored_as(attribute.get_type(), kind) for kind in kinds):
-            self.fail(f"the {name!r} attribute of {where} is stored as neither "
-                      f"{' nor '.join(kinds)}; the file is damaged.")
-        value = obj.attrs[name]
-        if isinstance(value, np.ndarray) and value.shape == (1,):
-            value = value[0]
-        if isinstance(value, bytes):
-            value = value.decode("utf-8")
+        wanted = " or ".join({"str": "a string", "int": "an integer"}[k] for k in kinds)
+        datatype = attribute.get_type()
+        if not any(self.stored_as(datatype, kind) for kind in kinds):
+            shown = _described(datatype, h5py)
+            if self.stored_as(datatype, "str"):
+                shown = _shown(_plain(obj.attrs[name]))  # a plain string is safe to read and show
+            self.fail(f"the {name!r} attribute of {where} is {shown}, not {wanted}; the file is damaged.")
+        value = _plain(obj.attrs[name])
         if "str" in kinds and isinstance(value, str):
             return value
         if "int" in kinds and isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
             return int(value)
-        expected = " or ".join({"str": "a string", "int": "an integer"}[k] for k in kinds)
-        self.fail(f"the {name!r} attribute of {where} is {value!r}, not {expected}; the file is damaged.")
+        self.fail(f"the {name!r} attribute of {where} is {_shown(value)}, not {wanted}; the file is damaged.")
 
     def stored_as(self, datatype, kind):
         """Whether an HDF5 datatype is one a run file stores `kind` as.
@@ -473,6 +472,29 @@ class _Reader:
             self.fail(f"the {name!r} attribute of {where} is {text[:80]!r}, not {described}; "
                       "the file is damaged.")
         return value
+
+
+def _plain(value):
+    if isinstance(value, np.ndarray) and value.shape == (1,):
+        value = value[0]
+    if isinstance(value, bytes):
+        value = value.decode("utf-8")
+    return value
+
+
+def _shown(value):
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _described(datatype, h5py):
+    t = h5py.h5t
+    for kind, words in ((t.TypeStringID, "a string"), (t.TypeIntegerID, "an integer"),
+                        (t.TypeFloatID, "a floating-point number"), (t.TypeEnumID, "an enumeration"),
+                        (t.TypeVlenID, "a variable-length sequence"), (t.TypeCompoundID, "a compound value")):
+        if isinstance(datatype, kind):
+            return words
+    return f"of HDF5 type class {datatype.get_class()}"
 
 
 def _read(f, reader):

@@ -1,11 +1,18 @@
 """Run files: exact round trips, atomic writes, clear errors on bad files."""
 
+import ast
+import inspect
+import json
 import os
 import pickle
+import subprocess
+import sys
+import time
 
 import h5py
 import keras
 import numpy as np
+import pandas as pd
 import pytest
 from pandas.testing import assert_frame_equal
 
@@ -252,3 +259,126 @@ def test_recorder_save_every_writes_the_file_before_the_first_epoch_ends(tmp_pat
     recorder = lab.Recorder(path=path, save_every=0, flush_every=0)
     tiny_model().fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[recorder, ReadAfterBatchTwo()])
     assert len(seen[0]) == 2 and len(seen[0].epochs()) == 0
+
+
+# ---- files from anyone ------------------------------------------------------------
+
+def rewrite_attribute(path, name, value, where="/"):
+    with h5py.File(path, "a") as f:
+        f[where].attrs[name] = value
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("version", "abc", r"'version' attribute of the file is 'abc', not an integer"),
+    ("version", np.array([1, 2]), r"'version' attribute of the file is not a single value"),
+    ("version", 0, r"version is 0"),
+    ("metadata", "[1, 2]", r"'metadata' attribute of the file is '\[1, 2\]', not a JSON object"),
+    ("metadata", "{not json", r"'metadata' attribute of the file is not valid JSON"),
+    ("name", 7, r"'name' attribute of the file is an integer, not a string"),
+])
+def test_a_foreign_or_damaged_header_raises_the_run_file_error_naming_the_file(tmp_path, name, value, message):
+    path = handmade_run().save(tmp_path / "run.h5")
+    rewrite_attribute(path, name, value)
+    with pytest.raises(lab.RunFileError, match=rf"run\.h5.*{message}"):
+        lab.Run.load(path)
+
+
+def test_a_string_step_column_is_refused(tmp_path):
+    run = lab.Run()
+    run.append_batches({"loss": [1.0, 2.0]})
+    path = run.save(tmp_path / "run.h5")
+    with h5py.File(path, "a") as f:
+        step = json.loads(f["batches"].attrs["columns"]).index("step")
+        del f[f"batches/c{step}"]
+        f["batches"].create_dataset(f"c{step}", data=np.array(["0", "1"], dtype=object),
+                                    dtype=h5py.string_dtype()).attrs["kind"] = "string"
+    with pytest.raises(lab.RunFileError, match=r"run\.h5.*column 'step'.*holds string values.*integers"):
+        lab.Run.load(path)
+
+
+def test_a_changed_value_is_caught_by_the_digest(tmp_path):
+    path = handmade_run().save(tmp_path / "run.h5")
+    with h5py.File(path, "a") as f:
+        f["batches/c5"][0] = 1.25  # the loss of step 0, was 1.5
+    with pytest.raises(lab.RunFileError, match=r"run\.h5.*do not match the digest"):
+        lab.Run.load(path)
+
+
+def test_a_file_without_a_digest_still_loads(tmp_path):
+    run = handmade_run()
+    path = run.save(tmp_path / "run.h5")
+    with h5py.File(path, "a") as f:
+        del f.attrs["digest"]  # as files written before the digest
+    assert_same_run(lab.Run.load(path), run)
+
+
+def test_run_file_error_is_exported_and_load_wants_a_path(tmp_path):
+    assert lab.RunFileError is RunFileError and "RunFileError" in lab.__all__
+    with pytest.raises(TypeError, match=r"needs a file path.*got int"):
+        lab.Run.load(3)
+
+
+def test_runfile_imports_nothing_of_the_run_it_reads_and_writes():
+    tree = ast.parse(inspect.getsource(runfile))
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not {name for name in imported if name and (name == "lab" or name.startswith("lab."))}
+
+
+def test_runfile_load_returns_plain_parts(tmp_path):
+    parts = runfile.load(handmade_run().save(tmp_path / "run.h5"))
+    assert isinstance(parts, runfile.RunParts) and isinstance(parts.batches["loss"], np.ndarray)
+
+
+# ---- saving where it cannot go -----------------------------------------------------
+
+def test_save_to_an_empty_path_a_folder_or_under_a_file_says_what_is_wrong(tmp_path):
+    run = handmade_run()
+    with pytest.raises(ValueError, match="needs a file name"):
+        run.save("")
+    with pytest.raises(IsADirectoryError, match="is a folder.*run.h5"):
+        run.save(tmp_path)
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    with pytest.raises(NotADirectoryError, match=r"notes\.txt' is a file, not a folder"):
+        run.save(a_file / "runs" / "run.h5")
+    with pytest.raises(TypeError, match="needs a file path"):
+        run.save(None)
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt"]
+
+
+def test_the_next_save_removes_temporary_files_of_dead_writers_only(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = runfile._HOST
+    left = {
+        "dead": f".run-{host}-{dead.pid}-0123abcd.h5.tmp",
+        "alive": f".run-{host}-{os.getppid()}-0123abcd.h5.tmp",
+        "other_host": f".run-{'f' * 8 if host != 'f' * 8 else '0' * 8}-{dead.pid}-0123abcd.h5.tmp",
+        "own_finished": f".run-{host}-{os.getpid()}-0123abcd.h5.tmp",
+        "legacy_old": ".run-abcd1234.h5.tmp",
+        "legacy_new": ".run-wxyz9876.h5.tmp",
+        "unrelated": "notes.h5.tmp",
+    }
+    for name in left.values():
+        (tmp_path / name).write_bytes(b"half")
+    os.utime(tmp_path / left["legacy_old"], (0, time.time() - 2 * runfile._LEGACY_TEMPORARY_AGE))
+    handmade_run().save(tmp_path / "run.h5")
+    kept = set(os.listdir(tmp_path))
+    assert kept == {"run.h5", left["alive"], left["other_host"], left["legacy_new"], left["unrelated"]}
+
+
+# ---- CSV export ------------------------------------------------------------------
+
+def test_csv_export_neutralises_formula_cells_and_keeps_numbers(tmp_path):
+    run = lab.Run()
+    run.append_batches({"loss": [-1.5, 2.0], "mode": ["=HYPERLINK(\"http://x\")", "graph"]})
+    for detail in ["+1+1", "-2", "@SUM(A1)", "\tx", "plain", "a=b"]:
+        run.add_event("note", detail)
+    run.add_event("note", "\r=1")
+    batches = pd.read_csv(lab.export.to_csv(run, tmp_path / "b.csv"))
+    assert batches["loss"].tolist() == [-1.5, 2.0]  # a numeric column stays numeric, minus sign and all
+    assert batches["mode"].tolist() == ["'=HYPERLINK(\"http://x\")", "graph"]
+    events = pd.read_csv(lab.export.to_csv(run, tmp_path / "e.csv", table="events"), keep_default_na=False)
+    assert events["detail"].tolist()[:6] == ["'+1+1", "'-2", "'@SUM(A1)", "'\tx", "plain", "a=b"]
+    assert "'\r=1" in open(tmp_path / "e.csv", newline="").read()
