@@ -32,7 +32,7 @@ def compare(runs, table="batches", columns=None):
 
     ```python
     long = lab.compare({"lr=0.1": fast.run, "lr=0.01": slow.run})
-    long.pivot(index="step", columns="run", values="loss").plot()
+    long.pivot(index="step", columns="run", values="loss")  # one loss column per run
     ```
     """
     if table not in _TABLES:

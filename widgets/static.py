@@ -73,6 +73,7 @@ def line_chart(series, title, width=640, height=200, log_y=False, right=()):
     Example:
 
     ```python
+    from widgets.series import chart_data
     line_chart(chart_data(run).loss, "loss")
     ```
     """
