@@ -6,7 +6,10 @@ records them), then times refreshes of the Dashboard's figure against a
 recording comm (no browser), as the Dashboard makes them: `ChartState.update`
 (read the new rows, fold them into the bounded summaries, downsample) and the
 plotly update it sends. Payload is what goes over the
-wire: binary buffers plus the JSON of the message.
+wire: binary buffers plus the JSON of the message. Beside it, the HTML view
+(`widgets.html_view.HtmlView`, for Colab and VS Code): the bytes of the one
+display update a refresh sends (the page of SVG charts) and the time to
+draw it.
 
 Run: `python benchmarks/refresh.py` (about half a minute; `--quick` stops at 1e5).
 """
@@ -16,12 +19,15 @@ import json
 import statistics
 import time
 
+import types
+
 import comm
 import numpy as np
 from comm.base_comm import BaseComm
 
 import lab
 from widgets.charts import LiveFigure
+from widgets.html_view import HtmlView
 from widgets.series import ChartState
 
 VARIABLES = [f"mlp/dense_{i}/{part}" for i in range(10) for part in ("kernel", "bias")]
@@ -63,7 +69,8 @@ def measure(steps, repeats=5):
     live = LiveFigure(gradients=True)
     state = ChartState(run)
     live.update(state.update())  # the first draw reads every row and adds the traces
-    compute, send, sizes, counts = [], [], [], []
+    page = HtmlView(widget=types.SimpleNamespace(value=""), update_every=0)
+    compute, send, sizes, counts, html_ms, html_bytes = [], [], [], [], [], []
     for _ in range(repeats):
         # New rows between refreshes, as during training, so every trace changes.
         run.append_batches({c: np.full(8, 0.5, np.float32) for c in run.columns
@@ -78,12 +85,17 @@ def measure(steps, repeats=5):
         send.append(t2 - t1)
         sizes.append(sum(size for _, size in _CountingComm.messages))
         counts.append(len(_CountingComm.messages))
+        t3 = time.perf_counter()
+        page.send(data, "<b>running</b>")
+        html_ms.append(time.perf_counter() - t3)
+        html_bytes.append(len(page.widget.value.encode()))
     points = max(len(s.x) for s in data.loss + data.metrics + data.gradients)
     memory = sum(run.column(c).nbytes for c in run.columns
                  if c not in ("step", "epoch", "batch", "seconds", "mode"))
     return dict(steps=steps, traces=len(live.figure.data), points=points,
                 messages=statistics.median(counts), payload_kb=statistics.median(sizes) / 1e3,
                 compute_ms=statistics.median(compute) * 1e3, send_ms=statistics.median(send) * 1e3,
+                html_kb=statistics.median(html_bytes) / 1e3, html_ms=statistics.median(html_ms) * 1e3,
                 value_bytes_per_step=memory / len(run))
 
 
@@ -94,14 +106,15 @@ def main(argv=None):
     comm.create_comm = lambda *a, **k: _CountingComm(**k)
     sizes = [1_000, 10_000, 100_000] + ([] if args.quick else [1_000_000])
     print(f"{'steps':>9} {'traces':>6} {'max pts':>7} {'comm msgs':>9} {'payload kB':>10} "
-          f"{'compute ms':>10} {'send ms':>8} {'value B/step':>12}")
+          f"{'compute ms':>10} {'send ms':>8} {'html kB':>8} {'html ms':>8} {'value B/step':>12}")
     for steps in sizes:
         r = measure(steps)
         print(f"{r['steps']:>9,} {r['traces']:>6} {r['points']:>7} {r['messages']:>9.0f} "
               f"{r['payload_kb']:>10.1f} {r['compute_ms']:>10.1f} {r['send_ms']:>8.1f} "
-              f"{r['value_bytes_per_step']:>12.0f}")
+              f"{r['html_kb']:>8.1f} {r['html_ms']:>8.1f} {r['value_bytes_per_step']:>12.0f}")
     print("comm msgs: plotly's update protocol, per refresh: two edit counters, the one "
-          "update carrying every array, and its reset.")
+          "update carrying every array, and its reset. html kB / ms: the HTML view's one display "
+          "update per refresh (SVG page) and the time to draw it.")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,15 @@
 """Dashboard: a live view over a Recorder (it holds one; it is no Recorder itself).
 
-The callback only turns lifecycle events into calls: recording is
-`lab.Recorder`'s, drawing is `widgets.charts.LiveFigure`'s and
-`widgets.static`'s. Refreshes are rate-limited (a refresh reads the run,
-downsamples every series and sends one plotly update), never per batch, and
-the view is drawn once and updated in place: no `clear_output`.
+The callback only turns lifecycle events into calls: recording is its
+`lab.Recorder`'s (`dashboard.recorder`, to which every fit() callback is
+forwarded), drawing is a view's. Two views sit behind one `send(...)`
+(`widgets.views`): the plotly `FigureWidget` (`widgets.charts.LiveFigure`)
+and the HTML view (`widgets.html_view`: SVG in one output updated in place,
+for Colab, VS Code and anywhere the plotly widget cannot render), chosen when
+training begins by `widgets.views.choose_view` (`view="auto"`), or by name.
+Refreshes are rate-limited (a refresh reads the run, downsamples every series
+and sends one update), never per batch, and the view is drawn once and
+updated in place: no `clear_output`.
 
 In notebooks checked by nbval: the cell that runs `fit()` shows the
 Dashboard as it was when training began (nbval ignores display updates,

@@ -41,6 +41,7 @@ def html_page(data, status="", width=640):
     Example:
 
     ```python
+    from widgets.series import chart_data
     html_page(chart_data(run), "<b>finished</b>")
     ```
     """
@@ -63,6 +64,8 @@ class HtmlView:
             final update always goes out.
         width: int, pixels per chart.
         clock: callable returning seconds (`time.monotonic`; tests pass their own).
+        render: callable `render(data, status, width) -> str`, the page
+            (`html_page` by default; `widgets.RunCompare` draws its overlay).
 
     Example:
 
@@ -75,7 +78,8 @@ class HtmlView:
 
     kind = "html"
 
-    def __init__(self, handles=None, widget=None, text=None, update_every=0.25, width=640, clock=time.monotonic):
+    def __init__(self, handles=None, widget=None, text=None, update_every=0.25, width=640, clock=time.monotonic,
+                 render=None):
         if update_every < 0:
             raise ValueError(f"update_every must be 0 or more seconds; got {update_every}.")
         self.handles = handles if handles is not None else []
@@ -84,6 +88,7 @@ class HtmlView:
         self.update_every = update_every
         self.width = width
         self.clock = clock
+        self.render = render or html_page
         self.updates = 0
         self.last_page = ""
         self._last = None
@@ -101,7 +106,7 @@ class HtmlView:
         """Draws `data` under the status line `status` unless the last update was too recent.
 
         Args:
-            data: `widgets.series.ChartData`.
+            data: `widgets.series.ChartData` (or what `render` draws).
             status: str, the status line, HTML.
             final: bool, send whatever the throttle says (the end of training).
 
@@ -112,7 +117,7 @@ class HtmlView:
         if not final and self._last is not None and now - self._last < self.update_every:
             return False
         self._last = now
-        self.last_page = html_page(data, status, self.width)
+        self.last_page = self.render(data, status, self.width)
         if self.handles:
             bundle = self._bundle(self.last_page)
             for handle in self.handles:

@@ -5,7 +5,10 @@ import numpy as np
 import pandas as pd
 
 import lab
-from widgets.series import MAX_POINTS, downsample
+from widgets import static
+from widgets.html_view import HtmlView
+from widgets.series import MAX_POINTS, Series, downsample
+from widgets.views import check_view, choose_view
 
 # Batch columns that are bookkeeping, not something to compare.
 _SKIPPED = ("step", "epoch", "batch", "mode", "updated")
@@ -27,6 +30,9 @@ class RunCompare(ipywidgets.VBox):
         column: str, the column shown first (default `loss`).
         max_points: int, the most points drawn per run.
         height: int, pixels.
+        view: str, `"plotly"`, `"html"` (SVG in a core `ipywidgets.HTML`,
+            for front ends without the plotly widget) or `"auto"`
+            (`widgets.views.choose_view`: `"html"` on Colab and in VS Code).
 
     Example:
 
@@ -35,9 +41,8 @@ class RunCompare(ipywidgets.VBox):
     ```
     """
 
-    def __init__(self, runs, column="loss", max_points=MAX_POINTS, height=360):
-        import plotly.graph_objects as go
-
+    def __init__(self, runs, column="loss", max_points=MAX_POINTS, height=360, view="auto"):
+        kind = choose_view(check_view(view))
         self.batches = lab.compare(runs)
         self.epochs = lab.compare(runs, table="epochs")
         self.names = list(dict.fromkeys(self.batches["run"]))
@@ -52,6 +57,17 @@ class RunCompare(ipywidgets.VBox):
         if column not in options:
             raise ValueError(f"No run has the column {column!r}; choose one of {options}.")
         self.column = ipywidgets.Dropdown(options=options, value=column, description="column")
+        self.figure = None
+        self.live_view = None
+        if kind == "html":
+            self.chart_html = ipywidgets.HTML()
+            self.live_view = HtmlView(widget=self.chart_html, update_every=0, render=_compare_page)
+            self._show(column)
+            self.column.observe(lambda change: self._show(change["new"]), names="value")
+            super().__init__([self.column, self.chart_html])
+            return
+        import plotly.graph_objects as go
+
         self.figure = go.FigureWidget(layout=go.Layout(
             height=height, margin=dict(l=50, r=10, t=30, b=40), xaxis_title="step",
             legend=dict(orientation="h", y=1.12), template="plotly_white"))
@@ -78,7 +94,29 @@ class RunCompare(ipywidgets.VBox):
         """The validation-marker traces, one per run."""
         return self.figure.data[len(self.names):]
 
+    def _series(self, column):
+        """Per run, its line of `column` and its validation markers, as `Series`."""
+        validation = f"val_{column}"
+        lines, markers = [], []
+        for name in self.names:
+            rows = self.batches[self.batches["run"] == name]
+            values = rows[column].to_numpy(np.float32)
+            x, y = downsample(rows["step"].to_numpy(), values, self.max_points)
+            lines.append(Series(name if np.isfinite(values).any() else f"{name} (not recorded)", x, y))
+            x = y = np.zeros(0, np.float32)
+            if validation in self.epochs:
+                rows = self.epochs[self.epochs["run"] == name]
+                values = rows[validation].to_numpy(np.float32)
+                keep = np.isfinite(values)
+                x, y = rows["step"].to_numpy(np.float32)[keep], values[keep]
+            markers.append(Series(f"{name} (validation)", x, y, markers=True))
+        return lines, markers
+
     def _show(self, column):
+        if self.live_view is not None:
+            lines, markers = self._series(column)
+            self.live_view.send((column, lines + markers), final=True)
+            return
         validation = f"val_{column}"
         with self.figure.batch_update():
             for trace, name in zip(self.lines(), self.names):
@@ -98,3 +136,10 @@ class RunCompare(ipywidgets.VBox):
                 trace.x, trace.y = x, y
             self.figure.layout.yaxis.title = column
             self.figure.layout.yaxis.type = "log" if column.startswith(_LOG_SCALE) else "linear"
+
+
+def _compare_page(data, status="", width=640):
+    """The HTML view's page of a comparison: one SVG chart of every run's line and markers."""
+    column, series = data
+    chart = static.line_chart(series, column, width=width, height=320, log_y=column.startswith(_LOG_SCALE))
+    return f'<div class="training-lab-run-compare">{status}{chart}</div>'

@@ -33,6 +33,17 @@ class CommLog(list):
         return [m for m in self if m["comm_id"] == widget.comm.comm_id and m["msg_type"] == "comm_msg"]
 
 
+@pytest.fixture(autouse=True)
+def plain_jupyter(monkeypatch):
+    """Views see a plain Jupyter front end (plotly), also when the tests run inside VS Code or Colab."""
+    import sys
+
+    for name in ("VSCODE_PID", "VSCODE_CWD", "TRAINING_LAB_VIEW"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delitem(sys.modules, "google.colab", raising=False)
+    return monkeypatch
+
+
 @pytest.fixture
 def comm_log(monkeypatch):
     """Widgets created in the test send into this list (no frontend needed)."""

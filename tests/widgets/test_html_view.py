@@ -18,15 +18,6 @@ from widgets.views import choose_view, frontend
 PAGE_BOUND = 120_000
 
 
-@pytest.fixture
-def plain_jupyter(monkeypatch):
-    """A front end that is neither Colab nor VS Code, whatever runs the tests."""
-    for name in ("VSCODE_PID", "VSCODE_CWD", "TRAINING_LAB_VIEW"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.delitem(sys.modules, "google.colab", raising=False)
-    return monkeypatch
-
-
 class FakeHandle:
     def __init__(self, bundle):
         self.shown = [bundle]
@@ -203,3 +194,18 @@ def test_the_page_is_a_pure_function_of_the_data(make_run):
     assert page.startswith('<div class="training-lab-dashboard') and "<b>finished</b>" in page
     assert polyline(page, "loss")[0] == 30
     np.testing.assert_allclose(polyline(page, "loss")[1], data.loss[0].y[-1], rtol=1e-6)
+
+
+def test_run_compare_draws_its_overlay_as_html(make_run):
+    fast, slow = make_run(40, seed=0), make_run(25, seed=1)
+    fast.name, slow.name = "fast", "slow"
+    view = widgets.RunCompare([fast, slow], view="html")
+    assert view.figure is None and view.children == (view.column, view.chart_html)
+    page = view.chart_html.value
+    assert polyline(page, "fast")[0] == 40 and polyline(page, "slow")[0] == 25
+    view.column.value = "grad_norm/m/dense/kernel"
+    assert "grad_norm/m/dense/kernel" in view.chart_html.value
+    assert polyline(view.chart_html.value, "fast")[1] == pytest.approx(
+        float(fast.column("grad_norm/m/dense/kernel")[-1]), rel=1e-6)
+    with pytest.raises(ValueError, match="'auto', 'plotly', 'html'"):
+        widgets.RunCompare([fast], view="svg")
