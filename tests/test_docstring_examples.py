@@ -310,7 +310,8 @@ SHARED = {
 FILES = {
     "run.h5": lambda get: recorded(0.01).run.save("run.h5"),
     "runs/lr-0.01.h5": lambda get: recorded(0.01).run.save("runs/lr-0.01.h5"),
-    "best.weights.h5": lambda get: get("model").save_weights("best.weights.h5"),
+    # Saved after training, as a checkpoint is: with the optimizer's state.
+    "best.weights.h5": lambda get: recorded(0.01).model.save_weights("best.weights.h5"),
 }
 
 
@@ -393,44 +394,89 @@ def run_example(example_id):
 # ---- the tests ------------------------------------------------------------------------
 
 
+def _base(example_id):
+    return example_id.split("#")[0]
+
+
+TWO_CPU_IDS = [i for i in EXAMPLES if _base(i) in NEEDS_TWO_CPUS]
+
+_TWO_CPU_SCRIPT = """
+import json, os, runpy, sys, traceback
+import lab
+lab.virtual_cpus(2)
+tests = runpy.run_path(sys.argv[1])
+results = {}
+for example_id in sys.argv[3:]:
+    os.makedirs(example_id); os.chdir(example_id)
+    try:
+        tests["run_example"](example_id)
+        results[example_id] = None
+    except BaseException:
+        results[example_id] = traceback.format_exc()
+    os.chdir("..")
+with open(sys.argv[2], "w") as f:
+    json.dump(results, f)
+"""
+
+
+class TwoCpuProcess:
+    """The NEEDS_TWO_CPUS examples, run in one fresh process while the others run here."""
+
+    def __init__(self, folder):
+        self.folder = folder
+        self.out = folder / "results.json"
+        self.log = open(folder / "output.txt", "w+")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _TWO_CPU_SCRIPT, __file__, str(self.out), *TWO_CPU_IDS],
+            cwd=folder, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self._results = None
+
+    def error(self, example_id):
+        """The example's traceback, or None when it ran."""
+        if self._results is None:
+            try:
+                self.process.wait(timeout=300)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+            if not self.out.exists():
+                self.log.seek(0)
+                pytest.fail(f"The two-CPU process ended without results (exit {self.process.returncode}):\n"
+                            f"{self.log.read()[-4000:]}", pytrace=False)
+            self._results = json.loads(self.out.read_text())
+        return self._results[example_id]
+
+    def close(self):
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+
+
 @pytest.fixture(scope="module")
-def two_cpu_results(tmp_path_factory):
-    """Runs the NEEDS_TWO_CPUS examples in one fresh process; {example id: traceback or None}."""
-    ids = [i for i in EXAMPLES if i.split("#")[0] in NEEDS_TWO_CPUS]
-    folder = tmp_path_factory.mktemp("two-cpus")
-    out = folder / "results.json"
-    script = (
-        "import sys, json, traceback, runpy, os\n"
-        "import lab\n"
-        "lab.virtual_cpus(2)\n"
-        f"tests = runpy.run_path({str(pathlib.Path(__file__))!r})\n"
-        "results = {}\n"
-        f"for example_id in {ids!r}:\n"
-        "    os.makedirs(example_id, exist_ok=True); os.chdir(example_id)\n"
-        "    try:\n"
-        "        tests['run_example'](example_id)\n"
-        "        results[example_id] = None\n"
-        "    except BaseException:\n"
-        "        results[example_id] = traceback.format_exc()\n"
-        "    os.chdir('..')\n"
-        f"open({str(out)!r}, 'w').write(json.dumps(results))\n"
-    )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", script], cwd=folder, env=env, capture_output=True, text=True,
-                          timeout=300)
-    if not out.exists():
-        pytest.fail(f"The two-CPU process ended without results (exit {done.returncode}):\n{done.stderr[-4000:]}")
-    return json.loads(out.read_text())
+def two_cpu_process(tmp_path_factory):
+    process = TwoCpuProcess(tmp_path_factory.mktemp("two-cpus"))
+    yield process
+    process.close()
 
 
-@pytest.mark.parametrize("example_id", list(EXAMPLES))
+def _two_cpu_examples_selected(session):
+    return any(_base(getattr(item, "callspec", None).params.get("example_id", "")) in NEEDS_TWO_CPUS
+               for item in session.items if hasattr(item, "callspec"))
+
+
+# The two-CPU examples last: their process starts with the first example and runs meanwhile.
+@pytest.mark.parametrize("example_id", [i for i in EXAMPLES if i not in TWO_CPU_IDS] + TWO_CPU_IDS)
 def test_example_runs(example_id, tmp_path, monkeypatch, request):
-    if example_id.split("#")[0] in CANNOT_RUN:
-        pytest.skip(CANNOT_RUN[example_id.split("#")[0]])
-    if example_id.split("#")[0] in NEEDS_TWO_CPUS:
-        error = request.getfixturevalue("two_cpu_results")[example_id]
+    if _base(example_id) in CANNOT_RUN:
+        pytest.skip(CANNOT_RUN[_base(example_id)])
+    if _two_cpu_examples_selected(request.session):
+        two_cpus = request.getfixturevalue("two_cpu_process")
+    if _base(example_id) in NEEDS_TWO_CPUS:
+        error = two_cpus.error(example_id)
         if error:
-            pytest.fail(f"In a process with lab.virtual_cpus(2):\n{error}", pytrace=False)
+            pytest.fail(f"In a process that ran lab.virtual_cpus(2) first:\n{error}", pytrace=False)
         return
     monkeypatch.chdir(tmp_path)
     run_example(example_id)
@@ -453,5 +499,5 @@ def test_every_example_block_is_collected():
 
 def test_the_names_that_need_two_cpus_and_the_skips_name_examples():
     """A renamed object must not leave a stale entry that silently covers nothing."""
-    names = {i.split("#")[0] for i in EXAMPLES}
+    names = {_base(i) for i in EXAMPLES}
     assert set(NEEDS_TWO_CPUS) | set(CANNOT_RUN) <= names
