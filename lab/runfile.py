@@ -1,15 +1,22 @@
 """HDF5 files of a Run: atomic writes, validated reads, no pickles, no plugins.
 
-Layout of a run file (format "training-lab-run", version 1):
+Layout of a run file (format "training-lab-run", version 2):
 
 - root attributes `format`, `version`, `name`, `metadata` (JSON),
   `written_by` (JSON: package versions of the writer) and `digest` (SHA-256
-  over the name, the metadata and every table, as written);
+  over the name, the metadata and every table, as written). Text attributes
+  are fixed-length UTF-8 strings;
 - groups `batches`, `epochs` and `events`, one per table. A group's `columns`
   attribute (JSON) lists the column names in order and `length` the rows;
   column i is the dataset `c<i>`, whose `kind` attribute is `int`, `float`,
-  `bool` or `string`. Strings are UTF-8; a string column with missing values
-  has a boolean dataset `m<i>` marking them.
+  `bool` or `string`. A string column's `c<i>` holds int64 codes into its
+  distinct values (-1: missing), which are the UTF-8 bytes `u<i>` (uint8)
+  cut at the offsets `o<i>` (int64, where each value ends).
+
+Nothing in a version 2 file is variable-length, so it has no HDF5 global
+heap and every size in it is bounded by the file's own. Version 1 files
+(variable-length strings, a boolean mask `m<i>` of missing strings, no
+digest required) are still read.
 
 Metadata is stored as JSON: tuples come back as lists and values JSON cannot
 hold come back as their `str()`.
@@ -43,7 +50,7 @@ import numpy as np
 import pandas as pd
 
 FORMAT = "training-lab-run"
-VERSION = 1
+VERSION = 2
 _TABLES = ("batches", "epochs", "events")
 _KINDS = ("int", "float", "bool", "string")
 _INTEGER_COLUMNS = ("step", "epoch", "batch")
@@ -152,14 +159,14 @@ def save(run, path):
         metadata = json.dumps(run.metadata, default=str)
         _digest_header(digest, name, metadata)
         with h5py.File(temporary, "w") as f:
-            f.attrs["format"] = FORMAT
+            _set_text(f, "format", FORMAT, h5py)
             f.attrs["version"] = VERSION
-            f.attrs["name"] = name
-            f.attrs["metadata"] = metadata
-            f.attrs["written_by"] = json.dumps(_writer_versions())
+            _set_text(f, "name", name, h5py)
+            _set_text(f, "metadata", metadata, h5py)
+            _set_text(f, "written_by", json.dumps(_writer_versions()), h5py)
             for table in _TABLES:
                 _write_table(f.create_group(table), getattr(run, table)(), h5py, digest)
-            f.attrs["digest"] = digest.hexdigest()
+            _set_text(f, "digest", digest.hexdigest(), h5py)
         # The rename must not reach the disk before the data it points at.
         descriptor = os.open(temporary, os.O_RDONLY)
         try:
@@ -295,9 +302,16 @@ def _writer_versions():
             "numpy": np.__version__, "pandas": pd.__version__}
 
 
+def _set_text(obj, key, text, h5py):
+    """A fixed-length UTF-8 string attribute (variable-length ones live in the global heap)."""
+    data = text.encode("utf-8", "surrogatepass")
+    obj.attrs.create(key, data=np.array(data, dtype=f"S{max(1, len(data))}"),
+                     dtype=h5py.string_dtype("utf-8", max(1, len(data))))
+
+
 def _write_table(group, frame, h5py, digest=None):
     columns = [str(c) for c in frame.columns]
-    group.attrs["columns"] = json.dumps(columns)
+    _set_text(group, "columns", json.dumps(columns), h5py)
     group.attrs["length"] = len(frame)
     if digest is not None:
         _digest_table(digest, group.name, columns, len(frame))
@@ -306,19 +320,22 @@ def _write_table(group, frame, h5py, digest=None):
         kind = _kind(values)
         if kind == "string":
             missing = values.isna().to_numpy(dtype=bool)
-            text = ["" if gone else str(v) for v, gone in zip(values, missing)]
-            dataset = group.create_dataset(
-                f"c{i}", data=np.array(text, dtype=object), dtype=h5py.string_dtype("utf-8"))
-            if missing.any():
-                group.create_dataset(f"m{i}", data=missing)
+            cells = np.array([None if gone else str(v) for v, gone in zip(values, missing)], dtype=object)
+            codes, distinct = pd.factorize(cells, use_na_sentinel=True)
+            codes = codes.astype(np.int64)
+            encoded = [value.encode("utf-8", "surrogatepass") for value in distinct]
+            ends = np.cumsum([len(b) for b in encoded], dtype=np.int64)
+            dataset = group.create_dataset(f"c{i}", data=codes)
+            group.create_dataset(f"u{i}", data=np.frombuffer(b"".join(encoded), dtype=np.uint8))
+            group.create_dataset(f"o{i}", data=ends)
             if digest is not None:
-                _digest_strings(digest, text, missing)
+                _digest_coded_strings(digest, codes, list(distinct))
         else:
             array = values.to_numpy()
             dataset = group.create_dataset(f"c{i}", data=array)
             if digest is not None:
                 _digest_numbers(digest, kind, array)
-        dataset.attrs["kind"] = kind
+        _set_text(dataset, "kind", kind, h5py)
 
 
 def _kind(values):
@@ -353,6 +370,12 @@ def _digest_strings(digest, text, missing):
     cells = [None if gone else value for value, gone in zip(text, missing)]
     _digest_bytes(digest, b"string")
     _digest_bytes(digest, json.dumps(cells, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+
+
+def _digest_coded_strings(digest, codes, distinct):
+    _digest_bytes(digest, b"coded strings")
+    _digest_bytes(digest, np.ascontiguousarray(codes, dtype="<i8").tobytes())
+    _digest_bytes(digest, json.dumps(distinct, ensure_ascii=False).encode("utf-8", "surrogatepass"))
 
 
 def _digest_bytes(digest, data):
@@ -414,6 +437,8 @@ def load(path):
 class _Reader:
     def __init__(self, path, size, h5py):
         self.path, self.size, self.h5py = path, size, h5py
+        self.largest_string = size or 1  # the largest object in the file's global heaps, once walked
+        self.version = 1
 
     def fail(self, problem):
         raise RunFileError(f"{self.path!r}: {problem}")
@@ -504,7 +529,11 @@ def _read(f, reader):
     name = reader.attribute(f, "name", "the file", ("str",))
     metadata_text = reader.attribute(f, "metadata", "the file", ("str",))
     metadata = reader.json_attribute(f, "metadata", "the file", dict, "a JSON object")
-    expected = reader.attribute(f, "digest", "the file", ("str",)) if "digest" in f.attrs else None
+    # Version 1 files were written before the digest (or with it, since this
+    # reader); from version 2 on a file without one is damaged.
+    expected = None
+    if "digest" in f.attrs or reader.version >= 2:
+        expected = reader.attribute(f, "digest", "the file", ("str",))
     digest = hashlib.sha256()
     _digest_header(digest, name, metadata_text)
     tables = {}
@@ -530,6 +559,7 @@ def _check_global_heaps(f, reader):
     """
     length_size = f.id.get_create_plist().get_sizes()[1]
     header = 8 + length_size
+    largest = 1
     with open(reader.path, "rb") as file:
         if not reader.size:
             return
@@ -538,7 +568,7 @@ def _check_global_heaps(f, reader):
             while at != -1:
                 size = int.from_bytes(view[at + 8:at + 8 + length_size], "little")
                 end = at + size
-                if view[at + 4:at + 8] == b"\x01\0\0\0" and 4096 <= size and end <= len(view):
+                if view[at + 4:at + 8] == b"\x01\0\0\0" and header <= size and end <= len(view):
                     p = at + header
                     while p + header <= end:
                         index = int.from_bytes(view[p:p + 2], "little")
@@ -548,8 +578,11 @@ def _check_global_heaps(f, reader):
                         if step == 0 or step > end - p:
                             reader.fail(f"its global heap (the variable-length strings) at byte {at} is "
                                         "damaged: an object's size does not fit the heap.")
+                        if index:
+                            largest = max(largest, declared)
                         p += step
                 at = view.find(b"GCOL", at + 1)
+    reader.largest_string = largest
 
 
 def _check_header(f, reader):
@@ -563,6 +596,7 @@ def _check_header(f, reader):
                     f"this one reads up to {VERSION}). Upgrade training-lab.")
     if version < 1:
         reader.fail(f"its run file version is {version}; versions start at 1. The file is damaged.")
+    reader.version = version
 
 
 def _check_structure(f, reader):
@@ -648,9 +682,14 @@ def _read_table(group, table, reader, digest):
         if name in _INTEGER_COLUMNS and kind != "int" and length:
             reader.fail(f"{column} holds {kind} values; {name!r} counts and holds integers. "
                         "The file is damaged.")
-        if not reader.stored_as(dataset.id.get_type(), kind):
+        stored = "int" if kind == "string" and reader.version >= 2 else kind
+        if not reader.stored_as(dataset.id.get_type(), stored):
             reader.fail(f"{column} is marked {kind} but stored as another type; the file is damaged.")
-        if kind == "string":
+        if kind == "string" and reader.version >= 2:
+            codes, distinct = _read_coded_strings(group, i, dataset, length, column, reader)
+            _digest_coded_strings(digest, codes, distinct)
+            values = np.array(distinct + [None], dtype=object)[codes]  # code -1: the None at the end
+        elif kind == "string":
             values, missing = _read_strings(group, i, dataset, length, column, reader)
             _digest_strings(digest, values, missing)
             values = np.array(values, dtype=object) if length else np.empty(0, object)
@@ -665,6 +704,30 @@ def _read_table(group, table, reader, digest):
     return data
 
 
+def _read_coded_strings(group, i, codes, length, column, reader):
+    """A version 2 string column: its codes and its distinct values."""
+    h5py = reader.h5py
+    text, ends = group.get(f"u{i}"), group.get(f"o{i}")
+    if not (isinstance(text, h5py.Dataset) and isinstance(ends, h5py.Dataset)):
+        reader.fail(f"the values of {column} are missing; the file is damaged or incomplete.")
+    if not (reader.stored_as(text.id.get_type(), "int") and text.dtype == np.uint8
+            and reader.stored_as(ends.id.get_type(), "int") and ends.ndim == 1):
+        reader.fail(f"the values of {column} are stored as other types; the file is damaged.")
+    codes, text, ends = codes[()].astype(np.int64), text[()], ends[()].astype(np.int64)
+    if len(ends) and (ends[0] < 0 or np.any(np.diff(ends) < 0) or ends[-1] != len(text)) \
+            or not len(ends) and len(text):
+        reader.fail(f"the value offsets of {column} do not fit its text; the file is damaged.")
+    if length and (codes.min() < -1 or codes.max() >= len(ends)):
+        reader.fail(f"{column} refers to values it does not have; the file is damaged.")
+    blob = text.tobytes()
+    starts = np.concatenate([[0], ends[:-1]]).tolist()
+    try:
+        distinct = [blob[a:b].decode("utf-8") for a, b in zip(starts, ends.tolist())]
+    except UnicodeDecodeError:
+        reader.fail(f"the values of {column} are not UTF-8 text; the file is damaged.")
+    return codes, distinct
+
+
 def _read_strings(group, i, dataset, length, column, reader):
     h5py = reader.h5py
     if h5py.check_string_dtype(dataset.dtype) is None:
@@ -676,9 +739,11 @@ def _read_strings(group, i, dataset, length, column, reader):
                 or not reader.stored_as(mask.id.get_type(), "bool")):
             reader.fail(f"the missing-value mask of {column} is damaged.")
         missing = mask[()]
-    # Each cell may point at a string as long as the file: read in blocks, and
-    # stop once more text was decoded than the file could hold distinct.
-    block = max(1, min(4096, _STRING_BLOCK_BYTES // max(1, reader.size)))
+    # Cells may share one string of the heap, so a column can decode to far
+    # more text than the file holds: read in blocks that decode at most
+    # _STRING_BLOCK_BYTES (by the largest string in the file's heaps), and stop
+    # once more text was decoded than the file could hold distinct.
+    block = max(1, min(1 << 16, _STRING_BLOCK_BYTES // reader.largest_string))
     limit = 16 * reader.size + (1 << 20)
     decoded, values = 0, []
     text = dataset.asstr("utf-8")

@@ -1,6 +1,7 @@
 """Run files: exact round trips, atomic writes, clear errors on bad files."""
 
 import ast
+import importlib.util
 import inspect
 import json
 import os
@@ -305,12 +306,35 @@ def test_a_changed_value_is_caught_by_the_digest(tmp_path):
         lab.Run.load(path)
 
 
-def test_a_file_without_a_digest_still_loads(tmp_path):
-    run = handmade_run()
-    path = run.save(tmp_path / "run.h5")
+def scripts():
+    spec = importlib.util.spec_from_file_location(
+        "run_files", os.path.join(os.path.dirname(__file__), "_scripts", "run_files.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_version_2_file_without_its_digest_is_refused(tmp_path):
+    path = handmade_run().save(tmp_path / "run.h5")
     with h5py.File(path, "a") as f:
-        del f.attrs["digest"]  # as files written before the digest
+        del f.attrs["digest"]
+    with pytest.raises(lab.RunFileError, match=r"run\.h5.*no 'digest' attribute"):
+        lab.Run.load(path)
+
+
+def test_a_version_1_file_loads_as_it_was_written(tmp_path):
+    run = handmade_run()
+    path = scripts().save_version_1(run, tmp_path / "old.h5")
+    with h5py.File(path, "r") as f:
+        assert f.attrs["version"] == 1 and "digest" not in f.attrs
     assert_same_run(lab.Run.load(path), run)
+
+
+def test_a_version_2_file_has_nothing_variable_length(tmp_path):
+    path = handmade_run().save(tmp_path / "run.h5")
+    assert b"GCOL" not in open(path, "rb").read()  # no global heap: strings are codes and bytes
+    with h5py.File(path, "r") as f:
+        assert f.attrs["version"] == runfile.VERSION == 2
 
 
 def test_run_file_error_is_exported_and_load_wants_a_path(tmp_path):

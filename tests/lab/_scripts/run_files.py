@@ -90,6 +90,42 @@ class PlainRun:
         return self._events
 
 
+def save_version_1(run, path):
+    """Writes `run` as training-lab wrote run files before version 2: variable-length
+    strings (in HDF5's global heap), a mask of missing strings, no digest."""
+    import h5py
+    import numpy as np
+    import pandas as pd
+
+    with h5py.File(path, "w") as f:
+        f.attrs["format"] = "training-lab-run"
+        f.attrs["version"] = 1
+        f.attrs["name"] = str(run.name)
+        f.attrs["metadata"] = json.dumps(run.metadata, default=str)
+        f.attrs["written_by"] = json.dumps({"training-lab": "0.1.0"})
+        for table in ("batches", "epochs", "events"):
+            frame = getattr(run, table)()
+            group = f.create_group(table)
+            group.attrs["columns"] = json.dumps([str(c) for c in frame.columns])
+            group.attrs["length"] = len(frame)
+            for i, name in enumerate(frame.columns):
+                values = frame[name]
+                dtype = values.dtype
+                kind = ("bool" if pd.api.types.is_bool_dtype(dtype) else "int" if pd.api.types.is_integer_dtype(dtype)
+                        else "float" if pd.api.types.is_float_dtype(dtype) else "string")
+                if kind == "string":
+                    missing = values.isna().to_numpy(dtype=bool)
+                    text = ["" if gone else str(v) for v, gone in zip(values, missing)]
+                    dataset = group.create_dataset(f"c{i}", data=np.array(text, dtype=object),
+                                                   dtype=h5py.string_dtype("utf-8"))
+                    if missing.any():
+                        group.create_dataset(f"m{i}", data=missing)
+                else:
+                    dataset = group.create_dataset(f"c{i}", data=values.to_numpy())
+                dataset.attrs["kind"] = kind
+    return str(path)
+
+
 def save_forever(target, rows):
     runfile = runfile_module()
     run = PlainRun(int(rows))
