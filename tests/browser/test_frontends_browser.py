@@ -1,7 +1,7 @@
 """The quickstart in other front ends: Notebook 7 with the plotly view.
 
-Each front end gets a server of its own for this module, serving a copy of
-the quickstart with one cell added at the end that prints what the kernel
+Notebook 7 gets a server of its own for this module (conftest's
+`start_server`), serving a copy of the quickstart with one cell added at the end that prints what the kernel
 recorded (`dash.run.batches()`'s steps and losses) as JSON. The test runs all
 cells in the page, samples the Dashboard's loss chart at 4 Hz while `fit()`
 runs, and checks, from the page alone: the chart gained points during the
