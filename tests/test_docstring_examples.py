@@ -15,10 +15,11 @@ name to `SHARED` below, or fix the example. Examples that need two logical CPUs
 together in one fresh Python process.
 
 Files the examples read (`run.h5`, `best.weights.h5`, ...) are written into
-the example's own working directory before it runs.
+the example's own working directory before it runs. Examples that display run
+headless: widgets build without a front end, and `IPython.display.display`
+outside a kernel prints the object and returns None (no display handle).
 """
 
-import ast
 import builtins
 import importlib
 import inspect
@@ -37,7 +38,7 @@ import pytest
 
 PACKAGES = ("lab", "widgets")
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-EXAMPLE_BLOCK = re.compile(r"```python\n(.*?)```", re.S)
+EXAMPLE_BLOCK = re.compile(r"```python\n(.*?)```", re.DOTALL)
 
 FEATURES = 16  # flat 4x4 "images", so widgets.image_grid can draw x_test
 CLASSES = 3
@@ -78,7 +79,7 @@ def _own_doc(obj):
 
 
 def _members(cls):
-    for name, value in vars(cls).items():
+    for value in vars(cls).values():
         if isinstance(value, (staticmethod, classmethod)):
             value = value.__func__
         elif isinstance(value, property):
@@ -105,8 +106,8 @@ def _documented_objects():
         package = importlib.import_module(package_name)
         for name in package.__all__:
             obj = getattr(package, name)
-            if inspect.ismodule(obj):
-                continue  # walked below with the other submodules
+            if inspect.ismodule(obj) or obj.__module__.split(".")[0] not in PACKAGES:
+                continue  # submodules are walked below; a re-exported Keras name is not ours
             yield from visit(obj, sys.modules[obj.__module__])
     for module in _modules():
         yield from visit(module, module)
@@ -279,7 +280,7 @@ SHARED = {
     "y_train": lambda get: _Y,
     "x_test": lambda get: _X_VAL,
     "y_test": lambda get: _Y_VAL,
-    "x_big": lambda get: __import__("numpy").random.default_rng(1).random((3000, FEATURES), "float32"),
+    "x_big": lambda get: get("np").random.default_rng(1).random((3000, FEATURES), "float32"),
     "data": _batches,
     "dataset": _batches,
     "loss": _long_loss,
@@ -292,7 +293,7 @@ SHARED = {
     "loss_fn": lambda get: get("keras").losses.SparseCategoricalCrossentropy(),
     "train_step": _train_step,
     "recorder": lambda get: recorded(0.01),
-    "rec": lambda get: recorded(0.01),
+    "rec": lambda get: recorded(0.01),  # like every recorded run here: for reading only
     "slow": lambda get: recorded(0.01),
     "fast": lambda get: recorded(0.1),
     "run": lambda get: recorded(0.01).run,
@@ -338,7 +339,6 @@ def _names(source):
 
 def namespace(source, module_name):
     """The globals an example runs in: its module's, then the shared names it reads."""
-    tree = ast.parse(source)
     read, bound = _names(source)
     module_globals = vars(importlib.import_module(module_name))
     shared = {}
@@ -361,7 +361,7 @@ def namespace(source, module_name):
         if f'"{path}"' in source or f"'{path}'" in source:
             pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
             write(get)
-    return {**module_globals, "__name__": "__example__", **shared}, tree
+    return {**module_globals, "__name__": "__example__", **shared}
 
 
 def run_example(example_id):
@@ -377,8 +377,8 @@ def run_example(example_id):
     background.start = recording_start
     ns = {}
     try:
-        ns, tree = namespace(source, module_name)
-        exec(compile(tree, f"<example {example_id}>", "exec"), ns)
+        ns = namespace(source, module_name)
+        exec(compile(source, f"<example {example_id}>", "exec"), ns)  # noqa: S102 (running it is the test)
     finally:
         background.start = start
         # An example may leave fit() running on a thread (a notebook would go on); let it end here.
@@ -425,7 +425,7 @@ class TwoCpuProcess:
     def __init__(self, folder):
         self.folder = folder
         self.out = folder / "results.json"
-        self.log = open(folder / "output.txt", "w+")
+        self.log = open(folder / "output.txt", "w+")  # noqa: SIM115 (the process writes it until close())
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         self.process = subprocess.Popen(
             [sys.executable, "-c", _TWO_CPU_SCRIPT, __file__, str(self.out), *TWO_CPU_IDS],
