@@ -119,7 +119,7 @@ def as_breakpoints(value, argument="breakpoints"):
     Example:
 
     ```python
-    as_breakpoints(lambda row: row["loss"] > 10)   # [lab.Breakpoint(<lambda>)]
+    as_breakpoints(lambda row: row["loss"] > 10)   # [lab.Breakpoint('<lambda>')]
     ```
     """
     if value is None:
