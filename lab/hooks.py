@@ -325,11 +325,8 @@ class Hooks:
         if stack is not None:
             stack.base = None
             self._compose(stack)
-        elif not self._method_wrappers_left():
+        else:
             model.train_function = None
-
-    def _method_wrappers_left(self):
-        return any(stack.wrappers for stack in self._stacks.values() if stack.name != "train_function")
 
 
 def _current(target, name):

@@ -54,6 +54,16 @@ def scaled_norm(tensor):
     return tf.where(tf.math.is_finite(m), m * tf.sqrt(tf.reduce_sum(tf.square(x / safe))), m)
 
 
+def norms_of(tensors):
+    """The norms of several tensors (a 1-D float32 tensor), as `scaled_norm`
+    gives them but cheaper: plain sums of squares, and only when one of them
+    overflows, the scaled computation (one `tf.cond` for all)."""
+    tensors = [tf.cast(t, tf.float32) for t in tensors]
+    squares = tf.stack([tf.reduce_sum(tf.square(t)) for t in tensors])
+    return tf.cond(tf.reduce_all(tf.math.is_finite(squares)), lambda: tf.sqrt(squares),
+                   lambda: tf.stack([scaled_norm(t) for t in tensors]))
+
+
 def combined_norm(norms):
     """The norm of the concatenation of parts whose norms are `norms`
     (NaN entries are parts with no value), scaled as `scaled_norm`."""
@@ -607,18 +617,24 @@ class Probe:
             return
         record_gradients = self.gradients and not state.batch_gradients
         keys = self._keys(variables)
-        for index, variable in enumerate(variables):
-            key = keys[index]
-            grad = grads[index] if index < len(grads) else None
-            if record_gradients and grad is not None:
-                # Several applies of one optimizer in a step: the norm covers them all.
-                self._emit(state, f"grad_norm/{key}", scaled_norm(grad), combine=_hypot)
-            if self.weights:
-                norm = scaled_norm(variable.value)
-                self._emit(state, f"weight_norm/{key}", norm)
+        if record_gradients:
+            present = [i for i in range(min(len(grads), len(variables))) if grads[i] is not None]
+            if present:
+                norms = norms_of([grads[i] for i in present])
+                for position, i in enumerate(present):
+                    # Several applies of one optimizer in a step: the norm covers them all.
+                    self._emit(state, f"grad_norm/{keys[i]}", norms[position], combine=_hypot)
+        if self.weights and variables:
+            values = [tf.convert_to_tensor(v.value) for v in variables]
+            tensors = values
+            if before is not None:
+                tensors = values + [tf.cast(v, tf.float32) - tf.cast(b, tf.float32) for v, b in zip(values, before)]
+            norms = norms_of(tensors)
+            for index, key in enumerate(keys):
+                self._emit(state, f"weight_norm/{key}", norms[index])
                 if before is not None:
-                    delta = tf.cast(tf.convert_to_tensor(variable.value), tf.float32) - tf.cast(before[index], tf.float32)
-                    self._emit(state, f"update_ratio/{key}", tf.math.divide_no_nan(scaled_norm(delta), norm))
+                    ratio = tf.math.divide_no_nan(norms[len(values) + index], norms[index])
+                    self._emit(state, f"update_ratio/{key}", ratio)
 
     def _metric_totals(self):
         totals = {}
