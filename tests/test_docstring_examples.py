@@ -462,7 +462,7 @@ def two_cpu_process(tmp_path_factory):
 
 
 def _two_cpu_examples_selected(session):
-    return any(_base(getattr(item, "callspec", None).params.get("example_id", "")) in NEEDS_TWO_CPUS
+    return any(_base(item.callspec.params.get("example_id", "")) in NEEDS_TWO_CPUS
                for item in session.items if hasattr(item, "callspec"))
 
 
