@@ -371,9 +371,10 @@ class Dashboard(keras.callbacks.Callback):
         """Redraws the view from the run: one plotly update, or one HTML update, and the header line.
 
         Args:
-            final: bool, the last refresh of a training: the HTML view sends
-                it whatever its throttle says, with a status line that holds
-                no timings.
+            final: bool, a refresh that must show (a status change, the end
+                of training): the HTML view sends it whatever its throttle
+                says; once training has ended its status line holds no
+                timings.
         """
         if self._view_failed:
             return
@@ -386,7 +387,7 @@ class Dashboard(keras.callbacks.Callback):
             if view.kind == "html":
                 if self._ghost is not None:
                     data.loss.insert(1, self._ghost)
-                if final:
+                if self.status in _TERMINAL:
                     status = self._static_status_html()
             view.send(data, status, final=final)
             self.header.value = self._header_html()
@@ -400,6 +401,8 @@ class Dashboard(keras.callbacks.Callback):
 
     def _on_status(self, status, detail):
         self.header.value = self._header_html()
+        if status not in _TERMINAL and self._html_view():
+            self.refresh(final=True)  # the page holds the status line: show the change now
         if status in _TERMINAL:
             self.refresh(final=True)
             if self._handles or self._final_views:

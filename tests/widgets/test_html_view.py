@@ -209,3 +209,17 @@ def test_run_compare_draws_its_overlay_as_html(make_run):
         float(fast.column("grad_norm/m/dense/kernel")[-1]), rel=1e-6)
     with pytest.raises(ValueError, match="'auto', 'plotly', 'html'"):
         widgets.RunCompare([fast], view="svg")
+
+
+def test_a_status_change_shows_at_once_in_the_html_view(digits, make_model, notebook):
+    import lab
+
+    (x, y), _ = digits
+    at_step_5 = lab.Breakpoint(lambda row: row["step"] >= 5, name="step 5")
+    dashboard = widgets.Dashboard(gradients=False, view="html", breakpoints=[at_step_5], refresh_every=60)
+    make_model().fit(x, y, epochs=2, batch_size=32, callbacks=[dashboard], verbose=0)
+    pages = [b["text/html"] for b in notebook[0].shown]
+    # Throttled to one update a minute, yet the hit and the stop each showed when they happened.
+    assert any("breakpoint" in p and "step 5 at step 5" in p for p in pages)
+    assert "(stopped: step 5 at step 5), 6 steps" in pages[-1]
+    assert polyline(pages[-1], "loss")[0] == 6
