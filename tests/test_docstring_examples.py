@@ -422,13 +422,13 @@ with open(sys.argv[2], "w") as f:
 class TwoCpuProcess:
     """The NEEDS_TWO_CPUS examples, run in one fresh process while the others run here."""
 
-    def __init__(self, folder):
+    def __init__(self, folder, ids):
         self.folder = folder
         self.out = folder / "results.json"
         self.log = open(folder / "output.txt", "w+")  # noqa: SIM115 (the process writes it until close())
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         self.process = subprocess.Popen(
-            [sys.executable, "-c", _TWO_CPU_SCRIPT, __file__, str(self.out), *TWO_CPU_IDS],
+            [sys.executable, "-c", _TWO_CPU_SCRIPT, __file__, str(self.out), *ids],
             cwd=folder, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self._results = None
 
@@ -454,16 +454,16 @@ class TwoCpuProcess:
         self.log.close()
 
 
+def _selected_two_cpu_examples(session):
+    return [item.callspec.params["example_id"] for item in session.items
+            if hasattr(item, "callspec") and _base(item.callspec.params.get("example_id", "")) in NEEDS_TWO_CPUS]
+
+
 @pytest.fixture(scope="module")
-def two_cpu_process(tmp_path_factory):
-    process = TwoCpuProcess(tmp_path_factory.mktemp("two-cpus"))
+def two_cpu_process(tmp_path_factory, request):
+    process = TwoCpuProcess(tmp_path_factory.mktemp("two-cpus"), _selected_two_cpu_examples(request.session))
     yield process
     process.close()
-
-
-def _two_cpu_examples_selected(session):
-    return any(_base(item.callspec.params.get("example_id", "")) in NEEDS_TWO_CPUS
-               for item in session.items if hasattr(item, "callspec"))
 
 
 # The two-CPU examples last: their process starts with the first example and runs meanwhile.
@@ -471,7 +471,7 @@ def _two_cpu_examples_selected(session):
 def test_example_runs(example_id, tmp_path, monkeypatch, request):
     if _base(example_id) in CANNOT_RUN:
         pytest.skip(CANNOT_RUN[_base(example_id)])
-    if _two_cpu_examples_selected(request.session):
+    if _selected_two_cpu_examples(request.session):
         two_cpus = request.getfixturevalue("two_cpu_process")
     if _base(example_id) in NEEDS_TWO_CPUS:
         error = two_cpus.error(example_id)
