@@ -36,7 +36,8 @@ class Lab(ipywidgets.VBox):
     """One panel to train a model and look inside: charts, modes, stepping, devices.
 
     Run / Pause / Continue / Stop above four tabs: **Training** (the live
-    Dashboard), **Modes** (eager / graph / XLA, and Compare), **Stepper**
+    Dashboard: its plotly chart, or on Colab and in VS Code its HTML view as
+    SVG in a core widget), **Modes** (eager / graph / XLA, and Compare), **Stepper**
     (step `train_step` by hand while no training runs; when a breakpoint
     pauses training it opens here on the batch that hit, with the model as
     before that batch, and its Continue resumes `fit()`), **Devices** (the
@@ -56,6 +57,8 @@ class Lab(ipywidgets.VBox):
         build_model: callable or None, a factory returning a compiled model,
             for the DevicePicker (it builds under the chosen strategy's scope;
             the panel then trains that model).
+        view: str, where the Training tab's charts render: `"auto"`,
+            `"plotly"` or `"html"`, as `widgets.Dashboard(view=...)` takes it.
         **fit_options: passed to every `fit()` (`shuffle`, `class_weight`, ...).
 
     Example:
@@ -69,7 +72,7 @@ class Lab(ipywidgets.VBox):
     """
 
     def __init__(self, model, data, batch_size=32, epochs=1, validation_data=None, gradients=True,
-                 breakpoints=None, build_model=None, **fit_options):
+                 breakpoints=None, build_model=None, view="auto", **fit_options):
         if model is None and build_model is None:
             raise ValueError("Lab needs a compiled model, or build_model= (a function that builds one).")
         if model is not None and not isinstance(model, keras.Model):
@@ -89,7 +92,8 @@ class Lab(ipywidgets.VBox):
         # batch too makes a device breakpoint's hit pause on its own batch,
         # not on whichever later batch the next block read happens at.
         flush_every = 0.0 if self.breakpoints else 0.25
-        self.dashboard = Dashboard(gradients=gradients, breakpoints=self.breakpoints, flush_every=flush_every)
+        self.dashboard = Dashboard(gradients=gradients, breakpoints=self.breakpoints, flush_every=flush_every,
+                                   view=view)
         # Shown inside this panel: the Dashboard's final view redraws the
         # panel's output instead of making a second one.
         self.dashboard.show_inside(self._show_final_view)

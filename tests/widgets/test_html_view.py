@@ -143,6 +143,9 @@ def test_the_lab_panel_charts_through_the_html_view(plain_jupyter, digits, make_
     chart = panel.tabs.children[0]
     assert chart is panel.dashboard.widget and chart.children == (panel.dashboard.chart_html,)
     assert polyline(panel.dashboard.chart_html.value, "loss")[0] == len(panel.run) == 5
+    assert widgets.Lab(make_model(), (x, y), view="html", breakpoints=()).dashboard.chart is None
+    with pytest.raises(ValueError, match="'auto', 'plotly', 'html'"):
+        widgets.Lab(make_model(), (x, y), view="svg")
 
 
 # ---- the view itself ---------------------------------------------------------------
