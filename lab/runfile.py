@@ -129,6 +129,7 @@ def save(run, path):
 
     Raises:
         TypeError: `path` is not a path.
+        ValueError: `path` is empty.
         IsADirectoryError, NotADirectoryError, PermissionError: `path` names a
             folder, lies under a regular file, or cannot be written; the
             message says which.
@@ -140,6 +141,7 @@ def save(run, path):
     ```
     """
     h5py = _h5py()
+    given = path
     path = _checked_target(path)
     folder = os.path.dirname(path)
     remove_stale_temporaries(folder)
@@ -182,7 +184,7 @@ def save(run, path):
     finally:
         with _writing_lock:
             _writing.discard(temporary)
-    return path
+    return os.fspath(given)
 
 
 def _checked_target(path):
