@@ -45,7 +45,8 @@ def html_page(data, status="", width=640):
     html_page(chart_data(run), "<b>finished</b>")
     ```
     """
-    return f'<div class="training-lab-dashboard training-lab-html-view">{status}{static.charts_html(data, width)}</div>'
+    charts = static.charts_html(data, width, raster=True)
+    return f'<div class="training-lab-dashboard training-lab-html-view">{status}{charts}</div>'
 
 
 class HtmlView:

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from widgets.stepper_panel import png_bytes
+from widgets.png import png_bytes
 
 
 def image_grid(rows, scale=4, gap=1, low=0.0, high=1.0):

@@ -10,11 +10,13 @@ inside `<svg>` elements, so one sanitizer line (`SANITIZE_SVG`) makes the
 HTML comparable; the text around the charts is deterministic.
 """
 
+import base64
 import html
 
 import numpy as np
 
 from widgets.downsampling import downsample
+from widgets.png import png_bytes
 
 SANITIZE_SVG = r"<svg[\s\S]*?</svg>"
 POINTS = 400
@@ -116,8 +118,17 @@ def line_chart(series, title, width=640, height=200, log_y=False, right=()):
     return "".join(parts + ["</svg>"])
 
 
-def heatmap_chart(heat, title, width=640, height=None):
+def heatmap_chart(heat, title, width=640, height=None, raster=False):
     """An SVG layer x step heatmap of `widgets.series.Heatmap` (log10 values, viridis-like).
+
+    Args:
+        heat: `widgets.series.Heatmap`.
+        title: str, drawn above the plot.
+        width: int, pixels.
+        height: int or None, pixels (from the number of layers when None).
+        raster: bool, draw the cells as one embedded PNG (one pixel per
+            cell, a few kB) instead of one `<rect>` each (about 65 bytes a
+            cell): what the live HTML view sends several times a second.
 
     Returns:
         str, an `<svg>` element.
@@ -137,13 +148,16 @@ def heatmap_chart(heat, title, width=640, height=None):
     finite = heat.z[np.isfinite(heat.z)]
     lo, hi = (float(finite.min()), float(finite.max())) if len(finite) else (0.0, 1.0)
     span = max(hi - lo, 1e-9)
-    column_of = {float(c): i for i, c in enumerate(columns)}
-    for x, y, z in zip(heat.x, heat.y, heat.z):
-        if not np.isfinite(z):
-            continue
-        px = x0 + column_of[float(x)] * cell_px
-        py = y_top + int(y) * row_px
-        parts.append(f'<rect x="{px:.1f}" y="{py:.1f}" width="{cell_px + 0.5:.1f}" height="{row_px:.1f}" fill="{_viridis((z - lo) / span)}"/>')
+    if raster:
+        parts.append(_cells_image(heat, columns, lo, span, x0, x1, y_top, row_px * rows))
+    else:
+        column_of = {float(c): i for i, c in enumerate(columns)}
+        for x, y, z in zip(heat.x, heat.y, heat.z):
+            if not np.isfinite(z):
+                continue
+            px = x0 + column_of[float(x)] * cell_px
+            py = y_top + int(y) * row_px
+            parts.append(f'<rect x="{px:.1f}" y="{py:.1f}" width="{cell_px + 0.5:.1f}" height="{row_px:.1f}" fill="{_viridis((z - lo) / span)}"/>')
     for i, layer in enumerate(heat.layers):
         name = layer if len(layer) <= 22 else "…" + layer[-21:]
         parts.append(f'<text x="{label_px - 4}" y="{y_top + (i + 0.6) * row_px:.1f}" text-anchor="end" font-size="10">{html.escape(name)}</text>')
@@ -154,14 +168,20 @@ def heatmap_chart(heat, title, width=640, height=None):
     return "".join(parts + ["</svg>"])
 
 
-def charts_html(data, width=640):
-    """The SVG charts of a `ChartData` as one HTML fragment (what the Dashboard shows statically)."""
+def charts_html(data, width=640, raster=False):
+    """The SVG charts of a `ChartData` as one HTML fragment (what the Dashboard shows statically).
+
+    Args:
+        data: `widgets.series.ChartData`.
+        width: int, pixels per chart.
+        raster: bool, the heatmap's cells as one PNG (see `heatmap_chart`).
+    """
     metrics = [s.name for s in data.metrics]
     parts = [line_chart(data.loss + data.metrics, "loss and metrics per batch (points: validation)",
                         width=width, right=metrics)]
     if data.gradients:
         parts.append(line_chart(data.gradients, "gradient norm per layer (log scale)", width=width, log_y=True))
-        parts.append(heatmap_chart(data.heatmap, "log10 gradient norm, layer x step", width=width))
+        parts.append(heatmap_chart(data.heatmap, "log10 gradient norm, layer x step", width=width, raster=raster))
     if data.update_ratios:
         parts.append(line_chart(data.update_ratios, "update / weight norm per layer (log scale)",
                                 width=width, log_y=True))
@@ -193,7 +213,27 @@ def _legend(i, name, color, x0):
             f'<text x="{x + 11}" y="{y}" font-size="10">{html.escape(name[:20])}</text>')
 
 
+def _cells_image(heat, columns, lo, span, x0, x1, y_top, height):
+    """The heatmap's cells as one `<image>`: a PNG of one pixel per (layer, step column), scaled up."""
+    grid = np.full((max(1, len(heat.layers)), len(columns)), np.nan)
+    grid[heat.y.astype(np.int64), np.searchsorted(columns, heat.x)] = heat.z
+    pixels = _viridis_array((grid - lo) / span)
+    pixels[~np.isfinite(grid)] = 255  # no value: left white, as the vector form leaves it
+    data = base64.b64encode(png_bytes(pixels)).decode("ascii")
+    return (f'<image x="{x0}" y="{y_top}" width="{x1 - x0}" height="{height:.1f}" preserveAspectRatio="none" '
+            f'style="image-rendering:pixelated" href="data:image/png;base64,{data}"/>')
+
+
 _VIRIDIS = ((68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37))
+
+
+def _viridis_array(t):
+    """`_viridis` of every value of `t` at once: (..., 3) uint8 (NaN maps anywhere; mask it)."""
+    stops = np.asarray(_VIRIDIS, np.float64)
+    t = np.clip(np.nan_to_num(np.asarray(t, np.float64)), 0.0, 1.0) * (len(stops) - 1)
+    i = np.minimum(t.astype(np.int64), len(stops) - 2)
+    f = (t - i)[..., None]
+    return np.round(stops[i] + (stops[i + 1] - stops[i]) * f).astype(np.uint8)
 
 
 def _viridis(t):

@@ -1,14 +1,13 @@
 """StepperPanel: buttons and views over a `lab.Stepper`, one step at a time."""
 
 import html
-import struct
-import zlib
 
 import ipywidgets
 import numpy as np
 import plotly.graph_objects as go
 
 from lab.stepper import Stepper, trace_condition
+from widgets.png import png_bytes
 
 MAX_ITEMS = 16  # batch rows or images shown
 MAX_HISTOGRAM_VALUES = 5000  # gradient values sent for the histogram
@@ -227,20 +226,6 @@ def weights_html(trace):
                     f"<td>{delta:.3g}</td><td>{ratio:.2e}</td></tr>")
     head = "<tr><th>variable</th><th>|gradient|</th><th>|weight|</th><th>|change|</th><th>change/weight</th></tr>"
     return f"<table>{head}{''.join(rows)}</table>"
-
-
-def png_bytes(image):
-    """A PNG file of a 2-D (gray) or (h, w, 3) uint8 image; no imaging library needed."""
-    image = np.ascontiguousarray(image, np.uint8)
-    height, width = image.shape[:2]
-    color = 2 if image.ndim == 3 else 0
-    raw = b"".join(b"\x00" + image[row].tobytes() for row in range(height))
-
-    def chunk(tag, data):
-        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
-
-    header = struct.pack(">IIBBBBB", width, height, 8, color, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
 
 
 def _as_images(x):

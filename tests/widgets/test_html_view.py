@@ -14,8 +14,8 @@ from widgets.html_view import HtmlView, html_page
 from widgets.series import ChartState, chart_data
 from widgets.views import choose_view, frontend
 
-# One refresh of the HTML view, whatever the run's length (2 layers of gradients here).
-PAGE_BOUND = 120_000
+# One refresh of the HTML view, whatever the run's length (2 layers of gradients here: about 22 kB).
+PAGE_BOUND = 40_000
 
 
 class FakeHandle:
@@ -226,3 +226,30 @@ def test_a_status_change_shows_at_once_in_the_html_view(digits, make_model, note
     assert any("breakpoint" in p and "step 5 at step 5" in p for p in pages)
     assert "(stopped: step 5 at step 5), 6 steps" in pages[-1]
     assert polyline(pages[-1], "loss")[0] == 6
+
+
+def test_the_live_heatmap_is_one_png_of_a_pixel_per_cell_in_the_colors_of_the_static_one(make_run):
+    import base64
+    import struct
+    import zlib
+
+    from widgets import static
+
+    data = chart_data(make_run(300), heatmap_bins=50)
+    page = html_page(data)
+    assert page.count("<image") == 1 and "<rect" not in page.split("log10 gradient norm")[1]
+    encoded = re.search(r'href="data:image/png;base64,([^"]+)"', page).group(1)
+    png = base64.b64decode(encoded)
+    width, height = struct.unpack(">II", png[16:24])
+    columns = np.unique(data.heatmap.x)
+    assert (height, width) == (len(data.heatmap.layers), len(columns))
+    # Unfiltered RGB rows (as widgets.png writes them): compare each pixel with the vector form's fill.
+    start = png.index(b"IDAT") + 4
+    length = struct.unpack(">I", png[start - 8:start - 4])[0]
+    raw = zlib.decompress(png[start:start + length])
+    pixels = np.frombuffer(raw, np.uint8).reshape(height, 1 + 3 * width)[:, 1:].reshape(height, width, 3)
+    vector = static.heatmap_chart(data.heatmap, "h")
+    fills = re.findall(r'<rect x="[^"]+" y="[^"]+" width="[^"]+" height="[^"]+" fill="#([0-9a-f]{6})"', vector)
+    for (x, y), fill in zip(zip(data.heatmap.x, data.heatmap.y), fills):
+        r, g, b = pixels[int(y), int(np.searchsorted(columns, x))]
+        assert f"{r:02x}{g:02x}{b:02x}" == fill
