@@ -745,6 +745,7 @@ def _read_strings(group, i, dataset, length, column, reader):
     # more text than the file holds: read in blocks that decode at most
     # _STRING_BLOCK_BYTES (by the largest string in the file's heaps), and stop
     # once more text was decoded than the file could hold distinct.
+    _check_string_lengths(dataset, length, column, reader)
     block = max(1, min(1 << 16, _STRING_BLOCK_BYTES // reader.largest_string))
     limit = 16 * reader.size + (1 << 20)
     decoded, values = 0, []
@@ -757,6 +758,26 @@ def _read_strings(group, i, dataset, length, column, reader):
                         "distinct; the file is damaged.")
         values.extend(cells)
     return values, missing
+
+
+def _check_string_lengths(dataset, length, column, reader):
+    """Refuses cells that declare strings longer than any in the file's heaps.
+
+    HDF5 allocates the length a variable-length cell declares (up to 4 GiB)
+    before it finds the heap object does not match; the cells of a contiguous
+    dataset are read from the file first and checked here.
+    """
+    offset = dataset.id.get_offset()
+    if offset is None or not length:
+        return  # compact or unallocated: nothing on disk to look at
+    address_size = dataset.file.id.get_create_plist().get_sizes()[0]
+    cell = np.dtype([("length", "<u4"), ("collection", f"V{address_size}"), ("index", "<u4")])
+    with open(reader.path, "rb") as file:
+        file.seek(offset)
+        cells = np.frombuffer(file.read(length * cell.itemsize), dtype=cell)
+    if len(cells) == length and cells["length"].max() > reader.largest_string:
+        reader.fail(f"{column} declares a string of {int(cells['length'].max())} bytes, longer than any "
+                    "in the file; the file is damaged.")
 
 
 def _records(columns):
