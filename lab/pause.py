@@ -139,9 +139,17 @@ class PauseController(keras.callbacks.Callback):
             self.recorder.add_breakpoint_listener(self._on_breakpoint)
 
     def on_train_end(self, logs=None):
+        self.release()
+
+    def release(self):
+        """Stops listening to the recorder's breakpoints; call it when fit() ends by an exception.
+
+        Keras calls no `on_train_end` when `fit()` raises, so whoever runs
+        `fit()` calls this in a `finally`. A later `fit()` of the same
+        recorder without this controller then stops on a hit as usual.
+        """
         self._hit = None
         if self.recorder is not None:
-            # A later fit() of the same recorder, without this controller, stops on a hit.
             self.recorder.remove_breakpoint_listener(self._on_breakpoint)
 
     def _on_breakpoint(self, step, detail):

@@ -146,6 +146,8 @@ class BackgroundFit:
             self.error = error
             self._set_state("failed", f"{type(error).__name__}: {error}")
             return
+        finally:
+            self.controller.release()
         self._set_state("stopped" if self.controller.stop_requested else "finished",
                         self.controller.detail or self.detail)
 

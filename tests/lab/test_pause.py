@@ -158,3 +158,23 @@ def test_find_recorder_looks_inside_a_view_that_holds_one():
     assert find_recorder([recorder]) is recorder
     assert find_recorder([keras.callbacks.History()]) is None
     assert PauseController().callbacks([])[0].__class__ is lab.ModeSwitcher
+
+
+def test_released_after_a_failed_fit_the_controller_hears_no_later_hit():
+    model = make_model()
+    recorder = lab.Recorder(breakpoints=[lab.Breakpoint(lambda row: row["step"] == 9)])
+
+    class Failing(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 2:
+                raise RuntimeError("a callback failed")
+
+    controller = PauseController(recorder)
+    with pytest.raises(RuntimeError, match="a callback failed"):
+        try:
+            model.fit(X, Y, batch_size=8, epochs=1, verbose=0, callbacks=controller.callbacks([recorder, Failing()]))
+        finally:
+            controller.release()  # Keras calls no on_train_end after an exception
+    model.fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[recorder])
+    assert recorder.status == "stopped"  # the hit at step 9 stopped this fit() ...
+    assert controller.last_hit is None  # ... without reaching the released controller
