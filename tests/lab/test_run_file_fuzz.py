@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,10 +31,13 @@ ENVIRONMENT = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and kill -9: Linux")
 
 
-def load_in_subprocess(paths, reference="-", timeout=120):
-    """{path: outcome row} for each file, loaded under the memory cap."""
-    done = subprocess.run([sys.executable, SCRIPT, "load", str(MEMORY_CAP_MB), str(reference), *map(str, paths)],
-                          capture_output=True, text=True, timeout=timeout, env=ENVIRONMENT)
+def load_in_subprocess(paths, reference="-", timeout=120, opened_log=None):
+    """{path: outcome row} for each file, loaded under the memory cap (with
+    `opened_log`, under strace, which writes there every file the loader opens)."""
+    command = [sys.executable, SCRIPT, "load", str(MEMORY_CAP_MB), str(reference), *map(str, paths)]
+    if opened_log is not None:
+        command = ["strace", "-f", "-qq", "-e", "trace=open,openat,openat2", "-o", str(opened_log), *command]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=ENVIRONMENT)
     rows = {row["path"]: row for row in map(json.loads, done.stdout.splitlines())}
     missing = [str(p) for p in paths if str(p) not in rows]
     assert done.returncode == 0 and not missing, (
@@ -109,10 +113,10 @@ def test_bit_flips_and_truncations_load_equal_or_raise_naming_the_file(recorded,
 
 def hostile_files(folder, base):
     """name -> path of files that try to read other files or exhaust memory."""
-    secret = folder / "secret.h5"
+    secret = folder / "linked-target.h5"
     with h5py.File(secret, "w") as f:
         f["data"] = np.arange(4, dtype=np.float32)
-    (folder / "secret.bin").write_bytes(np.arange(4, dtype=np.float32).tobytes())
+    (folder / "linked-raw.bin").write_bytes(np.arange(4, dtype=np.float32).tobytes())
     made = {}
 
     def variant(name, change):
@@ -145,7 +149,7 @@ def hostile_files(folder, base):
 
     def external_storage(f):
         replace_column(f, lambda g, n: g.create_dataset(
-            "c5", shape=(n,), dtype=np.float32, external=[(str(folder / "secret.bin"), 0, 4 * n)]))
+            "c5", shape=(n,), dtype=np.float32, external=[(str(folder / "linked-raw.bin"), 0, 4 * n)]))
         f["batches/c5"].attrs["kind"] = "float"
 
     def huge_rows(f):
@@ -207,17 +211,31 @@ def test_links_virtual_datasets_huge_shapes_and_filters_are_refused_quickly_unde
     made = hostile_files(tmp_path, recorded)
     assert set(made) == set(EXPECTED)
     started = time.perf_counter()
-    rows = load_in_subprocess(made.values())
+    traced = shutil.which("strace") is not None and _strace_works(tmp_path)
+    rows = load_in_subprocess(made.values(), opened_log=tmp_path / "opened.log" if traced else None)
     assert time.perf_counter() - started < 30
+    if traced:  # the files they point at were never opened
+        opened = (tmp_path / "opened.log").read_text()
+        assert "linked-" not in opened, [line for line in opened.splitlines() if "linked-" in line][:3]
     for name, path in made.items():
         row = rows[str(path)]
         assert row["outcome"] == "RunFileError", (name, row)
         assert str(path) in row["message"]
         assert re.search(EXPECTED[name], row["message"]), (name, row["message"])
         assert row["seconds"] < 2, (name, row)
-    # In this process too: the exported error, and nothing of secret.h5 read.
+    # In this process too: the exported error.
     with pytest.raises(lab.RunFileError, match="external link"):
         lab.Run.load(made["external_link"])
+
+
+def _strace_works(folder):
+    # strace needs ptrace, which some containers forbid.
+    try:
+        done = subprocess.run(["strace", "-qq", "-o", str(folder / "probe.log"), sys.executable, "-c", "pass"],
+                              capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
 
 
 def test_a_kill_during_saves_keeps_the_target_and_the_next_save_leaves_no_temporary_files(tmp_path):
