@@ -109,6 +109,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
     def set_model(self, model):
         # Called by fit() before make_train_function(): install hooks now so the
         # train function is traced with them, once.
+        self.run.claim_model(model)  # one run records one model
         super().set_model(model)
         try:
             self._attach(model, compat.calling_callback_list(depth=2))

@@ -91,12 +91,9 @@ class Lab(ipywidgets.VBox):
         # (a host copy per batch anyway); reading the device rows after every
         # batch too makes a device breakpoint's hit pause on its own batch,
         # not on whichever later batch the next block read happens at.
-        flush_every = 0.0 if self.breakpoints else 0.25
-        self.dashboard = Dashboard(gradients=gradients, breakpoints=self.breakpoints, flush_every=flush_every,
-                                   view=view)
-        # Shown inside this panel: the Dashboard's final view redraws the
-        # panel's output instead of making a second one.
-        self.dashboard.show_inside(self._show_final_view)
+        self._dashboard_options = dict(gradients=gradients, breakpoints=self.breakpoints,
+                                       flush_every=0.0 if self.breakpoints else 0.25, view=view)
+        self.dashboard = self._make_dashboard()
         self.training = None
         self.stepper_panel = None
         self._handles = []
@@ -234,11 +231,21 @@ class Lab(ipywidgets.VBox):
             self._say("Stop training before switching to the model just built.")
             return
         self.model = model
+        if len(self.dashboard.run):
+            # One run records one model: the model just built gets a run and chart of its own.
+            self.dashboard = self._make_dashboard()
         self.mode_switch = ModeSwitch(model, data=self.data, batch_size=self.batch_size)
-        self.tabs.children = (self.tabs.children[0], self.mode_switch, *self.tabs.children[2:])
+        self.tabs.children = (self.dashboard.widget, self.mode_switch, *self.tabs.children[2:])
         self._close_stepper()
         if self.picker is not None and self.training is not None:
             self._say(f"The next Run trains {html.escape(model.name)}.")
+
+    def _make_dashboard(self):
+        dashboard = Dashboard(**self._dashboard_options)
+        # Shown inside this panel: the Dashboard's final view redraws the
+        # panel's output instead of making a second one.
+        dashboard.show_inside(self._show_final_view)
+        return dashboard
 
     def _stepper_intro(self):
         note = ipywidgets.HTML(
