@@ -1,21 +1,43 @@
-"""What watching costs: fit() with the lab's callbacks against bare fit().
+"""What watching costs: fit() with the lab's callbacks (and others') against bare fit().
 
-Every configuration runs in this one process, interleaved and repeated, and is
-reported as the median ratio of its fit time to bare `fit(verbose=0)` measured
-in the same round (configurations in a shuffled order each round), and as the
-ratio of its fastest fit to the fastest bare fit (the machines are shared and noisy: absolute times from
-different runs are not comparable). Tracing is excluded: each configuration
-first runs a warm-up fit with the same callbacks on the same model.
+Every configuration runs in this one process, each on its own copy of the
+model, interleaved and repeated: in each round every configuration runs one
+fit in a shuffled order, and each is reported as the median over the rounds
+of its fit time divided by bare `fit(verbose=0)`'s time in the same round
+(beside it, the ratio of its fastest fit to the fastest bare fit: noise from
+other work only ever adds time, so on a busy machine the minimum is the least
+disturbed figure), and as the median ratio of the process's CPU time, which
+other processes disturb less than wall time (it counts every thread of this
+process, TensorFlow's pools included). The machines are shared and noisy:
+absolute times from different runs are not comparable, and the load averages
+are printed with the table. Tracing is excluded: each configuration first runs a warm-up fit with
+the same callbacks on the same model.
+
+Rows: a per-batch `float(logs)` callback, TensorBoard(update_freq="batch"),
+TensorBoard with histogram_freq=1, livelossplot (only if it is installed),
+`lab.Recorder()`, `widgets.Dashboard(gradients=True)` (headless: its widget
+messages go to a comm that drops them), `lab.Recorder(gradients=True,
+weights=True)`. Columns: steps_per_execution 1 and 32. Models: the MLP
+64-256-256-10, a small CNN and a deep MLP of 25 Dense layers (50 variables),
+batch 64, 624 steps per fit (3 epochs of 208 batches). Then `lab.watch` on a
+hand-written `tf.function` loop against the same loop unwatched
+(`benchmarks/watch_overhead.py`).
 
 Usage:
-    python benchmarks/overhead.py             # full: MLP and CNN, 7 rounds
-    python benchmarks/overhead.py --quick     # CI's short form
+    python benchmarks/overhead.py                       # full: 3 models, 7 rounds, and lab.watch
+    python benchmarks/overhead.py --quick               # the short form: MLP, fewer steps and rounds
+    python benchmarks/overhead.py --json out.json       # also write the figures as JSON
+    python benchmarks/overhead.py --models mlp --rounds 5 --no-watch
 """
 
 import argparse
+import json
 import os
+import platform
 import random
+import shutil
 import statistics
+import sys
 import tempfile
 import time
 
@@ -23,8 +45,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
 import lab  # noqa: E402
+
+BATCH_SIZE = 64
+SPES = (1, 32)
 
 
 class StoreFloats(keras.callbacks.Callback):
@@ -48,84 +74,215 @@ def make_cnn():
                              keras.layers.Dense(10)])
 
 
-def dashboard():
-    """A Dashboard whose refreshes go to a comm that records instead of sending."""
+def make_deep():
+    """25 Dense layers, 50 variables: where per-variable statistics cost most."""
+    layers = [keras.Input((64,))] + [keras.layers.Dense(64, activation="relu") for _ in range(24)]
+    return keras.Sequential(layers + [keras.layers.Dense(10)])
+
+
+MODELS = {
+    "mlp": ("MLP 64-256-256-10", make_mlp, True),
+    "cnn": ("CNN (2 Conv2D 16 + Dense)", make_cnn, False),
+    "deep": ("deep MLP (25 Dense, 50 variables)", make_deep, True),
+}
+
+
+def headless_comms():
+    """Widgets send into comms that drop messages (serialised as in a kernel, never sent)."""
     import comm
     from comm.base_comm import BaseComm
 
-    class Recording(BaseComm):
-        kernel = "recording"
+    class Dropping(BaseComm):
+        kernel = "headless"  # ipywidgets only serialises for a comm with a kernel
 
         def publish_msg(self, *args, **kwargs):
             pass
 
-    comm.create_comm = lambda *a, **k: Recording(**k)
+    comm.create_comm = lambda *a, **k: Dropping(**k)
+
+
+def dashboard():
+    headless_comms()
     import widgets
 
-    dash = widgets.Dashboard(gradients=True)
-    return dash
+    return widgets.Dashboard(gradients=True)
 
 
-CONFIGS = {
-    "bare fit": lambda: [],
-    "Recorder()": lambda: [lab.Recorder()],
-    "Recorder(gradients, weights)": lambda: [lab.Recorder(gradients=True, weights=True)],
-    "Dashboard(gradients)": lambda: [dashboard()],
-    "TensorBoard(update_freq=batch)": lambda: [
-        keras.callbacks.TensorBoard(tempfile.mkdtemp(prefix="tb-"), update_freq="batch")
-    ],
-    "per-batch float(logs)": lambda: [StoreFloats()],
-}
+def livelossplot_callback():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from livelossplot import PlotLossesKeras
+
+    return PlotLossesKeras()
 
 
-def measure(build, flat, steps_per_execution, rounds, samples, epochs):
+def has_livelossplot():
+    try:
+        import livelossplot  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def configs(tmp):
+    """name -> () -> list of callbacks. "bare fit" first; it is the reference."""
+    found = {
+        "bare fit": lambda: [],
+        'a per-batch `float(logs)` callback': lambda: [StoreFloats()],
+        'TensorBoard(update_freq="batch")': lambda: [
+            keras.callbacks.TensorBoard(tempfile.mkdtemp(prefix="tb-", dir=tmp), update_freq="batch")],
+        "TensorBoard + histogram_freq=1": lambda: [
+            keras.callbacks.TensorBoard(tempfile.mkdtemp(prefix="tb-", dir=tmp), update_freq="batch",
+                                        histogram_freq=1)],
+    }
+    if has_livelossplot():
+        found["livelossplot"] = lambda: [livelossplot_callback()]
+    found.update({
+        "`lab.Recorder()`": lambda: [lab.Recorder()],
+        "`widgets.Dashboard(gradients=True)`": lambda: [dashboard()],
+        "`lab.Recorder(gradients=True, weights=True)`": lambda: [lab.Recorder(gradients=True, weights=True)],
+    })
+    return found
+
+
+def data(flat, batches):
     (x, y), _ = lab.datasets.digits(flat=flat)
+    samples = batches * BATCH_SIZE
     repeat = int(np.ceil(samples / len(x)))
-    x, y = np.concatenate([x] * repeat)[:samples], np.concatenate([y] * repeat)[:samples]
+    return np.concatenate([x] * repeat)[:samples], np.concatenate([y] * repeat)[:samples]
+
+
+def measure(build, flat, steps_per_execution, rounds, batches, epochs, tmp, seed=0):
+    """Median and fastest ratios to bare fit, per configuration, at one steps_per_execution."""
+    x, y = data(flat, batches)
+    found = configs(tmp)
     models, callbacks = {}, {}
-    for name, make in CONFIGS.items():
+    for name, make in found.items():
         keras.utils.set_random_seed(0)
         model = build()
-        model.compile("adam", "sparse_categorical_crossentropy", steps_per_execution=steps_per_execution)
+        model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      steps_per_execution=steps_per_execution)
         callbacks[name] = make()
-        model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=callbacks[name])  # warm-up: traces
+        # Warm-up with the same callbacks: traces the (hooked) train function.
+        model.fit(x, y, batch_size=BATCH_SIZE, epochs=1, verbose=0, callbacks=callbacks[name])
         models[name] = model
-    ratios = {name: [] for name in CONFIGS}
-    seconds = {name: [] for name in CONFIGS}
-    order = list(CONFIGS)
-    shuffle = random.Random(0).shuffle
+    seconds = {name: [] for name in found}
+    ratios = {name: [] for name in found}
+    cpu_ratios = {name: [] for name in found}
+    order = list(found)
+    shuffle = random.Random(seed + steps_per_execution).shuffle
     for _ in range(rounds):
-        shuffle(order)  # no configuration always runs first (or right after another)
-        times = {}
+        shuffle(order)  # no configuration always runs first, or right after another
+        times, cpu = {}, {}
         for name in order:
-            start = time.perf_counter()
-            models[name].fit(x, y, batch_size=32, epochs=epochs, verbose=0, callbacks=callbacks[name])
+            start, start_cpu = time.perf_counter(), time.process_time()
+            models[name].fit(x, y, batch_size=BATCH_SIZE, epochs=epochs, verbose=0, callbacks=callbacks[name])
             times[name] = time.perf_counter() - start
+            cpu[name] = time.process_time() - start_cpu
             seconds[name].append(times[name])
-        for name in CONFIGS:
+        for name in found:
             ratios[name].append(times[name] / times["bare fit"])
-    steps = epochs * int(np.ceil(samples / 32))
-    # Two estimates: the median of the ratios within a round, and the ratio of
-    # the fastest fits (noise from other work only ever adds time, so the
-    # minimum is the least disturbed figure). They disagree when the machine is busy.
-    fastest = {name: min(s) / min(seconds["bare fit"]) for name, s in seconds.items()}
-    medians = {name: statistics.median(r) for name, r in ratios.items()}
-    return medians, fastest, statistics.median(seconds["bare fit"]), steps
+            cpu_ratios[name].append(cpu[name] / cpu["bare fit"])
+    fastest_bare = min(seconds["bare fit"])
+    steps = batches * epochs
+    return {
+        "steps": steps,
+        "bare_seconds_median": statistics.median(seconds["bare fit"]),
+        "bare_ms_per_step": 1000 * statistics.median(seconds["bare fit"]) / steps,
+        "configs": {name: {"median_ratio": statistics.median(ratios[name]),
+                           "fastest_ratio": min(seconds[name]) / fastest_bare,
+                           "cpu_median_ratio": statistics.median(cpu_ratios[name]),
+                           "ratios": ratios[name], "cpu_ratios": cpu_ratios[name], "seconds": seconds[name]}
+                    for name in found},
+    }
+
+
+def loadavg():
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def table(label, results, rounds):
+    """One markdown table: rows = configurations, columns = steps_per_execution."""
+    spes = sorted(results, key=int)
+    names = [n for n in results[spes[0]]["configs"] if n != "bare fit"]
+    head = " | ".join(f"steps_per_execution={spe} ({results[spe]['bare_ms_per_step']:.2f} ms/step)" for spe in spes)
+    lines = [(f"**{label}**, {results[spes[0]]['steps']} steps per fit, {rounds} rounds: "
+              "median ratio to bare fit (fastest / fastest; median CPU-time ratio)"), "",
+             f"| | {head} |", "|---|" + "---|" * len(spes)]
+    for name in names:
+        cells = " | ".join(f"{results[spe]['configs'][name]['median_ratio']:.2f} "
+                           f"({results[spe]['configs'][name]['fastest_ratio']:.2f}; "
+                           f"cpu {results[spe]['configs'][name]['cpu_median_ratio']:.2f})" for spe in spes)
+        lines.append(f"| {name} | {cells} |")
+    return "\n".join(lines)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a short form for CI")
+    parser.add_argument("--quick", action="store_true", help="the short form: MLP only, fewer steps and rounds")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures to this JSON file")
+    parser.add_argument("--models", help="comma-separated, from: " + ", ".join(MODELS))
+    parser.add_argument("--rounds", type=int, help="rounds of interleaved fits (7; 3 with --quick)")
+    parser.add_argument("--no-watch", action="store_true", help="skip the lab.watch loop benchmark")
     args = parser.parse_args(argv)
-    rounds, samples, epochs = (3, 4800, 2) if args.quick else (7, 6400, 3)
-    models = [("MLP", make_mlp, True)] if args.quick else [("MLP", make_mlp, True), ("CNN", make_cnn, False)]
-    print(f"{'model':5} {'spe':>4}  {'configuration':32} {'median ratio':>13} {'fastest / fastest':>18}")
-    for label, build, flat in models:
-        for spe in (1, 32):
-            medians, fastest, bare, steps = measure(build, flat, spe, rounds, samples, epochs)
-            for name in CONFIGS:
-                print(f"{label:5} {spe:>4}  {name:32} {medians[name]:>12.3f}x {fastest[name]:>17.3f}x")
-            print(f"{'':11} (bare fit: {steps} steps in {bare:.2f} s, {1000 * bare / steps:.2f} ms/step)")
+    rounds = args.rounds or (3 if args.quick else 7)
+    batches, epochs = (64, 2) if args.quick else (208, 3)
+    keys = args.models.split(",") if args.models else (["mlp"] if args.quick else list(MODELS))
+    unknown = [k for k in keys if k not in MODELS]
+    if unknown:
+        parser.error(f"unknown model(s) {unknown}; choose from {list(MODELS)}")
+    report = {
+        "command": " ".join(["python", "benchmarks/overhead.py"] + list(sys.argv[1:] if argv is None else argv)),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "tensorflow": tf.__version__, "keras": keras.__version__},
+        "batch_size": BATCH_SIZE, "rounds": rounds, "loadavg": {"start": loadavg()}, "models": {},
+    }
+    print(f"load average at start (1, 5, 15 min): {report['loadavg']['start']} on {os.cpu_count()} CPUs")
+    if not has_livelossplot():
+        print("(livelossplot is not installed: its row is left out)")
+    tmp = tempfile.mkdtemp(prefix="lab-overhead-")
+    try:
+        for key in keys:
+            label, build, flat = MODELS[key]
+            results = {}
+            for spe in SPES:
+                results[str(spe)] = measure(build, flat, spe, rounds, batches, epochs, tmp)
+                shutil.rmtree(tmp, ignore_errors=True)
+                os.makedirs(tmp, exist_ok=True)
+            report["models"][key] = {"label": label, "results": results, "loadavg_after": loadavg()}
+            print()
+            print(table(label, results, rounds))
+            print(f"\n(load average after: {report['models'][key]['loadavg_after']})", flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if not args.no_watch:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import watch_overhead
+
+        steps = 128 if args.quick else 624
+        ratios, bare = watch_overhead.measure(True, rounds, steps, batch_size=BATCH_SIZE)
+        report["watch"] = {"steps": steps, "unwatched_ms_per_step": 1000 * bare / steps, "configs": ratios,
+                           "loadavg_after": loadavg()}
+        print(f"\n**lab.watch** on a hand-written `tf.function` loop (MLP, batch {BATCH_SIZE}, {steps} steps, "
+              f"{rounds} rounds; unwatched {1000 * bare / steps:.2f} ms/step): median ratio to the unwatched loop "
+              "(fastest / fastest; median CPU-time ratio)\n")
+        print("| | ratio |\n|---|---|")
+        for name, value in ratios.items():
+            if name != "unwatched":
+                print(f"| {name} | {value['median_ratio']:.2f} ({value['fastest_ratio']:.2f}; "
+                      f"cpu {value['cpu_median_ratio']:.2f}) |")
+        print(f"\n(load average after: {report['watch']['loadavg_after']})")
+    report["loadavg"]["end"] = loadavg()
+    report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"\nwrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -5,9 +5,12 @@ The loop is the one the TensorFlow guides teach: a `@tf.function` step with a
 batches. Every configuration runs in this one process, interleaved and
 repeated, each on its own model and optimizer with its own watch block open
 for the whole measurement (the step is traced inside it, in a warm-up pass);
-each is reported as the median ratio of its loop time to the unwatched loop's
-in the same round (the machines are shared and noisy: absolute times from
-different runs are not comparable).
+configurations run in a shuffled order each round, and each is reported as the
+median ratio of its loop time to the unwatched loop's in the same round, beside
+the ratio of its fastest loop to the fastest unwatched loop and the median
+ratio of the process's CPU time (the machines are
+shared and noisy: absolute times from different runs are not comparable).
+`benchmarks/overhead.py` runs this too, after its fit() table.
 
 Usage:
     python benchmarks/watch_overhead.py           # full: graph and eager steps, 5 rounds
@@ -17,13 +20,13 @@ Usage:
 import argparse
 import contextlib
 import os
+import random
 import statistics
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import lab  # noqa: E402
@@ -80,10 +83,11 @@ def make_loop(model, optimizer, compiled):
     return loop
 
 
-def measure(compiled, rounds, steps):
+def measure(compiled, rounds, steps, batch_size=32):
+    """Per configuration: median and fastest ratio to the unwatched loop; and the unwatched median seconds."""
     (x, y), _ = lab.datasets.digits()
-    data = [(tf.constant(x[i:i + 32], tf.float32), tf.constant(y[i:i + 32]))
-            for i in range(0, 32 * steps, 32) if i + 32 <= len(x)]
+    data = [(tf.constant(x[i:i + batch_size], tf.float32), tf.constant(y[i:i + batch_size]))
+            for i in range(0, batch_size * steps, batch_size) if i + batch_size <= len(x)]
     data = (data * (steps // len(data) + 1))[:steps]
     with contextlib.ExitStack() as stack:
         loops = {}
@@ -95,19 +99,29 @@ def measure(compiled, rounds, steps):
             loop(run, data[:2])  # warm-up: traces the step inside the block
             loops[name] = (loop, run)
         ratios = {name: [] for name in CONFIGS}
-        bare = []
+        cpu_ratios = {name: [] for name in CONFIGS}
+        seconds = {name: [] for name in CONFIGS}
+        order = list(CONFIGS)
+        shuffle = random.Random(0).shuffle
         for _ in range(rounds):
-            times = {}
-            for name, (loop, run) in loops.items():
-                start = time.perf_counter()
+            shuffle(order)
+            times, cpu = {}, {}
+            for name in order:
+                loop, run = loops[name]
+                start, start_cpu = time.perf_counter(), time.process_time()
                 loop(run, data)
                 if hasattr(run, "flush"):
                     run.flush()  # the rows reach the run inside the measured time
                 times[name] = time.perf_counter() - start
-            bare.append(times["unwatched"])
+                cpu[name] = time.process_time() - start_cpu
+                seconds[name].append(times[name])
             for name in CONFIGS:
                 ratios[name].append(times[name] / times["unwatched"])
-    return {name: statistics.median(r) for name, r in ratios.items()}, statistics.median(bare)
+                cpu_ratios[name].append(cpu[name] / cpu["unwatched"])
+    fastest = min(seconds["unwatched"])
+    return ({name: {"median_ratio": statistics.median(ratios[name]), "fastest_ratio": min(seconds[name]) / fastest,
+                    "cpu_median_ratio": statistics.median(cpu_ratios[name])}
+             for name in CONFIGS}, statistics.median(seconds["unwatched"]))
 
 
 def main(argv=None):
@@ -116,11 +130,11 @@ def main(argv=None):
     args = parser.parse_args(argv)
     shapes = [("tf.function", True, 200)] if args.quick else [("tf.function", True, 400), ("eager", False, 60)]
     rounds = 2 if args.quick else 5
-    print(f"{'step':12} {'configuration':26} {'time / unwatched':>17}")
+    print(f"{'step':12} {'configuration':26} {'median ratio':>13} {'fastest / fastest':>18}")
     for label, compiled, steps in shapes:
         ratios, bare = measure(compiled, rounds, steps)
         for name, ratio in ratios.items():
-            print(f"{label:12} {name:26} {ratio:>16.3f}x")
+            print(f"{label:12} {name:26} {ratio['median_ratio']:>12.3f}x {ratio['fastest_ratio']:>17.3f}x")
         print(f"{'':12} (unwatched: {steps} steps in {bare:.2f} s, {1000 * bare / steps:.2f} ms/step)")
 
 
