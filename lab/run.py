@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 
 from lab import runfile
+from lab.observers import Observers
 
 _INDEX_COLUMNS = ("step", "epoch", "batch")
 
@@ -77,7 +78,7 @@ class Run:
         self._columns = {}
         self._epochs = []
         self._events = []
-        self._subscribers = []
+        self._subscribers = Observers(f"run {name!r}")
         self._model = None  # weak reference to the model whose rows these are
 
     # ---- writing -----------------------------------------------------------
@@ -210,23 +211,10 @@ class Run:
         Returns:
             A callable that unsubscribes.
         """
-        self._subscribers.append(fn)
-        return lambda: self._subscribers.remove(fn) if fn in self._subscribers else None
+        return self._subscribers.add(fn)
 
     def _notify(self, table, start, stop):
-        for fn in list(self._subscribers):
-            try:
-                fn(self, table, start, stop)
-            except Exception as error:  # noqa: BLE001 - a view must not stop training
-                self._subscribers.remove(fn)
-                import warnings
-
-                warnings.warn(
-                    f"A subscriber of run {self.name!r} raised {error!r} and was "
-                    "detached; training goes on.",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+        self._subscribers.notify(self, table, start, stop)
 
     # ---- the model it records --------------------------------------------
 

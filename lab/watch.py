@@ -225,10 +225,10 @@ class WatchedRun(StatusReporter, Run):
             self.flush()
         return super().batches()
 
-    def column(self, name):
+    def column(self, name, start=0, stop=None):
         if not self._closed:
             self.flush()
-        return super().column(name)
+        return super().column(name, start, stop)
 
     # ---- breakpoints and checks -------------------------------------------
 
