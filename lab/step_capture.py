@@ -36,8 +36,13 @@ class StepCapture:
     ```
     """
 
-    def __init__(self, model, optimizers):
+    def __init__(self, model, optimizers, slots=None):
         self.model = model
+        # Values an update makes inside a nested graph (LossScaleOptimizer's
+        # finite-gradients cond) cannot leave it as tensors: they go through
+        # variables kept by the caller across steps (never on the model).
+        self._slots = {} if slots is None else slots
+        self._graph = None
         self.optimizers = optimizers
         self.y_pred = None
         self.call_output = None
@@ -55,6 +60,7 @@ class StepCapture:
         model = self.model
         self._keys = {id(v): k for v, k in zip(model.trainable_variables,
                                                variable_keys(model.trainable_variables).values())}
+        self._graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
         self._creator = tf.variable_creator_scope(self._create)
         self._creator.__enter__()
         try:
@@ -140,14 +146,61 @@ class StepCapture:
         def _backend_update_step(grads, trainable_variables, learning_rate):
             result = original(grads, trainable_variables, learning_rate)
             applied = {}
+            number = len(self.applies)
             for grad, variable in zip(grads, trainable_variables):
-                applied[self._key(variable)] = tf.convert_to_tensor(grad)
+                key = self._key(variable)
+                applied[key] = self._out(("gradient", number, key), grad)
             self.gradients.update(applied)  # the last apply's, per variable
             self.applies.append((name, applied))
-            self.learning_rates[name] = learning_rate
+            self.learning_rates[name] = self._out(("learning_rate", name), learning_rate)
             return result
 
         return _backend_update_step
+
+    def _out(self, slot_key, value):
+        """`value` as something the step can return: itself, or, made in a
+        nested graph, a `_Slotted` to read after the step (`resolve`)."""
+        value = tf.convert_to_tensor(value)
+        if self._graph is None or tf.compat.v1.get_default_graph() is self._graph:
+            return value
+        slot = self._slots.get(slot_key)
+        if slot is None:
+            with tf.init_scope():
+                slot = self._slots[slot_key] = (
+                    tf.Variable(tf.zeros(value.shape, value.dtype), trainable=False, name="lab_capture"),
+                    tf.Variable(0.0, trainable=False, name="lab_capture_written"))
+        slot[0].assign(value)
+        slot[1].assign(1.0)
+        return _Slotted(slot)
+
+    def resolve(self):
+        """Reads what went through slots, after the step's nested graphs ran
+        (NaN where the branch that would have written it did not run)."""
+        def read(value):
+            return value.read() if isinstance(value, _Slotted) else value
+
+        self.gradients = {k: read(v) for k, v in self.gradients.items()}
+        self.applies = [(name, {k: read(v) for k, v in grads.items()}) for name, grads in self.applies]
+        self.learning_rates = {k: read(v) for k, v in self.learning_rates.items()}
+
+
+class _Slotted:
+    """A value written to a slot inside a nested graph, read after the step."""
+
+    def __init__(self, slot):
+        self.slot = slot
+        self._read = None
+
+    def read(self):
+        if self._read is None:
+            value, written = self.slot
+            current = tf.identity(value.read_value())
+            nan = tf.fill(tf.shape(current), tf.constant(float("nan"), current.dtype))
+            ok = written.read_value() > 0
+            with tf.control_dependencies([current, ok]):
+                written.assign(0.0)
+            self._read = tf.where(ok, current, nan) if current.dtype.is_floating else current
+        return self._read
 
 
 def hint(error, trace, capture):

@@ -173,6 +173,7 @@ class Stepper:
         self._state = {}  # variable id -> (variable, array): the model's state as last seen
         self._created = {}  # variable id -> (variable, initial array), made during steps
         self._graph_step = None
+        self._capture_slots = {}  # variables a graph step's nested values pass through
         self._condition_state = {}
         self._step_function = _step_fn  # from_step: the user's step instead of train_step
         self._extra_optimizers = list(_optimizers)
@@ -366,7 +367,7 @@ class Stepper:
         trace = StepTrace(index=self._index, epoch=fed.epoch, batch=fed.batch, x=x, y=y,
                           sample_weight=sample_weight)
         trace.weights_before = self._trainable_arrays(before_state)
-        capture = StepCapture(self.model, self._optimizers())
+        capture = StepCapture(self.model, self._optimizers(), slots=self._capture_slots)
         start = time.perf_counter()
         try:
             if fed.batch == 0:
@@ -447,6 +448,7 @@ class Stepper:
                 logs = self._step_function(x, y)
             else:
                 logs = _own_train_step(self.model)(data)
+        capture.resolve()
         if not isinstance(logs, dict):
             logs = {} if logs is None else {"loss": logs}
         if not tf.executing_eagerly():
