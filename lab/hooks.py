@@ -223,6 +223,9 @@ class Hooks:
         batch begin, before `fit()` calls the function.
         """
         model = self._model()
+        stack = self._stacks.get((id(model), "train_function"))
+        if stack is not None and stack.composed is not None and model.__dict__.get("train_function") is stack.composed:
+            return stack.composed  # called every batch: nothing changed is the common case
         with _lock:
             stack = self._stacks.get((id(model), "train_function"))
             if stack is None or not stack.wrappers:

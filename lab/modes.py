@@ -370,6 +370,8 @@ def apply_pending_mode(model):
     Returns:
         str or None, the mode switched to, or None when nothing was pending.
     """
+    if not _pending:  # called every batch: nothing asked for is the common case
+        return None
     with _lock:
         mode = _pending.pop(model, None)
     if mode is None or mode == current_mode(model):

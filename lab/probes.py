@@ -59,7 +59,8 @@ def norms_of(tensors):
     gives them but cheaper: plain sums of squares, and only when one of them
     overflows, the scaled computation (one `tf.cond` for all)."""
     tensors = [tf.cast(t, tf.float32) for t in tensors]
-    squares = tf.stack([tf.reduce_sum(tf.square(t)) for t in tensors])
+    # l2_loss is sum(x * x) / 2 in one kernel, with no intermediate tensor.
+    squares = 2.0 * tf.stack([tf.nn.l2_loss(t) for t in tensors])
     return tf.cond(tf.reduce_all(tf.math.is_finite(squares)), lambda: tf.sqrt(squares),
                    lambda: tf.stack([scaled_norm(t) for t in tensors]))
 

@@ -91,6 +91,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self._init_status()
         self._breakpoint_listeners = Observers("a recorder's breakpoints")
         self._saw_nonfinite = False
+        self._python_points = any(not getattr(p, "on_device", False) for p in self.breakpoints)
         self._probe = None
         self._probe_state = None  # the CompiledState the probe was made for
         self._cached = None  # (CompiledState, train_function) traced with the probe's hooks
@@ -177,14 +178,16 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         if mode != self._mode:
             self.run.add_event("mode", f"{self._mode} -> {mode}", step=self.run.next_step + len(self._pending))
             self._mode = mode
-        for i in range(steps):
-            self._pending.append((self._epoch, self._begin_step + i, elapsed / steps, mode))
+        if steps == 1:
+            self._pending.append((self._epoch, self._begin_step, elapsed, mode))
+        else:
+            share = elapsed / steps
+            self._pending.extend([(self._epoch, self._begin_step + i, share, mode) for i in range(steps)])
         now = time.monotonic()
         half_full = len(self._pending) * 2 >= self._probe.capacity
-        python_points = any(not getattr(p, "on_device", False) for p in self.breakpoints)
         # Training that pauses on a hit (background) must see it at its batch.
         pausing = bool(self.breakpoints) and bool(self._breakpoint_listeners)
-        if python_points or pausing or half_full or now - self._last_flush >= self.flush_every:
+        if self._python_points or pausing or half_full or now - self._last_flush >= self.flush_every:
             start = len(self.run)
             self.flush()
             self._check_breakpoints(start)
