@@ -212,6 +212,11 @@ class LoopProbe(Probe):
             return
         value = tf.cast(value, tf.float32)
         if combine is not None:
+            batch = getattr(self._writes, "batch", None)
+            if batch is not None:
+                # Combined with the slot's value in `_scatter`: one gather for all.
+                batch.append((index, value, combine))
+                return
             value, accumulate = combine(self._slots.vector[index], value), False
         item = (index, value, accumulate)
         batch = getattr(self._writes, "batch", None)
@@ -221,8 +226,15 @@ class LoopProbe(Probe):
             self._scatter([item])
 
     def _scatter(self, items):
+        combined = [(i, v, a) for i, v, a in items if callable(a)]
+        if combined:
+            # Every norm that covers several applies, combined in one vector op.
+            indices = tf.constant([[i] for i, _, _ in combined], tf.int32)
+            old = tf.gather(self._slots.vector.read_value(), indices[:, 0])  # XLA has no ResourceGatherNd
+            values = combined[0][2](old, tf.stack([v for _, v, _ in combined]))
+            self._slots.vector.scatter_nd_update(indices, values)
         for accumulate in (False, True):
-            chosen = [(i, v) for i, v, a in items if a == accumulate]
+            chosen = [(i, v) for i, v, a in items if a is accumulate]
             if not chosen:
                 continue
             indices = tf.constant([[i] for i, _ in chosen], tf.int32)

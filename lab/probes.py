@@ -78,9 +78,17 @@ def combined_norm(norms):
 
 
 def _hypot(old, new):
-    """Combines two norms (NaN: none yet)."""
-    both = combined_norm([old, new])
-    return tf.where(tf.math.is_nan(old), new, both)
+    """Combines norms elementwise, `sqrt(old^2 + new^2)` without overflow
+    (NaN in `old`: none yet). Works on scalars and on vectors of norms."""
+    old = tf.cast(old, tf.float32)
+    new = tf.cast(new, tf.float32)
+    none = tf.math.is_nan(old)
+    old0 = tf.where(none, 0.0, old)
+    m = tf.maximum(old0, new)
+    safe = tf.where(m > 0, m, 1.0)
+    both = m * tf.sqrt(tf.square(old0 / safe) + tf.square(new / safe))
+    both = tf.where(tf.math.is_finite(m), both, m)
+    return tf.where(none, new, both)
 
 
 def variable_keys(variables):

@@ -616,3 +616,29 @@ def test_a_compiled_state_changes_with_a_recompile_and_a_mode_switch():
     assert state == lab.hooks.CompiledState(model)
     model.compile(optimizer="sgd", loss="mse")
     assert state != lab.hooks.CompiledState(model)
+
+
+def test_a_watched_loop_that_applies_twice_per_step_covers_both_applies():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    optimizer = keras.optimizers.SGD(1e-2)
+    x, y = data(16)
+    applied = []
+
+    @tf.function
+    def critic_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply(grads, model.trainable_variables)
+        return loss, grads
+
+    with lab.watch(model, optimizer) as run:
+        for _ in range(2):
+            loss, grads = critic_step(x, y)
+            applied.append([g.numpy() for g in grads])
+        run.step(loss=loss)
+    row = run.batches().iloc[0]
+    for index, variable in enumerate(model.trainable_variables):
+        expected = np.sqrt(sum(np.sum(step[index].astype(np.float64) ** 2) for step in applied))
+        assert np.isclose(row[f"grad_norm/{variable.path}"], expected, rtol=1e-5)
