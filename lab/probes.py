@@ -65,6 +65,16 @@ def norms_of(tensors):
                    lambda: tf.stack([scaled_norm(t) for t in tensors]))
 
 
+def global_norm(norms):
+    """`combined_norm` by the cheap path: the root of the plain sum of
+    squares, and only when that overflows, the scaled computation."""
+    norms = tf.stack([tf.cast(n, tf.float32) for n in norms])
+    present = tf.logical_not(tf.math.is_nan(norms))
+    square = tf.reduce_sum(tf.square(tf.where(present, norms, 0.0)))
+    plain = tf.where(tf.reduce_any(present), tf.sqrt(square), np.float32(np.nan))
+    return tf.cond(tf.math.is_finite(square), lambda: plain, lambda: combined_norm(tf.unstack(norms)))
+
+
 def combined_norm(norms):
     """The norm of the concatenation of parts whose norms are `norms`
     (NaN entries are parts with no value), scaled as `scaled_norm`."""
@@ -731,7 +741,7 @@ class Probe:
         elif self.gradients and updates is not None:
             norms = [v for k, v in produced.items() if schema.is_variable_column(k) and k.startswith("grad_norm/")]
             if norms:
-                values["grad_norm"] = tf.where(updates > 0, combined_norm(norms), np.float32(np.nan))
+                values["grad_norm"] = tf.where(updates > 0, global_norm(norms), np.float32(np.nan))
         values.update(produced)
 
     def _replica_values(self, state, values, local_norm):

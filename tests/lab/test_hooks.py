@@ -461,6 +461,9 @@ def test_grad_norm_is_finite_for_finite_gradients_whose_squares_overflow():
     assert np.isclose(float(norm), 5e19, rtol=1e-6)
     combined = lab.probes.combined_norm([tf.constant(3e30), tf.constant(np.nan), tf.constant(4e30)])
     assert np.isclose(float(combined), 5e30, rtol=1e-6)
+    cheap = lab.probes.global_norm([tf.constant(3e30), tf.constant(np.nan), tf.constant(4e30)])
+    assert np.isclose(float(cheap), 5e30, rtol=1e-6)
+    assert np.allclose(lab.probes.norms_of([tf.constant([3e20, 4e20]), tf.constant([3.0, 4.0])]), [5e20, 5.0])
 
 
 class Amplify(keras.layers.Layer):
