@@ -1,10 +1,26 @@
-"""Published keras-io guides and examples, run unchanged with the lab attached.
+"""The training patterns of published keras-io guides, with the lab attached.
 
-"Test against code nobody here wrote" (issue 13). Each section below is the
-model and training code of one keras-io guide or example (keras-team/keras-io,
-Apache License 2.0; the source path is named at the top of each section),
-with only the data download replaced by small seeded random arrays and the
-sizes shrunk (epochs, number of batches) so each guide trains in seconds.
+"Test against code nobody here wrote" (issue 13). Each section below follows
+the training path of one keras-io guide or example (keras-team/keras-io; the
+guide is named at the top of its section), re-expressed here in small models
+on seeded random data:
+
+- guides/custom_train_step_in_tensorflow.py: a `train_step` over compile()'s
+  loss and metrics; one with its own loss and trackers; one with sample
+  weights; a GAN with two optimizers and seeded `keras.random` noise;
+- examples/generative/dcgan_overriding_train_step.py: the GAN step with
+  unseeded `tf.random` noise, returning raw losses;
+- examples/generative/vae.py: encoder/decoder sub-models, a
+  `tf.keras.backend.random_normal` draw, three Mean trackers;
+- examples/generative/wgan_gp.py: several critic applies per step with a
+  gradient penalty;
+- examples/vision/mnist_convnet.py: a Sequential convnet, validation_split;
+- guides/training_with_built_in_methods.py: validation data, class_weight, a
+  non-mean metric, add_loss, an ExponentialDecay schedule, a multi-input
+  multi-output model with loss dicts and loss_weights;
+- mixed precision (`mixed_float16`, a LossScaleOptimizer);
+- guides/writing_a_custom_training_loop_in_tensorflow.py: a hand-written loop
+  with a `tf.function` step.
 
 For each guide, a run is trained three times from identical weights and data
 order (`keras.utils.set_random_seed`, `shuffle=False`):
@@ -27,19 +43,9 @@ or instance patches, save/load into a clean copy, and a later plain `fit()`
 trains as it does after the bare run. The loop guide is run bare and under
 `lab.watch`, and stepped with `lab.Stepper.from_step`.
 
-What differs from the published code, besides data and sizes: classes that
-share a name across guides are renamed (`CustomModelLowLevel`, `DCGAN`, ...);
-`LeakyReLU(alpha=)` is Keras 3's `negative_slope=`; `from tensorflow import
-keras` is `import keras` (the same Keras 3 here); the `tf.data` shuffles are
-dropped so both runs see one order; models are built inside `make_*()`
-functions under `keras.utils.set_random_seed`. Train steps, compile arguments,
-losses and metrics are as published.
-
 Tests for lab bugs these guides find are marked `xfail(strict=True)` with the
 bug as the reason (see the constants below `Guide`).
 """
-
-# ruff: noqa: UP008 - `super(Class, self)` is the examples' own spelling, kept
 
 import collections
 import contextlib
@@ -277,6 +283,12 @@ def check_stepper(t, data, batch_size, steps, replay=True, mode="graph", referen
     return stepper
 
 
+def built_variables(opt):
+    """The variables `opt` was built on. Keras 3.5's LossScaleOptimizer.build()
+    builds only its inner optimizer, so only that one keeps the list."""
+    return opt._trainable_variables or getattr(getattr(opt, "inner_optimizer", None), "_trainable_variables", [])
+
+
 def check_no_trace(t, tmp_path, more=None):
     """No extra weights or lab attributes; save/load into a clean copy; a later
     plain fit() continues exactly as it does on the bare model."""
@@ -298,8 +310,9 @@ def check_no_trace(t, tmp_path, more=None):
     position = {id(v): i for i, v in enumerate(t.lab.weights)}
     clean_optimizers = optimizers_of(clean)
     for name, opt in optimizers_of(t.lab).items():
-        if opt.built and opt._trainable_variables:
-            clean_optimizers[name].build([clean.weights[position[id(v)]] for v in opt._trainable_variables])
+        built_on = built_variables(opt)
+        if opt.built and built_on:
+            clean_optimizers[name].build([clean.weights[position[id(v)]] for v in built_on])
     for i, (trained, twin) in enumerate(pairs):
         path = tmp_path / f"lab{i}.weights.h5"
         trained.save_weights(path)
@@ -321,53 +334,86 @@ def rng(offset=0):
 
 
 # =================================================================================
-# keras-io: guides/custom_train_step_in_tensorflow.py
-# ("Customizing what happens in `fit()` with TensorFlow"): the first CustomModel,
-# the lower-level one with its own metrics, the sample_weight one, and the GAN.
-# Data: `np.random.random((1000, 32))` -> 128 seeded examples, epochs 3-5 -> 2;
-# the GAN's MNIST digits -> 32 seeded 28x28 images in batches of 16 (the guide:
-# 64, shuffled, `dataset.take(100)`), epochs 2.
+# Paths of keras-io's guides/custom_train_step_in_tensorflow.py ("Customizing
+# what happens in `fit()`"): a train_step over compile()'s loss and metrics, one
+# with its own loss and trackers, one taking sample weights, and a GAN with two
+# optimizers and a seeded `keras.random` latent draw. Data: 128 random rows for
+# the regressions, 32 random 28x28 images in batches of 16 for the GAN.
 # =================================================================================
 
 
-class CustomModel(keras.Model):
+class StepViaComputeLoss(keras.Model):
+    # The step asks compile() for the loss and feeds every compiled metric.
     def train_step(self, data):
-        # Unpack the data. Its structure depends on your model and
-        # on what you pass to `fit()`.
         x, y = data
-
         with tf.GradientTape() as tape:
-            y_pred = self(x, training=True)  # Forward pass
-            # Compute the loss value
-            # (the loss function is configured in `compile()`)
-            loss = self.compute_loss(y=y, y_pred=y_pred)
-
-        # Compute gradients
-        trainable_vars = self.trainable_variables
-        gradients = tape.gradient(loss, trainable_vars)
-
-        # Update weights
-        self.optimizer.apply(gradients, trainable_vars)
-
-        # Update metrics (includes the metric that tracks the loss)
-        for metric in self.metrics:
-            if metric.name == "loss":
-                metric.update_state(loss)
-            else:
-                metric.update_state(y, y_pred)
-
-        # Return a dict mapping metric names to current value
+            pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=pred)
+        params = self.trainable_variables
+        self.optimizer.apply(tape.gradient(loss, params), params)
+        for m in self.metrics:
+            m.update_state(loss) if m.name == "loss" else m.update_state(y, pred)
         return {m.name: m.result() for m in self.metrics}
 
 
-def make_custom_model():
+class StepWithOwnTrackers(keras.Model):
+    # compile() gets only an optimizer: the loss function and both trackers are
+    # the model's own, listed in `metrics` so fit() resets them per epoch.
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.mse = keras.losses.MeanSquaredError()
+        self.running_loss = keras.metrics.Mean(name="loss")
+        self.running_mae = keras.metrics.MeanAbsoluteError(name="mae")
+
+    @property
+    def metrics(self):
+        return [self.running_loss, self.running_mae]
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            pred = self(x, training=True)
+            loss = self.mse(y, pred)
+        params = self.trainable_variables
+        self.optimizer.apply(tape.gradient(loss, params), params)
+        self.running_loss.update_state(loss)
+        self.running_mae.update_state(y, pred)
+        return {"loss": self.running_loss.result(), "mae": self.running_mae.result()}
+
+
+class StepWithSampleWeight(keras.Model):
+    # fit(sample_weight=...) hands the step (x, y, w): w weighs loss and metrics.
+    def train_step(self, data):
+        x, y, w = (tuple(data) + (None,))[:3]
+        with tf.GradientTape() as tape:
+            pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=pred, sample_weight=w)
+        params = self.trainable_variables
+        self.optimizer.apply(tape.gradient(loss, params), params)
+        for m in self.metrics:
+            m.update_state(loss) if m.name == "loss" else m.update_state(y, pred, sample_weight=w)
+        return {m.name: m.result() for m in self.metrics}
+
+
+def regressor(cls, **compile_args):
     keras.utils.set_random_seed(SEED)
-    # Construct and compile an instance of CustomModel
     inputs = keras.Input(shape=(32,))
-    outputs = keras.layers.Dense(1)(inputs)
-    model = CustomModel(inputs, outputs)
-    model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    hidden = layers.Dense(8, activation="relu")(inputs)
+    model = cls(inputs, layers.Dense(1)(hidden))
+    model.compile(optimizer="adam", **compile_args)
     return model
+
+
+def make_compute_loss_model():
+    return regressor(StepViaComputeLoss, loss="mse", metrics=["mae"])
+
+
+def make_own_trackers_model():
+    return regressor(StepWithOwnTrackers)
+
+
+def make_sample_weight_model():
+    return regressor(StepWithSampleWeight, loss="mse", metrics=["mae"])
 
 
 def regression_data(n=128):
@@ -375,910 +421,436 @@ def regression_data(n=128):
     return r.random((n, 32)), r.random((n, 1))
 
 
-# ---- the other models of this guide -------------------------------------------
-
-
-class CustomModelLowLevel(keras.Model):  # the guide's second `CustomModel`
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.loss_tracker = keras.metrics.Mean(name="loss")
-        self.mae_metric = keras.metrics.MeanAbsoluteError(name="mae")
-        self.loss_fn = keras.losses.MeanSquaredError()
-
-    def train_step(self, data):
-        x, y = data
-
-        with tf.GradientTape() as tape:
-            y_pred = self(x, training=True)  # Forward pass
-            # Compute our own loss
-            loss = self.loss_fn(y, y_pred)
-
-        # Compute gradients
-        trainable_vars = self.trainable_variables
-        gradients = tape.gradient(loss, trainable_vars)
-
-        # Update weights
-        self.optimizer.apply(gradients, trainable_vars)
-
-        # Compute our own metrics
-        self.loss_tracker.update_state(loss)
-        self.mae_metric.update_state(y, y_pred)
-        return {
-            "loss": self.loss_tracker.result(),
-            "mae": self.mae_metric.result(),
-        }
-
-    @property
-    def metrics(self):
-        # We list our `Metric` objects here so that `reset_states()` can be
-        # called automatically at the start of each epoch
-        # or at the start of `evaluate()`.
-        return [self.loss_tracker, self.mae_metric]
-
-
-def make_custom_model_low_level():
-    keras.utils.set_random_seed(SEED)
-    # Construct an instance of CustomModel
-    inputs = keras.Input(shape=(32,))
-    outputs = keras.layers.Dense(1)(inputs)
-    model = CustomModelLowLevel(inputs, outputs)
-
-    # We don't pass a loss or metrics here.
-    model.compile(optimizer="adam")
-    return model
-
-
-class CustomModelSampleWeight(keras.Model):  # the guide's third `CustomModel`
-    def train_step(self, data):
-        # Unpack the data. Its structure depends on your model and
-        # on what you pass to `fit()`.
-        if len(data) == 3:
-            x, y, sample_weight = data
-        else:
-            sample_weight = None
-            x, y = data
-
-        with tf.GradientTape() as tape:
-            y_pred = self(x, training=True)  # Forward pass
-            # Compute the loss value.
-            # The loss function is configured in `compile()`.
-            loss = self.compute_loss(
-                y=y,
-                y_pred=y_pred,
-                sample_weight=sample_weight,
-            )
-
-        # Compute gradients
-        trainable_vars = self.trainable_variables
-        gradients = tape.gradient(loss, trainable_vars)
-
-        # Update weights
-        self.optimizer.apply(gradients, trainable_vars)
-
-        # Update the metrics.
-        # Metrics are configured in `compile()`.
-        for metric in self.metrics:
-            if metric.name == "loss":
-                metric.update_state(loss)
-            else:
-                metric.update_state(y, y_pred, sample_weight=sample_weight)
-
-        # Return a dict mapping metric names to current value.
-        # Note that it will include the loss (tracked in self.metrics).
-        return {m.name: m.result() for m in self.metrics}
-
-
-def make_custom_model_sample_weight():
-    keras.utils.set_random_seed(SEED)
-    # Construct and compile an instance of CustomModel
-    inputs = keras.Input(shape=(32,))
-    outputs = keras.layers.Dense(1)(inputs)
-    model = CustomModelSampleWeight(inputs, outputs)
-    model.compile(optimizer="adam", loss="mse", metrics=["mae"])
-    return model
-
-
 def sample_weights(n=128):
     return rng(2).random((n, 1))
 
 
-class GAN(keras.Model):  # the guide's end-to-end GAN
-    def __init__(self, discriminator, generator, latent_dim):
+def image_critic(name="critic"):
+    # Two strided convolutions down to one logit per image.
+    return keras.Sequential([
+        keras.Input(shape=(28, 28, 1)),
+        layers.Conv2D(32, 3, strides=2, padding="same"), layers.LeakyReLU(negative_slope=0.2),
+        layers.Conv2D(64, 3, strides=2, padding="same"), layers.LeakyReLU(negative_slope=0.2),
+        layers.GlobalMaxPooling2D(), layers.Dense(1),
+    ], name=name)
+
+
+def image_maker(noise_size, name="maker"):
+    # A noise vector up to a 28x28 image in [0, 1] by two transposed convolutions.
+    return keras.Sequential([
+        keras.Input(shape=(noise_size,)),
+        layers.Dense(7 * 7 * 32), layers.LeakyReLU(negative_slope=0.2), layers.Reshape((7, 7, 32)),
+        layers.Conv2DTranspose(32, 4, strides=2, padding="same"), layers.LeakyReLU(negative_slope=0.2),
+        layers.Conv2DTranspose(32, 4, strides=2, padding="same"), layers.LeakyReLU(negative_slope=0.2),
+        layers.Conv2D(1, 7, padding="same", activation="sigmoid"),
+    ], name=name)
+
+
+class TwoOptimizerGAN(keras.Model):
+    # compile() without arguments, then one optimizer each for critic and maker.
+    def __init__(self, critic, maker, noise_size):
         super().__init__()
-        self.discriminator = discriminator
-        self.generator = generator
-        self.latent_dim = latent_dim
-        self.d_loss_tracker = keras.metrics.Mean(name="d_loss")
-        self.g_loss_tracker = keras.metrics.Mean(name="g_loss")
-        self.seed_generator = keras.random.SeedGenerator(1337)
+        self.critic, self.maker, self.noise_size = critic, maker, noise_size
+
+    def compile(self, critic_opt, maker_opt, loss_fn):
+        super().compile()
+        self.critic_opt, self.maker_opt, self.loss_fn = critic_opt, maker_opt, loss_fn
+
+
+class SeededGAN(TwoOptimizerGAN):
+    # Critic update, then maker update; noise and label jitter come from a keras
+    # SeedGenerator (state that a rewind restores); both losses tracked by Means.
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.seeds = keras.random.SeedGenerator(99)
+        self.critic_mean = keras.metrics.Mean(name="d_loss")
+        self.maker_mean = keras.metrics.Mean(name="g_loss")
 
     @property
     def metrics(self):
-        return [self.d_loss_tracker, self.g_loss_tracker]
+        return [self.critic_mean, self.maker_mean]
 
-    def compile(self, d_optimizer, g_optimizer, loss_fn):
-        super().compile()
-        self.d_optimizer = d_optimizer
-        self.g_optimizer = g_optimizer
-        self.loss_fn = loss_fn
+    def noise(self, n):
+        return keras.random.normal((n, self.noise_size), seed=self.seeds)
 
-    def train_step(self, real_images):
-        if isinstance(real_images, tuple):
-            real_images = real_images[0]
-        # Sample random points in the latent space
-        batch_size = tf.shape(real_images)[0]
-        random_latent_vectors = keras.random.normal(
-            shape=(batch_size, self.latent_dim), seed=self.seed_generator
-        )
-
-        # Decode them to fake images
-        generated_images = self.generator(random_latent_vectors)
-
-        # Combine them with real images
-        combined_images = tf.concat([generated_images, real_images], axis=0)
-
-        # Assemble labels discriminating real from fake images
-        labels = tf.concat(
-            [tf.ones((batch_size, 1)), tf.zeros((batch_size, 1))], axis=0
-        )
-        # Add random noise to the labels - important trick!
-        labels += 0.05 * keras.random.uniform(
-            tf.shape(labels), seed=self.seed_generator
-        )
-
-        # Train the discriminator
+    def train_step(self, data):
+        real = data[0] if isinstance(data, tuple) else data
+        n = tf.shape(real)[0]
+        images = tf.concat([self.maker(self.noise(n)), real], axis=0)
+        targets = tf.concat([tf.ones((n, 1)), tf.zeros((n, 1))], axis=0)  # 1: made, 0: real
+        targets += 0.05 * keras.random.uniform(tf.shape(targets), seed=self.seeds)
         with tf.GradientTape() as tape:
-            predictions = self.discriminator(combined_images)
-            d_loss = self.loss_fn(labels, predictions)
-        grads = tape.gradient(d_loss, self.discriminator.trainable_weights)
-        self.d_optimizer.apply(grads, self.discriminator.trainable_weights)
-
-        # Sample random points in the latent space
-        random_latent_vectors = keras.random.normal(
-            shape=(batch_size, self.latent_dim), seed=self.seed_generator
-        )
-
-        # Assemble labels that say "all real images"
-        misleading_labels = tf.zeros((batch_size, 1))
-
-        # Train the generator (note that we should *not* update the weights
-        # of the discriminator)!
-        with tf.GradientTape() as tape:
-            predictions = self.discriminator(self.generator(random_latent_vectors))
-            g_loss = self.loss_fn(misleading_labels, predictions)
-        grads = tape.gradient(g_loss, self.generator.trainable_weights)
-        self.g_optimizer.apply(grads, self.generator.trainable_weights)
-
-        # Update metrics and return their value.
-        self.d_loss_tracker.update_state(d_loss)
-        self.g_loss_tracker.update_state(g_loss)
-        return {
-            "d_loss": self.d_loss_tracker.result(),
-            "g_loss": self.g_loss_tracker.result(),
-        }
+            critic_loss = self.loss_fn(targets, self.critic(images))
+        params = self.critic.trainable_weights
+        self.critic_opt.apply(tape.gradient(critic_loss, params), params)
+        with tf.GradientTape() as tape:  # the maker wants its images called real
+            maker_loss = self.loss_fn(tf.zeros((n, 1)), self.critic(self.maker(self.noise(n))))
+        params = self.maker.trainable_weights
+        self.maker_opt.apply(tape.gradient(maker_loss, params), params)
+        self.critic_mean.update_state(critic_loss)
+        self.maker_mean.update_state(maker_loss)
+        return {"d_loss": self.critic_mean.result(), "g_loss": self.maker_mean.result()}
 
 
-def make_gan():
+def gan_parts(cls):
     keras.utils.set_random_seed(SEED)
-    # Create the discriminator
-    discriminator = keras.Sequential(
-        [
-            keras.Input(shape=(28, 28, 1)),
-            layers.Conv2D(64, (3, 3), strides=(2, 2), padding="same"),
-            layers.LeakyReLU(negative_slope=0.2),
-            layers.Conv2D(128, (3, 3), strides=(2, 2), padding="same"),
-            layers.LeakyReLU(negative_slope=0.2),
-            layers.GlobalMaxPooling2D(),
-            layers.Dense(1),
-        ],
-        name="discriminator",
-    )
+    model = cls(image_critic(), image_maker(32), 32)
+    model.compile(keras.optimizers.Adam(learning_rate=3e-4), keras.optimizers.Adam(learning_rate=3e-4),
+                  keras.losses.BinaryCrossentropy(from_logits=True))
+    return model
 
-    # Create the generator
-    latent_dim = 128
-    generator = keras.Sequential(
-        [
-            keras.Input(shape=(latent_dim,)),
-            # We want to generate 128 coefficients to reshape into a 7x7x128 map
-            layers.Dense(7 * 7 * 128),
-            layers.LeakyReLU(negative_slope=0.2),
-            layers.Reshape((7, 7, 128)),
-            layers.Conv2DTranspose(128, (4, 4), strides=(2, 2), padding="same"),
-            layers.LeakyReLU(negative_slope=0.2),
-            layers.Conv2DTranspose(128, (4, 4), strides=(2, 2), padding="same"),
-            layers.LeakyReLU(negative_slope=0.2),
-            layers.Conv2D(1, (7, 7), padding="same", activation="sigmoid"),
-        ],
-        name="generator",
-    )
-    gan = GAN(discriminator=discriminator, generator=generator, latent_dim=latent_dim)
-    gan.compile(
-        d_optimizer=keras.optimizers.Adam(learning_rate=0.0003),
-        g_optimizer=keras.optimizers.Adam(learning_rate=0.0003),
-        loss_fn=keras.losses.BinaryCrossentropy(from_logits=True),
-    )
-    return gan
+
+def make_seeded_gan():
+    return gan_parts(SeededGAN)
 
 
 def digits_28(n, offset=3, low=0.0):
-    """Stands in for MNIST: `n` seeded 28x28x1 float32 images in [low, 1]."""
+    """`n` seeded 28x28x1 float32 images in [low, 1] (stand-ins for digits)."""
     return (low + (1 - low) * rng(offset).random((n, 28, 28, 1))).astype("float32")
 
 
 def digits_dataset(n=32, batch_size=16):
-    # The guide: `Dataset.from_tensor_slices(all_digits).shuffle(buffer_size=1024).batch(64)`;
-    # unshuffled here so that both runs see one order.
+    # Unshuffled, so that every run sees one order.
     return tf.data.Dataset.from_tensor_slices(digits_28(n)).batch(batch_size)
 
 
 # =================================================================================
-# keras-io: examples/generative/dcgan_overriding_train_step.py
-# ("GAN overriding `Model.train_step`", the MNIST version, commit 0d5f327): its
-# train_step draws with the stateful `tf.random.normal` / `tf.random.uniform`
-# and returns the raw losses. Data: MNIST -> 48 seeded images, batch 64 -> 16.
+# Path of keras-io's examples/generative/dcgan_overriding_train_step.py: the
+# same two updates, but the noise comes from stateful unseeded `tf.random`
+# ops, gradients go through `apply_gradients(zip(...))`, and the step returns
+# the raw losses (no trackers). Data: as the GAN's.
 # =================================================================================
 
 
-class DCGAN(keras.Model):  # the example's `GAN`
-    def __init__(self, discriminator, generator, latent_dim):
-        super(DCGAN, self).__init__()
-        self.discriminator = discriminator
-        self.generator = generator
-        self.latent_dim = latent_dim
-
-    def compile(self, d_optimizer, g_optimizer, loss_fn):
-        super(DCGAN, self).compile()
-        self.d_optimizer = d_optimizer
-        self.g_optimizer = g_optimizer
-        self.loss_fn = loss_fn
-
-    def train_step(self, real_images):
-        # Sample random points in the latent space
-        batch_size = tf.shape(real_images)[0]
-        random_latent_vectors = tf.random.normal(shape=(batch_size, self.latent_dim))
-
-        # Decode them to fake images
-        generated_images = self.generator(random_latent_vectors)
-
-        # Combine them with real images
-        combined_images = tf.concat([generated_images, real_images], axis=0)
-
-        # Assemble labels discriminating real from fake images
-        labels = tf.concat(
-            [tf.ones((batch_size, 1)), tf.zeros((batch_size, 1))], axis=0
-        )
-        # Add random noise to the labels - important trick!
-        labels += 0.05 * tf.random.uniform(tf.shape(labels))
-
-        # Train the discriminator
+class UnseededGAN(TwoOptimizerGAN):
+    def train_step(self, real):
+        n = tf.shape(real)[0]
+        images = tf.concat([self.maker(tf.random.normal((n, self.noise_size))), real], axis=0)
+        targets = tf.concat([tf.ones((n, 1)), tf.zeros((n, 1))], axis=0)
+        targets += 0.05 * tf.random.uniform(tf.shape(targets))
         with tf.GradientTape() as tape:
-            predictions = self.discriminator(combined_images)
-            d_loss = self.loss_fn(labels, predictions)
-        grads = tape.gradient(d_loss, self.discriminator.trainable_weights)
-        self.d_optimizer.apply_gradients(
-            zip(grads, self.discriminator.trainable_weights)
-        )
-
-        # Sample random points in the latent space
-        random_latent_vectors = tf.random.normal(shape=(batch_size, self.latent_dim))
-
-        # Assemble labels that say "all real images"
-        misleading_labels = tf.zeros((batch_size, 1))
-
-        # Train the generator (note that we should *not* update the weights
-        # of the discriminator)!
+            critic_loss = self.loss_fn(targets, self.critic(images))
+        params = self.critic.trainable_weights
+        self.critic_opt.apply_gradients(zip(tape.gradient(critic_loss, params), params))
         with tf.GradientTape() as tape:
-            predictions = self.discriminator(self.generator(random_latent_vectors))
-            g_loss = self.loss_fn(misleading_labels, predictions)
-        grads = tape.gradient(g_loss, self.generator.trainable_weights)
-        self.g_optimizer.apply_gradients(zip(grads, self.generator.trainable_weights))
-        return {"d_loss": d_loss, "g_loss": g_loss}
+            made = self.maker(tf.random.normal((n, self.noise_size)))
+            maker_loss = self.loss_fn(tf.zeros((n, 1)), self.critic(made))
+        params = self.maker.trainable_weights
+        self.maker_opt.apply_gradients(zip(tape.gradient(maker_loss, params), params))
+        return {"d_loss": critic_loss, "g_loss": maker_loss}
 
 
-def make_dcgan():
-    keras.utils.set_random_seed(SEED)
-    discriminator = keras.Sequential(
-        [
-            keras.Input(shape=(28, 28, 1)),
-            layers.Conv2D(64, (3, 3), strides=(2, 2), padding="same"),
-            layers.LeakyReLU(negative_slope=0.2),  # the example's `alpha=0.2`, renamed in Keras 3
-            layers.Conv2D(128, (3, 3), strides=(2, 2), padding="same"),
-            layers.LeakyReLU(negative_slope=0.2),
-            layers.GlobalMaxPooling2D(),
-            layers.Dense(1),
-        ],
-        name="discriminator",
-    )
-    latent_dim = 128
-    generator = keras.Sequential(
-        [
-            keras.Input(shape=(latent_dim,)),
-            # We want to generate 128 coefficients to reshape into a 7x7x128 map
-            layers.Dense(7 * 7 * 128),
-            layers.LeakyReLU(negative_slope=0.2),
-            layers.Reshape((7, 7, 128)),
-            layers.Conv2DTranspose(128, (4, 4), strides=(2, 2), padding="same"),
-            layers.LeakyReLU(negative_slope=0.2),
-            layers.Conv2DTranspose(128, (4, 4), strides=(2, 2), padding="same"),
-            layers.LeakyReLU(negative_slope=0.2),
-            layers.Conv2D(1, (7, 7), padding="same", activation="sigmoid"),
-        ],
-        name="generator",
-    )
-    gan = DCGAN(discriminator=discriminator, generator=generator, latent_dim=latent_dim)
-    gan.compile(
-        d_optimizer=keras.optimizers.Adam(learning_rate=0.0003),
-        g_optimizer=keras.optimizers.Adam(learning_rate=0.0003),
-        loss_fn=keras.losses.BinaryCrossentropy(from_logits=True),
-    )
-    return gan
+def make_unseeded_gan():
+    return gan_parts(UnseededGAN)
 
 
 # =================================================================================
-# keras-io: examples/generative/vae.py ("Variational AutoEncoder"): the
-# encoder, decoder and VAE train_step, which returns `total_loss_tracker` (a
-# `Mean` named "total_loss") under "loss". Data: MNIST digits -> 48 seeded
-# images; epochs 30 -> 2, batch_size 128 -> 16.
+# Path of keras-io's examples/generative/vae.py: an encoder (mean, log-variance,
+# a draw by `tf.keras.backend.random_normal`) and a decoder as sub-models, a
+# step over a reconstruction and a KL term, three Mean trackers, the one named
+# "total_loss" reported under "loss". Data: 48 random images, batches of 16.
 # =================================================================================
 
 
-class Sampling(layers.Layer):
-    """Uses (z_mean, z_log_var) to sample z, the vector encoding a digit."""
-
+class GaussianDraw(layers.Layer):
     def call(self, inputs):
-        z_mean, z_log_var = inputs
-        batch = tf.shape(z_mean)[0]
-        dim = tf.shape(z_mean)[1]
-        epsilon = tf.keras.backend.random_normal(shape=(batch, dim))
-        return z_mean + tf.exp(0.5 * z_log_var) * epsilon
+        mean, log_var = inputs
+        eps = tf.keras.backend.random_normal(shape=tf.shape(mean))
+        return mean + tf.exp(0.5 * log_var) * eps
 
 
-class VAE(keras.Model):
+class VariationalAE(keras.Model):
     def __init__(self, encoder, decoder, **kwargs):
-        super(VAE, self).__init__(**kwargs)
-        self.encoder = encoder
-        self.decoder = decoder
-        self.total_loss_tracker = keras.metrics.Mean(name="total_loss")
-        self.reconstruction_loss_tracker = keras.metrics.Mean(
-            name="reconstruction_loss"
-        )
-        self.kl_loss_tracker = keras.metrics.Mean(name="kl_loss")
+        super().__init__(**kwargs)
+        self.encoder, self.decoder = encoder, decoder
+        self.total = keras.metrics.Mean(name="total_loss")
+        self.recon = keras.metrics.Mean(name="reconstruction_loss")
+        self.kl = keras.metrics.Mean(name="kl_loss")
 
     @property
     def metrics(self):
-        return [
-            self.total_loss_tracker,
-            self.reconstruction_loss_tracker,
-            self.kl_loss_tracker,
-        ]
+        return [self.total, self.recon, self.kl]
 
-    def train_step(self, data):
+    def train_step(self, images):
         with tf.GradientTape() as tape:
-            z_mean, z_log_var, z = self.encoder(data)
-            reconstruction = self.decoder(z)
-            reconstruction_loss = tf.reduce_mean(
-                tf.reduce_sum(
-                    keras.losses.binary_crossentropy(data, reconstruction), axis=(1, 2)
-                )
-            )
-            kl_loss = -0.5 * (1 + z_log_var - tf.square(z_mean) - tf.exp(z_log_var))
-            kl_loss = tf.reduce_mean(tf.reduce_sum(kl_loss, axis=1))
-            total_loss = reconstruction_loss + kl_loss
-        grads = tape.gradient(total_loss, self.trainable_weights)
-        self.optimizer.apply_gradients(zip(grads, self.trainable_weights))
-        self.total_loss_tracker.update_state(total_loss)
-        self.reconstruction_loss_tracker.update_state(reconstruction_loss)
-        self.kl_loss_tracker.update_state(kl_loss)
-        return {
-            "loss": self.total_loss_tracker.result(),
-            "reconstruction_loss": self.reconstruction_loss_tracker.result(),
-            "kl_loss": self.kl_loss_tracker.result(),
-        }
+            mean, log_var, code = self.encoder(images)
+            per_pixel = keras.losses.binary_crossentropy(images, self.decoder(code))
+            recon = tf.reduce_mean(tf.reduce_sum(per_pixel, axis=(1, 2)))
+            kl = tf.reduce_mean(tf.reduce_sum(
+                0.5 * (tf.square(mean) + tf.exp(log_var) - log_var - 1.0), axis=1))
+            total = recon + kl
+        params = self.trainable_weights
+        self.optimizer.apply_gradients(zip(tape.gradient(total, params), params))
+        self.total.update_state(total)
+        self.recon.update_state(recon)
+        self.kl.update_state(kl)
+        return {"loss": self.total.result(), "reconstruction_loss": self.recon.result(),
+                "kl_loss": self.kl.result()}
 
 
-def make_vae():
+def make_vae(code_size=2):
     keras.utils.set_random_seed(SEED)
-    latent_dim = 2
-
-    encoder_inputs = keras.Input(shape=(28, 28, 1))
-    x = layers.Conv2D(32, 3, activation="relu", strides=2, padding="same")(encoder_inputs)
-    x = layers.Conv2D(64, 3, activation="relu", strides=2, padding="same")(x)
-    x = layers.Flatten()(x)
-    x = layers.Dense(16, activation="relu")(x)
-    z_mean = layers.Dense(latent_dim, name="z_mean")(x)
-    z_log_var = layers.Dense(latent_dim, name="z_log_var")(x)
-    z = Sampling()([z_mean, z_log_var])
-    encoder = keras.Model(encoder_inputs, [z_mean, z_log_var, z], name="encoder")
-
-    latent_inputs = keras.Input(shape=(latent_dim,))
-    x = layers.Dense(7 * 7 * 64, activation="relu")(latent_inputs)
-    x = layers.Reshape((7, 7, 64))(x)
-    x = layers.Conv2DTranspose(64, 3, activation="relu", strides=2, padding="same")(x)
-    x = layers.Conv2DTranspose(32, 3, activation="relu", strides=2, padding="same")(x)
-    decoder_outputs = layers.Conv2DTranspose(1, 3, activation="sigmoid", padding="same")(x)
-    decoder = keras.Model(latent_inputs, decoder_outputs, name="decoder")
-
-    vae = VAE(encoder, decoder)
-    vae.compile(optimizer=keras.optimizers.Adam())
-    return vae
+    images = keras.Input(shape=(28, 28, 1))
+    h = layers.Conv2D(16, 3, strides=2, padding="same", activation="relu")(images)
+    h = layers.Conv2D(32, 3, strides=2, padding="same", activation="relu")(h)
+    h = layers.Dense(16, activation="relu")(layers.Flatten()(h))
+    mean, log_var = layers.Dense(code_size, name="mean")(h), layers.Dense(code_size, name="log_var")(h)
+    encoder = keras.Model(images, [mean, log_var, GaussianDraw()([mean, log_var])], name="encoder")
+    code = keras.Input(shape=(code_size,))
+    h = layers.Reshape((7, 7, 32))(layers.Dense(7 * 7 * 32, activation="relu")(code))
+    h = layers.Conv2DTranspose(32, 3, strides=2, padding="same", activation="relu")(h)
+    h = layers.Conv2DTranspose(16, 3, strides=2, padding="same", activation="relu")(h)
+    decoder = keras.Model(code, layers.Conv2DTranspose(1, 3, padding="same", activation="sigmoid")(h),
+                          name="decoder")
+    model = VariationalAE(encoder, decoder)
+    model.compile(optimizer=keras.optimizers.Adam())
+    return model
 
 
 # =================================================================================
-# keras-io: examples/generative/wgan_gp.py ("WGAN-GP overriding
-# `Model.train_step`"): the critic is trained `discriminator_extra_steps=3`
-# times per batch with the same optimizer, with a gradient penalty.
-# Data: Fashion-MNIST -> 8 seeded images in [-1, 1]; BATCH_SIZE 512 -> 8
-# (one batch: the three critic applies and the generator's are in it), epochs 20 -> 1.
+# Path of keras-io's examples/generative/wgan_gp.py: per batch, three critic
+# updates through one optimizer, each with a gradient penalty taken by a nested
+# tape on random blends of real and made images, then one maker update; a
+# maker with BatchNormalization, a critic with Dropout, unseeded `tf.random`
+# noise. Data: 8 random images in [-1, 1], one batch of 8.
 # =================================================================================
 
-IMG_SHAPE = (28, 28, 1)
-noise_dim = 128
+
+def penalty_critic():
+    images = keras.Input(shape=(28, 28, 1))
+    h = layers.LeakyReLU(0.2)(layers.Conv2D(16, 5, strides=2, padding="same")(images))
+    h = layers.LeakyReLU(0.2)(layers.Conv2D(32, 5, strides=2, padding="same")(h))
+    h = layers.Dropout(0.3)(h)
+    h = layers.Dropout(0.2)(layers.Flatten()(h))
+    return keras.Model(images, layers.Dense(1)(h), name="critic")
 
 
-def conv_block(
-    x,
-    filters,
-    activation,
-    kernel_size=(3, 3),
-    strides=(1, 1),
-    padding="same",
-    use_bias=True,
-    use_bn=False,
-    use_dropout=False,
-    drop_value=0.5,
-):
-    x = layers.Conv2D(
-        filters, kernel_size, strides=strides, padding=padding, use_bias=use_bias
-    )(x)
-    if use_bn:
-        x = layers.BatchNormalization()(x)
-    x = activation(x)
-    if use_dropout:
-        x = layers.Dropout(drop_value)(x)
-    return x
+def normalized_maker(noise_size):
+    noise = keras.Input(shape=(noise_size,))
+    h = layers.Dense(7 * 7 * 32, use_bias=False)(noise)
+    h = layers.Reshape((7, 7, 32))(layers.LeakyReLU(0.2)(layers.BatchNormalization()(h)))
+    for filters, act in ((16, layers.LeakyReLU(0.2)), (1, layers.Activation("tanh"))):
+        h = layers.Conv2D(filters, 3, padding="same", use_bias=False)(layers.UpSampling2D()(h))
+        h = act(layers.BatchNormalization()(h))
+    return keras.Model(noise, h, name="maker")
 
 
-def get_discriminator_model():
-    img_input = layers.Input(shape=IMG_SHAPE)
-    # Zero pad the input to make the input images size to (32, 32, 1).
-    x = layers.ZeroPadding2D((2, 2))(img_input)
-    x = conv_block(x, 64, kernel_size=(5, 5), strides=(2, 2), use_bn=False, use_bias=True,
-                   activation=layers.LeakyReLU(0.2), use_dropout=False, drop_value=0.3)
-    x = conv_block(x, 128, kernel_size=(5, 5), strides=(2, 2), use_bn=False,
-                   activation=layers.LeakyReLU(0.2), use_bias=True, use_dropout=True, drop_value=0.3)
-    x = conv_block(x, 256, kernel_size=(5, 5), strides=(2, 2), use_bn=False,
-                   activation=layers.LeakyReLU(0.2), use_bias=True, use_dropout=True, drop_value=0.3)
-    x = conv_block(x, 512, kernel_size=(5, 5), strides=(2, 2), use_bn=False,
-                   activation=layers.LeakyReLU(0.2), use_bias=True, use_dropout=False, drop_value=0.3)
-
-    x = layers.Flatten()(x)
-    x = layers.Dropout(0.2)(x)
-    x = layers.Dense(1)(x)
-
-    d_model = keras.models.Model(img_input, x, name="discriminator")
-    return d_model
+def wasserstein_gap(real, fake):
+    return tf.reduce_mean(fake) - tf.reduce_mean(real)
 
 
-def upsample_block(
-    x,
-    filters,
-    activation,
-    kernel_size=(3, 3),
-    strides=(1, 1),
-    up_size=(2, 2),
-    padding="same",
-    use_bn=False,
-    use_bias=True,
-    use_dropout=False,
-    drop_value=0.3,
-):
-    x = layers.UpSampling2D(up_size)(x)
-    x = layers.Conv2D(
-        filters, kernel_size, strides=strides, padding=padding, use_bias=use_bias
-    )(x)
-
-    if use_bn:
-        x = layers.BatchNormalization()(x)
-
-    if activation:
-        x = activation(x)
-    if use_dropout:
-        x = layers.Dropout(drop_value)(x)
-    return x
+def wasserstein_maker_loss(fake):
+    return -tf.reduce_mean(fake)
 
 
-def get_generator_model():
-    noise = layers.Input(shape=(noise_dim,))
-    x = layers.Dense(4 * 4 * 256, use_bias=False)(noise)
-    x = layers.BatchNormalization()(x)
-    x = layers.LeakyReLU(0.2)(x)
+class PenalizedCriticGAN(keras.Model):
+    def __init__(self, critic, maker, noise_size, critic_steps=3, penalty=10.0):
+        super().__init__()
+        self.critic, self.maker, self.noise_size = critic, maker, noise_size
+        self.critic_steps, self.penalty = critic_steps, penalty
 
-    x = layers.Reshape((4, 4, 256))(x)
-    x = upsample_block(x, 128, layers.LeakyReLU(0.2), strides=(1, 1), use_bias=False, use_bn=True,
-                       padding="same", use_dropout=False)
-    x = upsample_block(x, 64, layers.LeakyReLU(0.2), strides=(1, 1), use_bias=False, use_bn=True,
-                       padding="same", use_dropout=False)
-    x = upsample_block(x, 1, layers.Activation("tanh"), strides=(1, 1), use_bias=False, use_bn=True)
-    # At this point, we have an output which has the same shape as the input, (32, 32, 1).
-    # We will use a Cropping2D layer to make it (28, 28, 1).
-    x = layers.Cropping2D((2, 2))(x)
+    def compile(self, critic_opt, maker_opt, critic_loss, maker_loss):
+        super().compile()
+        self.critic_opt, self.maker_opt = critic_opt, maker_opt
+        self.critic_loss, self.maker_loss = critic_loss, maker_loss
 
-    g_model = keras.models.Model(noise, x, name="generator")
-    return g_model
+    def slope_penalty(self, real, fake):
+        # Mean of (|d critic / d blend| - 1)^2 over blends of real and made images.
+        t = tf.random.uniform([tf.shape(real)[0], 1, 1, 1])
+        blend = real + t * (fake - real)
+        with tf.GradientTape() as inner:
+            inner.watch(blend)
+            score = self.critic(blend, training=True)
+        slope = tf.sqrt(tf.reduce_sum(tf.square(inner.gradient(score, blend)), axis=[1, 2, 3]))
+        return tf.reduce_mean(tf.square(slope - 1.0))
 
-
-class WGAN(keras.Model):
-    def __init__(
-        self,
-        discriminator,
-        generator,
-        latent_dim,
-        discriminator_extra_steps=3,
-        gp_weight=10.0,
-    ):
-        super(WGAN, self).__init__()
-        self.discriminator = discriminator
-        self.generator = generator
-        self.latent_dim = latent_dim
-        self.d_steps = discriminator_extra_steps
-        self.gp_weight = gp_weight
-
-    def compile(self, d_optimizer, g_optimizer, d_loss_fn, g_loss_fn):
-        super(WGAN, self).compile()
-        self.d_optimizer = d_optimizer
-        self.g_optimizer = g_optimizer
-        self.d_loss_fn = d_loss_fn
-        self.g_loss_fn = g_loss_fn
-
-    def gradient_penalty(self, batch_size, real_images, fake_images):
-        """Calculates the gradient penalty.
-
-        This loss is calculated on an interpolated image
-        and added to the discriminator loss.
-        """
-        # get the interplated image
-        alpha = tf.random.normal([batch_size, 1, 1, 1], 0.0, 1.0)
-        diff = fake_images - real_images
-        interpolated = real_images + alpha * diff
-
-        with tf.GradientTape() as gp_tape:
-            gp_tape.watch(interpolated)
-            # 1. Get the discriminator output for this interpolated image.
-            pred = self.discriminator(interpolated, training=True)
-
-        # 2. Calculate the gradients w.r.t to this interpolated image.
-        grads = gp_tape.gradient(pred, [interpolated])[0]
-        # 3. Calcuate the norm of the gradients
-        norm = tf.sqrt(tf.reduce_sum(tf.square(grads), axis=[1, 2, 3]))
-        gp = tf.reduce_mean((norm - 1.0) ** 2)
-        return gp
-
-    def train_step(self, real_images):
-        if isinstance(real_images, tuple):
-            real_images = real_images[0]
-
-        # Get the batch size
-        batch_size = tf.shape(real_images)[0]
-
-        # Train discriminator first. The original paper recommends training
-        # the discriminator for `x` more steps (typically 5) as compared to
-        # one step of the generator. Here we will train it for 3 extra steps
-        # as compared to 5 to reduce the training time.
-        for i in range(self.d_steps):
-            # Get the latent vector
-            random_latent_vectors = tf.random.normal(
-                shape=(batch_size, self.latent_dim)
-            )
+    def train_step(self, real):
+        real = real[0] if isinstance(real, tuple) else real
+        n = tf.shape(real)[0]
+        for _ in range(self.critic_steps):  # unrolled: several applies of one optimizer per step
             with tf.GradientTape() as tape:
-                # Generate fake images from the latent vector
-                fake_images = self.generator(random_latent_vectors, training=True)
-                # Get the logits for the fake images
-                fake_logits = self.discriminator(fake_images, training=True)
-                # Get the logits for real images
-                real_logits = self.discriminator(real_images, training=True)
-
-                # Calculate discriminator loss using fake and real logits
-                d_cost = self.d_loss_fn(real_img=real_logits, fake_img=fake_logits)
-                # Calculate the gradient penalty
-                gp = self.gradient_penalty(batch_size, real_images, fake_images)
-                # Add the gradient penalty to the original discriminator loss
-                d_loss = d_cost + gp * self.gp_weight
-
-            # Get the gradients w.r.t the discriminator loss
-            d_gradient = tape.gradient(d_loss, self.discriminator.trainable_variables)
-            # Update the weights of the discriminator using the discriminator optimizer
-            self.d_optimizer.apply_gradients(
-                zip(d_gradient, self.discriminator.trainable_variables)
-            )
-
-        # Train the generator now.
-        # Get the latent vector
-        random_latent_vectors = tf.random.normal(shape=(batch_size, self.latent_dim))
+                fake = self.maker(tf.random.normal((n, self.noise_size)), training=True)
+                gap = self.critic_loss(real=self.critic(real, training=True),
+                                       fake=self.critic(fake, training=True))
+                critic_loss = gap + self.penalty * self.slope_penalty(real, fake)
+            params = self.critic.trainable_variables
+            self.critic_opt.apply_gradients(zip(tape.gradient(critic_loss, params), params))
         with tf.GradientTape() as tape:
-            # Generate fake images using the generator
-            generated_images = self.generator(random_latent_vectors, training=True)
-            # Get the discriminator logits for fake images
-            gen_img_logits = self.discriminator(generated_images, training=True)
-            # Calculate the generator loss
-            g_loss = self.g_loss_fn(gen_img_logits)
-
-        # Get the gradients w.r.t the generator loss
-        gen_gradient = tape.gradient(g_loss, self.generator.trainable_variables)
-        # Update the weights of the generator using the generator optimizer
-        self.g_optimizer.apply_gradients(
-            zip(gen_gradient, self.generator.trainable_variables)
-        )
-        return {"d_loss": d_loss, "g_loss": g_loss}
+            fake = self.maker(tf.random.normal((n, self.noise_size)), training=True)
+            maker_loss = self.maker_loss(self.critic(fake, training=True))
+        params = self.maker.trainable_variables
+        self.maker_opt.apply_gradients(zip(tape.gradient(maker_loss, params), params))
+        return {"d_loss": critic_loss, "g_loss": maker_loss}
 
 
-# Define the loss functions to be used for discrimiator
-# This should be (fake_loss - real_loss)
-# We will add the gradient penalty later to this loss function
-def discriminator_loss(real_img, fake_img):
-    real_loss = tf.reduce_mean(real_img)
-    fake_loss = tf.reduce_mean(fake_img)
-    return fake_loss - real_loss
-
-
-# Define the loss functions to be used for generator
-def generator_loss(fake_img):
-    return -tf.reduce_mean(fake_img)
-
-
-def make_wgan():
+def make_wgan(noise_size=32):
     keras.utils.set_random_seed(SEED)
-    d_model = get_discriminator_model()
-    g_model = get_generator_model()
-    # Optimizer for both the networks
-    # learning_rate=0.0002, beta_1=0.5 are recommened
-    generator_optimizer = keras.optimizers.Adam(learning_rate=0.0002, beta_1=0.5, beta_2=0.9)
-    discriminator_optimizer = keras.optimizers.Adam(learning_rate=0.0002, beta_1=0.5, beta_2=0.9)
-    wgan = WGAN(discriminator=d_model, generator=g_model, latent_dim=noise_dim, discriminator_extra_steps=3)
-    wgan.compile(
-        d_optimizer=discriminator_optimizer,
-        g_optimizer=generator_optimizer,
-        g_loss_fn=generator_loss,
-        d_loss_fn=discriminator_loss,
-    )
-    return wgan
+    model = PenalizedCriticGAN(penalty_critic(), normalized_maker(noise_size), noise_size)
+    model.compile(critic_opt=keras.optimizers.Adam(2e-4, beta_1=0.5, beta_2=0.9),
+                  maker_opt=keras.optimizers.Adam(2e-4, beta_1=0.5, beta_2=0.9),
+                  critic_loss=wasserstein_gap, maker_loss=wasserstein_maker_loss)
+    return model
 
 
-def fashion_images(n=8):
-    # The example: `(train_images - 127.5) / 127.5`, values in [-1, 1].
+def signed_images(n=8):
     return digits_28(n, offset=4, low=-1.0)
 
 
 # =================================================================================
-# keras-io: examples/vision/mnist_convnet.py ("Simple MNIST convnet").
-# Data: MNIST -> 40 seeded images with one-hot labels (validation_split=0.1
-# keeps 36 for training: a batch of 32 and a short one of 4);
-# batch_size 128 -> 32, epochs 15 -> 2.
+# Path of keras-io's examples/vision/mnist_convnet.py: a Sequential convnet
+# with Dropout and a softmax, categorical cross-entropy on one-hot labels,
+# fit(validation_split=0.1). Data: 40 random images (36 train: batches of 32 and 4).
 # =================================================================================
 
 
-def make_mnist_convnet():
+def make_convnet():
     keras.utils.set_random_seed(SEED)
-    num_classes = 10
-    input_shape = (28, 28, 1)
-    model = keras.Sequential(
-        [
-            keras.Input(shape=input_shape),
-            layers.Conv2D(32, kernel_size=(3, 3), activation="relu"),
-            layers.MaxPooling2D(pool_size=(2, 2)),
-            layers.Conv2D(64, kernel_size=(3, 3), activation="relu"),
-            layers.MaxPooling2D(pool_size=(2, 2)),
-            layers.Flatten(),
-            layers.Dropout(0.5),
-            layers.Dense(num_classes, activation="softmax"),
-        ]
-    )
-    model.compile(loss="categorical_crossentropy", optimizer="adam", metrics=["accuracy"])
+    model = keras.Sequential([
+        keras.Input(shape=(28, 28, 1)),
+        layers.Conv2D(8, 3, activation="relu"), layers.MaxPooling2D(2),
+        layers.Conv2D(16, 3, activation="relu"), layers.MaxPooling2D(2),
+        layers.Flatten(), layers.Dropout(0.5), layers.Dense(10, activation="softmax"),
+    ])
+    model.compile(optimizer="adam", loss="categorical_crossentropy", metrics=["accuracy"])
     return model
 
 
-def mnist_labelled(n=40):
-    x = digits_28(n, offset=5)
-    y = keras.utils.to_categorical(rng(6).integers(0, 10, n), 10)
-    return x, y
+def labelled_digits(n=40):
+    return digits_28(n, offset=5), keras.utils.to_categorical(rng(6).integers(0, 10, n), 10)
 
 
 # =================================================================================
-# keras-io: guides/training_with_built_in_methods.py ("Training & evaluation
-# with the built-in methods"): `get_compiled_model()` with validation data,
-# the `CategoricalTruePositives` metric, the `ActivityRegularizationLayer`
-# (`add_loss`), `class_weight`, the `ExponentialDecay` schedule, and the
-# multi-input, multi-output model (compiled with per-output loss and metric
-# dicts and `loss_weights`, fitted on dicts).
-# Data: MNIST as (n, 784) float32 and float32 labels -> 128 seeded rows
-# (+ 32 for validation); batch_size 64 -> 32, epochs 1-3 -> 2.
+# Paths of keras-io's guides/training_with_built_in_methods.py: a compiled
+# functional classifier with validation data, class_weight, a non-mean metric
+# (a running count), a layer that calls add_loss, an ExponentialDecay learning
+# rate, and a two-input two-output model compiled with per-output loss and
+# metric dicts and loss_weights and fitted on dicts. Data: 128 random rows of
+# 64 features with float labels (+ 32 for validation), batches of 32.
 # =================================================================================
 
-
-def get_uncompiled_model():
-    inputs = keras.Input(shape=(784,), name="digits")
-    x = layers.Dense(64, activation="relu", name="dense_1")(inputs)
-    x = layers.Dense(64, activation="relu", name="dense_2")(x)
-    outputs = layers.Dense(10, activation="softmax", name="predictions")(x)
-    model = keras.Model(inputs=inputs, outputs=outputs)
-    return model
+FEATURES = 64
 
 
-def get_compiled_model():
-    keras.utils.set_random_seed(SEED)
-    model = get_uncompiled_model()
-    model.compile(
-        optimizer="rmsprop",
-        loss="sparse_categorical_crossentropy",
-        metrics=["sparse_categorical_accuracy"],
-    )
-    return model
+class ActivationPenalty(layers.Layer):
+    # Passes its input through and adds a penalty on it with add_loss.
+    def call(self, inputs):
+        self.add_loss(0.05 * tf.reduce_mean(tf.square(inputs)))
+        return inputs
 
 
-class CategoricalTruePositives(keras.metrics.Metric):
-    def __init__(self, name="categorical_true_positives", **kwargs):
-        super(CategoricalTruePositives, self).__init__(name=name, **kwargs)
-        self.true_positives = self.add_weight(name="ctp", initializer="zeros")
+class CorrectCount(keras.metrics.Metric):
+    # Not a mean: the number of right argmax guesses since the last reset.
+    def __init__(self, name="correct_count", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.count = self.add_weight(shape=(), name="count", initializer="zeros")
 
     def update_state(self, y_true, y_pred, sample_weight=None):
-        y_pred = tf.reshape(tf.argmax(y_pred, axis=1), shape=(-1, 1))
-        values = tf.cast(y_true, "int32") == tf.cast(y_pred, "int32")
-        values = tf.cast(values, "float32")
+        hits = tf.cast(tf.equal(tf.cast(tf.reshape(y_true, [-1]), tf.int64), tf.argmax(y_pred, axis=-1)), tf.float32)
         if sample_weight is not None:
-            sample_weight = tf.cast(sample_weight, "float32")
-            values = tf.multiply(values, sample_weight)
-        self.true_positives.assign_add(tf.reduce_sum(values))
+            hits *= tf.reshape(tf.cast(sample_weight, tf.float32), [-1])
+        self.count.assign_add(tf.reduce_sum(hits))
 
     def result(self):
-        return self.true_positives
-
-    def reset_states(self):
-        # The state of the metric will be reset at the start of each epoch.
-        self.true_positives.assign(0.0)
+        return self.count
 
 
-def make_true_positives_model():
+def flat_classifier(optimizer, loss, metrics=(), penalty=False, logits=False):
     keras.utils.set_random_seed(SEED)
-    model = get_uncompiled_model()
-    model.compile(
-        optimizer=keras.optimizers.RMSprop(learning_rate=1e-3),
-        loss=keras.losses.SparseCategoricalCrossentropy(),
-        metrics=[CategoricalTruePositives()],
-    )
+    inputs = keras.Input(shape=(FEATURES,), name="features")
+    h = layers.Dense(32, activation="relu")(inputs)
+    if penalty:
+        h = ActivationPenalty()(h)
+    h = layers.Dense(32, activation="relu")(h)
+    model = keras.Model(inputs, layers.Dense(10, activation=None if logits else "softmax")(h))
+    model.compile(optimizer=optimizer, loss=loss, metrics=list(metrics))
     return model
 
 
-class ActivityRegularizationLayer(layers.Layer):
-    def call(self, inputs):
-        self.add_loss(tf.reduce_sum(inputs) * 0.1)
-        return inputs  # Pass-through layer.
+def make_flat_classifier():
+    return flat_classifier("rmsprop", "sparse_categorical_crossentropy", ["sparse_categorical_accuracy"])
 
 
-def make_activity_regularized_model():
+def make_counting_model():
+    return flat_classifier(keras.optimizers.RMSprop(1e-3), keras.losses.SparseCategoricalCrossentropy(),
+                           [CorrectCount()])
+
+
+def make_penalised_model():
+    return flat_classifier(keras.optimizers.RMSprop(1e-3),
+                           keras.losses.SparseCategoricalCrossentropy(from_logits=True), penalty=True, logits=True)
+
+
+def decaying_rate():
+    # Few decay steps, so that the rate changes within the steps run here.
+    return keras.optimizers.schedules.ExponentialDecay(0.05, decay_steps=3, decay_rate=0.9, staircase=True)
+
+
+def make_decaying_rate_model():
+    return flat_classifier(keras.optimizers.RMSprop(learning_rate=decaying_rate()),
+                           "sparse_categorical_crossentropy", ["sparse_categorical_accuracy"])
+
+
+# Outputs, and inputs, are listed in the sorted order of their names: Keras
+# 3.5 matches dict targets to outputs by sorted key, later versions by name,
+# and both then agree.
+def make_two_headed_model():
     keras.utils.set_random_seed(SEED)
-    inputs = keras.Input(shape=(784,), name="digits")
-    x = layers.Dense(64, activation="relu", name="dense_1")(inputs)
-
-    # Insert activity regularization as a layer
-    x = ActivityRegularizationLayer()(x)
-
-    x = layers.Dense(64, activation="relu", name="dense_2")(x)
-    outputs = layers.Dense(10, name="predictions")(x)
-
-    model = keras.Model(inputs=inputs, outputs=outputs)
-    model.compile(
-        optimizer=keras.optimizers.RMSprop(learning_rate=1e-3),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-    )
-    return model
-
-
-# The guide's schedule, with decay_steps 100000 -> 2 so that it moves within
-# the few steps run here.
-def lr_schedule():
-    return keras.optimizers.schedules.ExponentialDecay(
-        initial_learning_rate=1e-1, decay_steps=2, decay_rate=0.96, staircase=True
-    )
-
-
-def make_scheduled_model():
-    keras.utils.set_random_seed(SEED)
-    model = get_uncompiled_model()
-    model.compile(
-        optimizer=keras.optimizers.RMSprop(learning_rate=lr_schedule()),
-        loss="sparse_categorical_crossentropy",
-        metrics=["sparse_categorical_accuracy"],
-    )
-    return model
-
-
-def make_multi_io_model():
-    keras.utils.set_random_seed(SEED)
-    image_input = keras.Input(shape=(32, 32, 3), name="img_input")
-    timeseries_input = keras.Input(shape=(None, 10), name="ts_input")
-
-    x1 = layers.Conv2D(3, 3)(image_input)
-    x1 = layers.GlobalMaxPooling2D()(x1)
-
-    x2 = layers.Conv1D(3, 3)(timeseries_input)
-    x2 = layers.GlobalMaxPooling1D()(x2)
-
-    x = layers.concatenate([x1, x2])
-
-    score_output = layers.Dense(1, name="score_output")(x)
-    class_output = layers.Dense(5, name="class_output")(x)
-
-    model = keras.Model(
-        inputs=[image_input, timeseries_input], outputs=[score_output, class_output]
-    )
+    picture = keras.Input(shape=(16, 16, 3), name="picture")
+    series = keras.Input(shape=(None, 6), name="series")
+    joined = layers.concatenate([
+        layers.GlobalMaxPooling2D()(layers.Conv2D(4, 3)(picture)),
+        layers.GlobalMaxPooling1D()(layers.Conv1D(4, 3)(series)),
+    ])
+    kind = layers.Dense(5, activation="softmax", name="kind")(joined)
+    rating = layers.Dense(1, name="rating")(joined)
+    model = keras.Model(inputs=[picture, series], outputs=[kind, rating])
     model.compile(
         optimizer=keras.optimizers.RMSprop(1e-3),
-        loss={
-            "score_output": keras.losses.MeanSquaredError(),
-            "class_output": keras.losses.CategoricalCrossentropy(),
-        },
-        metrics={
-            "score_output": [
-                keras.metrics.MeanAbsolutePercentageError(),
-                keras.metrics.MeanAbsoluteError(),
-            ],
-            "class_output": [keras.metrics.CategoricalAccuracy()],
-        },
-        loss_weights={"score_output": 2.0, "class_output": 1.0},
+        loss={"kind": keras.losses.CategoricalCrossentropy(), "rating": keras.losses.MeanSquaredError()},
+        metrics={"kind": [keras.metrics.CategoricalAccuracy()],
+                 "rating": [keras.metrics.MeanAbsoluteError(), keras.metrics.MeanAbsolutePercentageError()]},
+        loss_weights={"kind": 1.0, "rating": 2.0},
     )
     return model
 
 
-def multi_io_data(n=64):
-    # The guide's own "dummy NumPy data" (100 samples), seeded and smaller.
+def two_headed_data(n=64):
     r = rng(10)
-    img_data = r.random(size=(n, 32, 32, 3))
-    ts_data = r.random(size=(n, 20, 10))
-    score_targets = r.random(size=(n, 1))
-    class_targets = r.random(size=(n, 5))
-    return ({"img_input": img_data, "ts_input": ts_data},
-            {"score_output": score_targets, "class_output": class_targets})
+    inputs = {"picture": r.random((n, 16, 16, 3)), "series": r.random((n, 12, 6))}
+    kinds = keras.utils.to_categorical(r.integers(0, 5, n), 5)
+    return inputs, {"kind": kinds, "rating": r.random((n, 1))}
 
 
 def _multi_io():
-    x, y = multi_io_data()
+    x, y = two_headed_data()
     return (x, y), {"batch_size": 32, "epochs": 2}, (x, y), 32, 4
 
 
-CLASS_WEIGHT = {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0,
-                # Set weight "2" for class "5",
-                # making this class 2x more important
-                5: 2.0, 6: 1.0, 7: 1.0, 8: 1.0, 9: 1.0}
+CLASS_WEIGHT = {c: 2.5 if c == 3 else 1.0 for c in range(10)}
 
 
 def flat_digits(n=128, offset=7):
     r = rng(offset)
-    return r.random((n, 784)).astype("float32"), r.integers(0, 10, n).astype("float32")
+    return r.random((n, FEATURES)).astype("float32"), r.integers(0, 10, n).astype("float32")
 
 
 # =================================================================================
-# Mixed precision. keras-io has no `guides/mixed_precision.py`; this is the
-# model of TensorFlow's mixed-precision guide, small: a `mixed_float16` policy
-# (Dense layers in float16, a float32 softmax), compiled with RMSprop, which
-# Keras wraps in a `LossScaleOptimizer`. Units 4096 -> 64.
+# Mixed precision: a `mixed_float16` classifier (float16 Dense layers, a float32
+# softmax) compiled with RMSprop, which Keras wraps in a LossScaleOptimizer.
 # =================================================================================
 
 
-def make_mixed_precision_model():
+def make_half_precision_model():
     keras.utils.set_random_seed(SEED)
     previous = keras.config.dtype_policy()
     keras.mixed_precision.set_dtype_policy("mixed_float16")
     try:
-        inputs = keras.Input(shape=(784,), name="digits")
-        x = layers.Dense(64, activation="relu", name="dense_1")(inputs)
-        x = layers.Dense(64, activation="relu", name="dense_2")(x)
-        x = layers.Dense(10, name="dense_logits")(x)
-        outputs = layers.Activation("softmax", dtype="float32", name="predictions")(x)
-        model = keras.Model(inputs=inputs, outputs=outputs)
-        model.compile(
-            loss="sparse_categorical_crossentropy",
-            optimizer=keras.optimizers.RMSprop(),
-            metrics=["accuracy"],
-        )
+        inputs = keras.Input(shape=(FEATURES,))
+        h = layers.Dense(32, activation="relu")(inputs)
+        h = layers.Dense(10)(layers.Dense(32, activation="relu")(h))
+        model = keras.Model(inputs, layers.Activation("softmax", dtype="float32")(h))
+        model.compile(optimizer=keras.optimizers.RMSprop(), loss="sparse_categorical_crossentropy",
+                      metrics=["accuracy"])
     finally:
         keras.mixed_precision.set_dtype_policy(previous)
     return model
@@ -1326,12 +898,12 @@ def _vae():
 
 
 def _wgan():
-    x = fashion_images()
+    x = signed_images()
     return (x,), {"batch_size": 8, "epochs": 1}, x, 8, 1
 
 
 def _convnet():
-    x, y = mnist_labelled()
+    x, y = labelled_digits()
     return (x, y), {"batch_size": 32, "epochs": 2, "validation_split": 0.1}, (x[:36], y[:36]), 32, 4
 
 
@@ -1359,30 +931,30 @@ def _flat_plain():
 
 
 GUIDES = {
-    "custom_fit/CustomModel": Guide(make_custom_model, _regression, own=("loss", "mae")),
-    "custom_fit/CustomModel_low_level": Guide(make_custom_model_low_level, _regression, own=("loss", "mae")),
-    "custom_fit/CustomModel_sample_weight": Guide(make_custom_model_sample_weight, _regression_weighted,
+    "custom_fit/CustomModel": Guide(make_compute_loss_model, _regression, own=("loss", "mae")),
+    "custom_fit/CustomModel_low_level": Guide(make_own_trackers_model, _regression, own=("loss", "mae")),
+    "custom_fit/CustomModel_sample_weight": Guide(make_sample_weight_model, _regression_weighted,
                                                   own=("loss", "mae")),
-    "custom_fit/GAN": Guide(make_gan, _digits_dataset, own=("d_loss", "g_loss")),
-    "dcgan_overriding_train_step": Guide(make_dcgan, _digits_dataset, own=("d_loss", "g_loss"), oracle=False,
+    "custom_fit/GAN": Guide(make_seeded_gan, _digits_dataset, own=("d_loss", "g_loss")),
+    "dcgan_overriding_train_step": Guide(make_unseeded_gan, _digits_dataset, own=("d_loss", "g_loss"), oracle=False,
                                          replay=False),
     "vae": Guide(make_vae, _vae, own=("loss", "reconstruction_loss", "kl_loss"), replay=False),
-    # Its graph has ~15,000 ops (three critic updates with a gradient penalty,
-    # unrolled): one trace takes ~12 s of CPU here, so it is traced twice only
-    # (bare and lab fit()), not stepped nor fitted a second time.
+    # Its graph is large (three critic updates with a gradient penalty,
+    # unrolled) and slow to trace, so it is traced twice only (bare and lab
+    # fit()), not stepped nor fitted a second time.
     "wgan_gp": Guide(make_wgan, _wgan, own=("d_loss", "g_loss"), oracle=False, replay=False,
                      later_fit=False, stepped=False),
-    "mnist_convnet": Guide(make_mnist_convnet, _convnet, own=("loss", "accuracy")),
-    "built_in/get_compiled_model": Guide(get_compiled_model, _flat(), own=("loss", "sparse_categorical_accuracy")),
-    "built_in/class_weight": Guide(get_compiled_model, _class_weighted,
+    "mnist_convnet": Guide(make_convnet, _convnet, own=("loss", "accuracy")),
+    "built_in/get_compiled_model": Guide(make_flat_classifier, _flat(), own=("loss", "sparse_categorical_accuracy")),
+    "built_in/class_weight": Guide(make_flat_classifier, _class_weighted,
                                    own=("loss", "sparse_categorical_accuracy")),
-    "built_in/CategoricalTruePositives": Guide(make_true_positives_model, _flat_plain, own=("loss",),
-                                               running=("categorical_true_positives",)),
-    "built_in/ActivityRegularizationLayer": Guide(make_activity_regularized_model, _flat_plain, own=("loss",)),
-    "built_in/ExponentialDecay": Guide(make_scheduled_model, _flat_plain, own=("loss", "sparse_categorical_accuracy")),
+    "built_in/non_mean_metric": Guide(make_counting_model, _flat_plain, own=("loss",), running=("correct_count",)),
+    "built_in/ActivityRegularizationLayer": Guide(make_penalised_model, _flat_plain, own=("loss",)),
+    "built_in/ExponentialDecay": Guide(make_decaying_rate_model, _flat_plain,
+                                       own=("loss", "sparse_categorical_accuracy")),
     # Every column Keras logs (the total and per-output losses, per-output metrics).
-    "built_in/multi_input_multi_output": Guide(make_multi_io_model, _multi_io, own=ALL_LOGGED),
-    "mixed_precision": Guide(make_mixed_precision_model, _flat_plain, own=("loss", "accuracy")),
+    "built_in/multi_input_multi_output": Guide(make_two_headed_model, _multi_io, own=ALL_LOGGED),
+    "mixed_precision": Guide(make_half_precision_model, _flat_plain, own=("loss", "accuracy")),
 }
 
 _RUNS = {}
@@ -1471,7 +1043,7 @@ def test_first_custom_model_gradient_columns_are_the_tape_gradients():
     t = runs_of("custom_fit/CustomModel")
     # The first batch's gradients, by a tape on a clean copy at the initial weights.
     x, y = regression_data()
-    model = make_custom_model()
+    model = make_compute_loss_model()
     with tf.GradientTape() as tape:
         loss = keras.losses.MeanSquaredError()(y[:32], model(x[:32], training=True))
     grads = tape.gradient(loss, model.trainable_variables)
@@ -1503,74 +1075,58 @@ def test_validation_logs_reach_the_run_epochs():
 def test_learning_rate_column_is_the_value_each_step_used():
     t = runs_of("built_in/ExponentialDecay")
     rows = t.rows
-    expected = [float(lr_schedule()(step)) for step in rows["step"]]
+    expected = [float(decaying_rate()(step)) for step in rows["step"]]
     np.testing.assert_allclose(rows["learning_rate"].to_numpy(np.float64), expected, rtol=1e-7)
 
 
 # =================================================================================
-# keras-io: guides/writing_a_custom_training_loop_in_tensorflow.py ("Writing a
-# training loop from scratch in TensorFlow"): `get_model()`, the first (eager)
-# loop's step, and the `@tf.function` `train_step` with `train_acc_metric`,
-# under `lab.watch`. Data: MNIST as (n, 784) -> 96 seeded rows;
-# `train_dataset.shuffle(buffer_size=1024).batch(32)` -> `.batch(32)`; epochs 2.
-# The only line added to the guide's loop is `run.step(loss=loss_value)`.
+# Path of keras-io's guides/writing_a_custom_training_loop_in_tensorflow.py: a
+# hand-written loop over a tf.data dataset, a step (eager, or under
+# `tf.function`) that takes a tape, applies the optimizer and feeds an accuracy
+# metric read and reset per epoch; watched with `lab.watch`, whose `run.step`
+# is the one call the loop gains. Data: 96 random rows, unshuffled batches of 32.
 # =================================================================================
-
-
-def get_model():
-    inputs = keras.Input(shape=(784,), name="digits")
-    x1 = keras.layers.Dense(64, activation="relu")(inputs)
-    x2 = keras.layers.Dense(64, activation="relu")(x1)
-    outputs = keras.layers.Dense(10, name="predictions")(x2)
-    model = keras.Model(inputs=inputs, outputs=outputs)
-    return model
 
 
 def loop_arrays(n=96):
     r = rng(9)
-    return r.random((n, 784)).astype("float32"), r.integers(0, 10, n)
+    return r.random((n, FEATURES)).astype("float32"), r.integers(0, 10, n)
 
 
 def loop_parts(compiled=True):
-    """The guide's model, optimizer, loss, metric and step, fresh."""
+    """A fresh model, optimizer, accuracy metric and step function."""
     keras.utils.set_random_seed(SEED)
-    model = get_model()
-    # Instantiate an optimizer.
-    optimizer = keras.optimizers.Adam(learning_rate=1e-3)
-    # Instantiate a loss function.
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    train_acc_metric = keras.metrics.SparseCategoricalAccuracy()
+    inputs = keras.Input(shape=(FEATURES,))
+    h = layers.Dense(32, activation="relu")(layers.Dense(32, activation="relu")(inputs))
+    model = keras.Model(inputs, layers.Dense(10)(h))
+    optimizer = keras.optimizers.Adam(1e-3)
+    xent = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    accuracy = keras.metrics.SparseCategoricalAccuracy()
 
-    def train_step(x, y):
+    def one_step(features, labels):
         with tf.GradientTape() as tape:
-            logits = model(x, training=True)
-            loss_value = loss_fn(y, logits)
-        grads = tape.gradient(loss_value, model.trainable_weights)
-        optimizer.apply(grads, model.trainable_weights)
-        train_acc_metric.update_state(y, logits)
-        return loss_value
+            logits = model(features, training=True)
+            loss = xent(labels, logits)
+        optimizer.apply(tape.gradient(loss, model.trainable_weights), model.trainable_weights)
+        accuracy.update_state(labels, logits)
+        return loss
 
-    if compiled:
-        train_step = tf.function(train_step)  # the guide's `@tf.function`
-    return model, optimizer, train_acc_metric, train_step
+    return model, optimizer, accuracy, tf.function(one_step) if compiled else one_step
 
 
 def run_loop(watched, epochs=2):
-    model, optimizer, train_acc_metric, train_step = loop_parts()
-    x_train, y_train = loop_arrays()
-    train_dataset = tf.data.Dataset.from_tensor_slices((x_train, y_train)).batch(32)
+    model, optimizer, accuracy, one_step = loop_parts()
+    batches = tf.data.Dataset.from_tensor_slices(loop_arrays()).batch(32)
     losses, accuracies = [], []
     with (lab.watch(model, optimizer) if watched else contextlib.nullcontext()) as run:
-        for epoch in range(epochs):
-            for step, (x_batch_train, y_batch_train) in enumerate(train_dataset):
-                loss_value = train_step(x_batch_train, y_batch_train)
+        for _ in range(epochs):
+            for features, labels in batches:
+                loss = one_step(features, labels)
                 if watched:
-                    run.step(loss=loss_value)
-                losses.append(float(loss_value))
-            # Display metrics at the end of each epoch.
-            accuracies.append(float(train_acc_metric.result()))
-            # Reset training metrics at the end of each epoch
-            train_acc_metric.reset_state()
+                    run.step(loss=loss)
+                losses.append(float(loss))
+            accuracies.append(float(accuracy.result()))
+            accuracy.reset_state()
     return model, optimizer, losses, accuracies, run
 
 
