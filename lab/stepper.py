@@ -158,6 +158,7 @@ class Stepper:
             )
         if int(history) < 1:
             raise ValueError(f"history must be at least 1, got {history}.")
+        _check_list_data(model, data)
         self.model = model
         self.feed = Feed(data, batch_size=batch_size, shuffle=shuffle, seed=seed,
                          steps_per_epoch=steps_per_epoch, position=start_batch)
@@ -574,6 +575,22 @@ class Stepper:
                    "seconds": [trace.seconds], "mode": [self.mode], "source": ["stepper"]}
         columns.update({k: [v] for k, v in trace.row.items()})
         self.run.append_batches(columns)
+
+
+def _check_list_data(model, data):
+    """A list is what fit() takes as the inputs `x` of a model with several
+    inputs, never as `(x, y)`: said at construction for a model with one."""
+    if not isinstance(data, list) or len(data) < 2:
+        return
+    try:
+        inputs = len(model.inputs)
+    except (AttributeError, TypeError, ValueError):  # a subclassed model has no fixed inputs
+        return
+    if inputs == 1:
+        raise ValueError(
+            f"data is a list of {len(data)} arrays, which fit() reads as the inputs x of a model "
+            f"with several inputs; {model.name!r} has one input. Pass the arrays as a tuple: "
+            "`lab.Stepper(model, (x, y))`, as `model.fit(x, y)` takes them.")
 
 
 def _own_train_step(model):
