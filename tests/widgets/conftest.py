@@ -101,3 +101,40 @@ def synthetic_run(steps, variables=("m/dense/kernel", "m/dense/bias", "m/out/ker
 @pytest.fixture
 def make_run():
     return synthetic_run
+
+
+class FakeHandle:
+    """Stands in for an IPython display handle: keeps every bundle shown through it."""
+
+    def __init__(self, bundle):
+        self.shown = [bundle]
+
+    def update(self, bundle, raw=False):
+        assert raw
+        self.shown.append(bundle)
+
+
+@pytest.fixture
+def fake_handle():
+    """A display handle that keeps what is shown through it."""
+    return FakeHandle(None)
+
+
+@pytest.fixture
+def notebook(monkeypatch):
+    """Pretends to run in a kernel with a front end; records what gets displayed, by handle."""
+    from widgets import dashboard as dashboard_module
+
+    handles = []
+
+    def display(bundle, raw=False, display_id=None):
+        assert raw and display_id
+        handles.append(FakeHandle(bundle))
+        return handles[-1]
+
+    import IPython.display
+
+    monkeypatch.setattr(dashboard_module, "_frontend_available", lambda: True)
+    monkeypatch.setattr(IPython.display, "display", display)
+    return handles
+

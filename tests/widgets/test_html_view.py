@@ -9,39 +9,12 @@ import numpy as np
 import pytest
 
 import widgets
-from widgets import dashboard as dashboard_module
 from widgets.html_view import HtmlView, html_page
 from widgets.series import ChartState, chart_data
 from widgets.views import choose_view, frontend
 
 # One refresh of the HTML view, whatever the run's length (2 layers of gradients here: about 22 kB).
 PAGE_BOUND = 40_000
-
-
-class FakeHandle:
-    def __init__(self, bundle):
-        self.shown = [bundle]
-
-    def update(self, bundle, raw=False):
-        assert raw
-        self.shown.append(bundle)
-
-
-@pytest.fixture
-def notebook(monkeypatch):
-    """A kernel with a front end; what gets displayed, by handle."""
-    handles = []
-
-    def display(bundle, raw=False, display_id=None):
-        assert raw and display_id
-        handles.append(FakeHandle(bundle))
-        return handles[-1]
-
-    import IPython.display
-
-    monkeypatch.setattr(dashboard_module, "_frontend_available", lambda: True)
-    monkeypatch.setattr(IPython.display, "display", display)
-    return handles
 
 
 def polyline(page, name):
@@ -152,11 +125,11 @@ def test_the_lab_panel_charts_through_the_html_view(plain_jupyter, digits, make_
 
 
 @pytest.mark.parametrize("steps", [1_000, 10_000, 100_000, 1_000_000])
-def test_one_refresh_has_a_bounded_payload_at_any_run_length(make_run, steps):
+def test_one_refresh_has_a_bounded_payload_at_any_run_length(make_run, fake_handle, steps):
     run = make_run(steps)
     run.append_epoch(0, {"loss": 1.0, "val_loss": 1.1})
     view = HtmlView(update_every=0)
-    handle = FakeHandle(None)
+    handle = fake_handle
     view.handles.append(handle)
     assert view.send(ChartState(run).update(), "<b>running</b>")
     page = handle.shown[-1]["text/html"]

@@ -4,7 +4,6 @@ import threading
 
 import keras
 import numpy as np
-import pytest
 from tensorflow.python.framework import config as tf_config
 
 import lab

@@ -5,7 +5,6 @@ import keras
 import numpy as np
 import pytest
 
-import lab
 import widgets
 
 RNG = np.random.default_rng(0)
