@@ -113,27 +113,15 @@ class RunCompare(ipywidgets.VBox):
         return lines, markers
 
     def _show(self, column):
+        lines, markers = self._series(column)
         if self.live_view is not None:
-            lines, markers = self._series(column)
             self.live_view.send((column, lines + markers), final=True)
             return
-        validation = f"val_{column}"
         with self.figure.batch_update():
-            for trace, name in zip(self.lines(), self.names):
-                rows = self.batches[self.batches["run"] == name]
-                values = rows[column].to_numpy(np.float32)
-                recorded = np.isfinite(values).any()
-                x, y = downsample(rows["step"].to_numpy(), values, self.max_points)
-                trace.x, trace.y = x, y
-                trace.name = name if recorded else f"{name} (not recorded)"
-            for trace, name in zip(self.validation(), self.names):
-                x = y = np.zeros(0, np.float32)
-                if validation in self.epochs:
-                    rows = self.epochs[self.epochs["run"] == name]
-                    values = rows[validation].to_numpy(np.float32)
-                    keep = np.isfinite(values)
-                    x, y = rows["step"].to_numpy(np.float32)[keep], values[keep]
-                trace.x, trace.y = x, y
+            for trace, series in zip(list(self.lines()) + list(self.validation()), lines + markers):
+                trace.x, trace.y = series.x, series.y
+            for trace, series in zip(self.lines(), lines):
+                trace.name = series.name
             self.figure.layout.yaxis.title = column
             self.figure.layout.yaxis.type = "log" if column.startswith(_LOG_SCALE) else "linear"
 
