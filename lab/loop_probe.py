@@ -49,6 +49,22 @@ SOME_NONE_MESSAGE = (
 )
 
 
+def _concat(values):
+    """Scalars and 1-D tensors as one 1-D tensor, in order (runs of scalars stacked)."""
+    pieces, run = [], []
+    for value in values:
+        if value.shape.rank == 0:
+            run.append(value)
+            continue
+        if run:
+            pieces.append(tf.stack(run))
+            run = []
+        pieces.append(value)
+    if run:
+        pieces.append(tf.stack(run))
+    return pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis=0)
+
+
 class _LoopState(StepState):
     """The one step state of a watched loop: every value goes to a slot."""
 
@@ -211,14 +227,24 @@ class LoopProbe(Probe):
         if index is None:
             return
         value = tf.cast(value, tf.float32)
-        if combine is not None:
-            batch = getattr(self._writes, "batch", None)
-            if batch is not None:
-                # Combined with the slot's value in `_scatter`: one gather for all.
-                batch.append((index, value, combine))
-                return
-            value, accumulate = combine(self._slots.vector[index], value), False
-        item = (index, value, accumulate)
+        if combine is not None and getattr(self._writes, "batch", None) is None:
+            value, combine, accumulate = combine(self._slots.vector[index], value), None, False
+        self._put(([index], value, combine if combine is not None else accumulate))
+
+    def _emit_vector(self, state, names, vector, reset=np.nan, combine=None):
+        indices = [self._index(name, reset) for name in names]
+        kept = [i for i, index in enumerate(indices) if index is not None]
+        if not kept:
+            return
+        vector = tf.cast(vector, tf.float32)
+        if len(kept) < len(names):
+            vector = tf.gather(vector, kept)
+        self._put(([indices[i] for i in kept], vector, combine if combine is not None else False))
+
+    def _put(self, item):
+        """One write to the slots: ([indices], scalar or vector, mode), mode
+        False (assign), True (add) or a `combine(old, new)`; batched inside
+        an update, so each mode costs one scatter."""
         batch = getattr(self._writes, "batch", None)
         if batch is not None:
             batch.append(item)
@@ -226,20 +252,19 @@ class LoopProbe(Probe):
             self._scatter([item])
 
     def _scatter(self, items):
-        combined = [(i, v, a) for i, v, a in items if callable(a)]
-        if combined:
-            # Every norm that covers several applies, combined in one vector op.
-            indices = tf.constant([[i] for i, _, _ in combined], tf.int32)
-            old = tf.gather(self._slots.vector.read_value(), indices[:, 0])  # XLA has no ResourceGatherNd
-            values = combined[0][2](old, tf.stack([v for _, v, _ in combined]))
-            self._slots.vector.scatter_nd_update(indices, values)
-        for accumulate in (False, True):
-            chosen = [(i, v) for i, v, a in items if a is accumulate]
-            if not chosen:
-                continue
-            indices = tf.constant([[i] for i, _ in chosen], tf.int32)
-            values = tf.stack([v for _, v in chosen])
-            if accumulate:
+        modes = []
+        for _, _, mode in items:
+            if not any(mode is m for m in modes):
+                modes.append(mode)
+        for mode in modes:
+            chosen = [(indices, value) for indices, value, m in items if m is mode]
+            indices = tf.constant([[i] for positions, _ in chosen for i in positions], tf.int32)
+            values = _concat([value for _, value in chosen])
+            if callable(mode):
+                # Every norm that covers several applies, combined in one vector op.
+                old = tf.gather(self._slots.vector.read_value(), indices[:, 0])  # XLA has no ResourceGatherNd
+                self._slots.vector.scatter_nd_update(indices, mode(old, values))
+            elif mode:
                 self._slots.vector.scatter_nd_add(indices, values)
             else:
                 self._slots.vector.scatter_nd_update(indices, values)

@@ -67,8 +67,9 @@ def norms_of(tensors):
 
 def global_norm(norms):
     """`combined_norm` by the cheap path: the root of the plain sum of
-    squares, and only when that overflows, the scaled computation."""
-    norms = tf.stack([tf.cast(n, tf.float32) for n in norms])
+    squares, and only when that overflows, the scaled computation. `norms`
+    is a list of scalars or a 1-D tensor of them."""
+    norms = _as_vector(norms)
     present = tf.logical_not(tf.math.is_nan(norms))
     square = tf.reduce_sum(tf.square(tf.where(present, norms, 0.0)))
     plain = tf.where(tf.reduce_any(present), tf.sqrt(square), np.float32(np.nan))
@@ -78,13 +79,75 @@ def global_norm(norms):
 def combined_norm(norms):
     """The norm of the concatenation of parts whose norms are `norms`
     (NaN entries are parts with no value), scaled as `scaled_norm`."""
-    norms = tf.stack([tf.cast(n, tf.float32) for n in norms])
+    norms = _as_vector(norms)
     present = tf.logical_not(tf.math.is_nan(norms))
     values = tf.where(present, norms, 0.0)
     m = tf.reduce_max(values)
     safe = tf.where(m > 0, m, 1.0)
     total = tf.where(tf.math.is_finite(m), m * tf.sqrt(tf.reduce_sum(tf.square(values / safe))), m)
     return tf.where(tf.reduce_any(present), total, np.float32(np.nan))
+
+
+def _as_vector(norms):
+    if isinstance(norms, (list, tuple)):
+        return tf.stack([tf.cast(n, tf.float32) for n in norms])
+    return tf.reshape(tf.cast(norms, tf.float32), [-1])
+
+
+class Part:
+    """Element `index` of `vector`: one value of a step that was computed
+    with others in one op (the norms of all the variables of one update).
+
+    Such values stay whole vectors until the row is written, so a row costs
+    one gather however many variables there are, not one slice per column.
+    """
+
+    __slots__ = ("vector", "index")
+
+    def __init__(self, vector, index):
+        self.vector = vector
+        self.index = index
+
+    def tensor(self):
+        return self.vector[self.index]
+
+
+def scalar(value):
+    """A step value as a scalar tensor (a `Part` sliced out of its vector)."""
+    return value.tensor() if isinstance(value, Part) else value
+
+
+def vector_of(values):
+    """One float32 1-D tensor of `values` (scalars and `Part`s), in order.
+
+    A run of `Part`s that is a whole vector in order costs nothing; the rest
+    is one stack of the scalars, one concat and one gather."""
+    if not values:
+        return tf.zeros([0], tf.float32)
+    first = values[0]
+    if isinstance(first, Part) and len(values) == int(first.vector.shape[0]) and all(
+            isinstance(v, Part) and v.vector is first.vector and v.index == i for i, v in enumerate(values)):
+        return tf.cast(first.vector, tf.float32)
+    scalars, vectors, offsets, positions = [], [], {}, []
+    for value in values:
+        if isinstance(value, Part):
+            key = id(value.vector)
+            if key not in offsets:
+                offsets[key] = len(vectors)
+                vectors.append(tf.cast(value.vector, tf.float32))
+            positions.append(("v", offsets[key], value.index))
+        else:
+            positions.append(("s", len(scalars), 0))
+            scalars.append(tf.cast(value, tf.float32))
+    if not vectors:
+        return tf.stack(scalars)
+    pieces = ([tf.stack(scalars)] if scalars else []) + vectors
+    starts, start = [], len(scalars)
+    for vector in vectors:
+        starts.append(start)
+        start += int(vector.shape[0])
+    index = [which if kind == "s" else starts[which] + i for kind, which, i in positions]
+    return tf.gather(tf.concat(pieces, axis=0), tf.constant(index, tf.int32))
 
 
 def _hypot(old, new):
@@ -411,7 +474,8 @@ class Probe:
             variables = list(trainable_variables)
             state.pending = None
             state.applies[name] = state.applies.get(name, 0) + 1
-            before = [tf.identity(v.value) for v in variables] if probe.weights else None
+            # A read is a snapshot: the update copies the buffer rather than change it.
+            before = [tf.convert_to_tensor(v.value) for v in variables] if probe.weights else None
             if not state.nested():
                 probe._emit_local_square(state, grads)
             result = original(grads, trainable_variables, learning_rate)
@@ -429,14 +493,12 @@ class Probe:
             state = getattr(probe._local, "state", None)
             if state is not None:
                 state.batch_gradients = True
-                norms = []
-                for variable, grad in zip(trainable_variables, grads):
-                    if grad is not None:
-                        norm = scaled_norm(grad)
-                        norms.append(norm)
-                        probe._emit(state, f"grad_norm/{probe._key(variable)}", norm, combine=_hypot)
-                if norms:
-                    probe._emit(state, "_batch_grad_norm", combined_norm(norms), combine=_hypot)
+                pairs = [(variable, grad) for variable, grad in zip(trainable_variables, grads) if grad is not None]
+                if pairs:
+                    norms = norms_of([grad for _, grad in pairs])
+                    probe._emit_vector(state, [f"grad_norm/{probe._key(variable)}" for variable, _ in pairs],
+                                       norms, combine=_hypot)
+                    probe._emit(state, "_batch_grad_norm", global_norm(norms), combine=_hypot)
             return original(grads, trainable_variables)
 
         return _backend_apply_gradients
@@ -544,9 +606,9 @@ class Probe:
         """This replica's own squared gradient norm, before the cross-replica sum."""
         if not self.gradients or _replica_context() is None:
             return
-        local = [scaled_norm(g) for g in grads if g is not None]
+        local = [g for g in grads if g is not None]
         if local:
-            self._emit(state, "_local_grad_norm", combined_norm(local), combine=_hypot)
+            self._emit(state, "_local_grad_norm", global_norm(norms_of(local)), combine=_hypot)
 
     def _with_state(self, state, function, *args):
         self._local.state = state
@@ -621,11 +683,36 @@ class Probe:
                 (slot[0].assign_add if accumulate else slot[0].assign)(value)
             state.slotted[name] = (slot[0], slot[1], combine)
         elif combine is not None and name in state.values:
-            state.values[name] = combine(state.values[name], value)
+            state.values[name] = combine(scalar(state.values[name]), value)
         elif accumulate and name in state.values:
-            state.values[name] = state.values[name] + value
+            state.values[name] = scalar(state.values[name]) + value
         else:
             state.values[name] = value
+
+    def _emit_vector(self, state, names, vector, reset=np.nan, combine=None):
+        """Puts the values `names` of the step, computed together as
+        `vector` (one per name), as `_emit` puts each; kept whole."""
+        names = tuple(names)
+        vector = tf.cast(vector, tf.float32)
+        if state.nested():
+            slot = self._slots.get(names)
+            if slot is None:
+                slot = self._slots[names] = (self._make_variable("lab_slots", np.full(len(names), reset, np.float32)),
+                                             reset)
+            slot[0].assign(combine(slot[0].read_value(), vector) if combine is not None else vector)
+            state.slotted[names] = (slot[0], slot[1], combine)
+            return
+        old = [state.values.get(name) for name in names]
+        if combine is not None and any(v is not None for v in old):
+            if all(isinstance(v, Part) and v.vector is old[0].vector and v.index == i for i, v in enumerate(old)) \
+                    and int(old[0].vector.shape[0]) == len(names):
+                vector = combine(old[0].vector, vector)  # an optimizer applied again: one op for all
+            else:
+                for i, name in enumerate(names):
+                    self._emit(state, name, vector[i], reset=reset, combine=combine)
+                return
+        for i, name in enumerate(names):
+            state.values[name] = Part(vector, i)
 
     def _emit_update(self, state, name, variables, grads, learning_rate, before):
         if name not in state.optimizers:
@@ -639,21 +726,20 @@ class Probe:
         if record_gradients:
             present = [i for i in range(min(len(grads), len(variables))) if grads[i] is not None]
             if present:
-                norms = norms_of([grads[i] for i in present])
-                for position, i in enumerate(present):
-                    # Several applies of one optimizer in a step: the norm covers them all.
-                    self._emit(state, f"grad_norm/{keys[i]}", norms[position], combine=_hypot)
+                # Several applies of one optimizer in a step: the norm covers them all.
+                self._emit_vector(state, [f"grad_norm/{keys[i]}" for i in present],
+                                  norms_of([grads[i] for i in present]), combine=_hypot)
         if self.weights and variables:
             values = [tf.convert_to_tensor(v.value) for v in variables]
-            tensors = values
-            if before is not None:
-                tensors = values + [tf.cast(v, tf.float32) - tf.cast(b, tf.float32) for v, b in zip(values, before)]
-            norms = norms_of(tensors)
-            for index, key in enumerate(keys):
-                self._emit(state, f"weight_norm/{key}", norms[index])
-                if before is not None:
-                    ratio = tf.math.divide_no_nan(norms[len(values) + index], norms[index])
-                    self._emit(state, f"update_ratio/{key}", ratio)
+            if before is None:
+                self._emit_vector(state, [f"weight_norm/{key}" for key in keys], norms_of(values))
+                return
+            count = len(values)
+            norms = norms_of(values + [tf.cast(v, tf.float32) - tf.cast(b, tf.float32) for v, b in zip(values, before)])
+            weight_norms = norms[:count]
+            self._emit_vector(state, [f"weight_norm/{key}" for key in keys], weight_norms)
+            self._emit_vector(state, [f"update_ratio/{key}" for key in keys],
+                              tf.math.divide_no_nan(norms[count:], weight_norms))
 
     def _metric_totals(self):
         totals = {}
@@ -707,16 +793,21 @@ class Probe:
                 self.running_columns.add(key)
             values[key] = _all_reduce(tf.cast(tensor, tf.float32), "MEAN")
         produced = dict(state.values)
-        for name, (slot, reset, combine) in state.slotted.items():
+        for key, (slot, reset, combine) in state.slotted.items():
             read = tf.identity(slot.read_value())
             with tf.control_dependencies([read]):
-                slot.assign(tf.constant(reset, tf.float32))
-            if name not in produced:
-                produced[name] = read
-            elif combine is not None:
-                produced[name] = combine(produced[name], read)
+                slot.assign(tf.fill(tf.shape(read), np.float32(reset)))
+            if isinstance(key, tuple):
+                pairs = [(name, Part(read, i)) for i, name in enumerate(key)]
             else:
-                produced[name] = produced[name] + read
+                pairs = [(key, read)]
+            for name, value in pairs:
+                if name not in produced:
+                    produced[name] = value
+                elif combine is not None:
+                    produced[name] = combine(scalar(produced[name]), scalar(value))
+                else:
+                    produced[name] = scalar(produced[name]) + scalar(value)
         self._finish_row(state, values, produced)
         self._write(values)
 
@@ -741,7 +832,7 @@ class Probe:
         elif self.gradients and updates is not None:
             norms = [v for k, v in produced.items() if schema.is_variable_column(k) and k.startswith("grad_norm/")]
             if norms:
-                values["grad_norm"] = tf.where(updates > 0, global_norm(norms), np.float32(np.nan))
+                values["grad_norm"] = tf.where(updates > 0, global_norm(vector_of(norms)), np.float32(np.nan))
         values.update(produced)
 
     def _replica_values(self, state, values, local_norm):
@@ -804,8 +895,7 @@ class Probe:
                 stacklevel=3,
             )
         nan = tf.constant(np.nan, tf.float32)
-        row = tf.stack([tf.cast(values[c], tf.float32) if c in values else nan for c in self.columns])
-        self.buffer.write(row)
+        self.buffer.write(vector_of([values[c] if c in values else nan for c in self.columns]))
 
     def ensure_capacity(self, steps_per_execution):
         """Raises the ring's size so one execution never overwrites unread rows."""
