@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from lab import compat
-from lab.probes import Probe, StepState, variable_keys
+from lab.probes import Probe, StepState, total_grad_norm, variable_keys
 
 # Slots kept free for variables the model did not list when watching began
 # (a subclassed model is often built by its first step).
@@ -395,12 +395,8 @@ class LoopProbe(Probe):
         updates = taken[:, index["_updates"]]
         columns["updated"] = (updates > 0).astype(np.float32)
         if self.gradients:
-            # On the host in float64: a sum of squares that float32 cannot hold is fine here.
-            norms = np.array([taken[:, i] for name, i in self._frozen.items() if name.startswith("grad_norm/")],
-                             np.float64).reshape(-1, len(taken))
-            present = ~np.isnan(norms)
-            total = np.sqrt(np.sum(np.where(present, norms, 0.0) ** 2, axis=0))
-            columns["grad_norm"] = np.where((updates > 0) & present.any(axis=0), total, np.nan).astype(np.float32)
+            total = total_grad_norm(columns, updates)
+            columns["grad_norm"] = total if total is not None else np.full(len(taken), np.nan, np.float32)
         return columns
 
 

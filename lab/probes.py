@@ -164,6 +164,21 @@ def _hypot(old, new):
     return tf.where(none, new, both)
 
 
+def total_grad_norm(columns, updates):
+    """The norm of all the gradients of each step, from its per-variable
+    `grad_norm/<path>` columns (arrays): the root of their sum of squares,
+    on the host in float64 (no overflow), NaN where no update ran or no
+    variable had a gradient. None when there are no such columns."""
+    norms = [values for name, values in columns.items()
+             if name.startswith("grad_norm/") and schema.is_variable_column(name)]
+    if not norms:
+        return None
+    norms = np.asarray(norms, np.float64)
+    present = ~np.isnan(norms)
+    total = np.sqrt(np.sum(np.where(present, norms, 0.0) ** 2, axis=0))
+    return np.where((np.asarray(updates) > 0) & present.any(axis=0), total, np.nan).astype(np.float32)
+
+
 def variable_keys(variables):
     """Maps each variable (by id) to its path, with `#2`, `#3`, ... for repeats."""
     keys, seen = {}, {}
@@ -446,7 +461,8 @@ class Probe:
                 container.build(y_true, y_pred)
                 for metric in leaf_metrics(probe.model).values():
                     if is_mean(metric) and id(metric) not in state.totals:
-                        state.totals[id(metric)] = (tf.identity(metric.total.value), tf.identity(metric.count.value))
+                        state.totals[id(metric)] = (tf.convert_to_tensor(metric.total.value),
+                                                    tf.convert_to_tensor(metric.count.value))
                         probe._patch(metric, "result", lambda inner, metric=metric: probe._wrap_result(metric, inner))
             return original(y_true, y_pred, sample_weight)
 
@@ -542,7 +558,7 @@ class Probe:
                     return tf.constant(False)
                 # nonfinite() keeps weights *and* optimizer state finite: a
                 # finite gradient can still overflow a slot (Adam's g*g).
-                saved = [tf.identity(v.value) for v in watched]
+                saved = [tf.convert_to_tensor(v.value) for v in watched]  # reads are snapshots
                 with tf.control_dependencies(saved):
                     original(grads, trainable_variables)
                 finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(v.value)) for v in watched
@@ -745,12 +761,12 @@ class Probe:
         totals = {}
         for metric in _watched_metrics(self.model):
             if is_mean(metric):
-                totals[id(metric)] = (tf.identity(metric.total.value), tf.identity(metric.count.value))
+                totals[id(metric)] = (tf.convert_to_tensor(metric.total.value), tf.convert_to_tensor(metric.count.value))
         return totals
 
     def _metric_delta(self, metric, before):
-        total = _all_reduce(tf.cast(tf.identity(metric.total.value) - before[0], tf.float32), "SUM")
-        count = _all_reduce(tf.cast(tf.identity(metric.count.value) - before[1], tf.float32), "SUM")
+        total = _all_reduce(tf.cast(tf.convert_to_tensor(metric.total.value) - before[0], tf.float32), "SUM")
+        count = _all_reduce(tf.cast(tf.convert_to_tensor(metric.count.value) - before[1], tf.float32), "SUM")
         # A metric the step did not update has no value for this batch (not 0).
         return tf.where(count > 0, tf.math.divide_no_nan(total, count), np.float32(np.nan))
 
@@ -773,7 +789,7 @@ class Probe:
         logged = dict(_flat_logs(logs))
         if state.loss is not None:
             loss = tf.cast(unscale_loss_for_distribution(tf.convert_to_tensor(state.loss)), tf.float32)
-            values["loss"] = _all_reduce(tf.reduce_mean(loss), "MEAN")
+            values["loss"] = _all_reduce(loss if loss.shape.rank == 0 else tf.reduce_mean(loss), "MEAN")
             if tracker_loss is not None:
                 values["_tracker_loss"] = tracker_loss
         elif "loss" not in logged and tracker_loss is not None:
@@ -822,17 +838,14 @@ class Probe:
         if several:
             for name, value in applied.items():
                 values[schema.per_optimizer_column(schema.UPDATED_PREFIX, name)] = tf.cast(value > 0, tf.float32)
-        updates = produced.pop("_updates", None)
+        updates = produced.get("_updates")  # stays in the row: the host's grad_norm needs it
         batch_norm = produced.pop("_batch_grad_norm", None)
         if updates is not None:
             went_in = updates if not applied else tf.add_n(list(applied.values()))
             values["updated"] = tf.cast(went_in > 0, tf.float32)
         if self.gradients and batch_norm is not None:
             values["grad_norm"] = batch_norm
-        elif self.gradients and updates is not None:
-            norms = [v for k, v in produced.items() if schema.is_variable_column(k) and k.startswith("grad_norm/")]
-            if norms:
-                values["grad_norm"] = tf.where(updates > 0, global_norm(vector_of(norms)), np.float32(np.nan))
+        # Otherwise `read()` computes grad_norm from the per-variable norms, on the host.
         values.update(produced)
 
     def _replica_values(self, state, values, local_norm):
@@ -906,7 +919,12 @@ class Probe:
         if self.buffer is None:
             return {}
         block = self.buffer.read_new()
-        return {name: block[:, i] for i, name in enumerate(self.columns)}
+        rows = {name: block[:, i] for i, name in enumerate(self.columns)}
+        if self.gradients and "grad_norm" not in rows and "_updates" in rows:
+            total = total_grad_norm(rows, rows["_updates"])
+            if total is not None:
+                rows["grad_norm"] = total
+        return rows
 
 
 class _NullScope:
