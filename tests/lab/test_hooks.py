@@ -462,6 +462,37 @@ def test_grad_norm_is_finite_for_finite_gradients_whose_squares_overflow():
     assert np.allclose(lab.probes.norms_of([tf.constant([3e20, 4e20]), tf.constant([3.0, 4.0])]), [5e20, 5.0])
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "graph"])
+def test_norms_of_overflow_branch_matches_each_tensors_scaled_norm(compiled):
+    # The branch taken when a sum of squares overflows computes every norm
+    # at once; each must be what scaled_norm gives that tensor alone.
+    tensors = [tf.constant([3e20, 4e20]), tf.constant([[3.0, 4.0], [0.0, 0.0]]), tf.zeros([0]),
+               tf.constant([1.0, np.nan]), tf.constant([np.inf, 1.0]), tf.constant([1e-30, -1e-30]),
+               tf.constant([-5e37, 5e37, 1.0])]
+    norms_of = tf.function(lab.probes.norms_of) if compiled else lab.probes.norms_of
+    got = norms_of(tensors).numpy()
+    want = np.array([float(lab.probes.scaled_norm(t)) for t in tensors], np.float32)
+    assert np.array_equal(np.isnan(got), np.isnan(want)) and np.isnan(got[3])
+    assert np.allclose(got[~np.isnan(got)], want[~np.isnan(want)], rtol=1e-6, atol=0)
+    assert got[0] == np.float32(5e20) and got[2] == 0.0 and got[4] == np.inf
+
+
+def test_a_row_of_scalars_and_vector_parts_keeps_each_value_in_its_column():
+    vector = tf.constant([10.0, 11.0, 12.0])
+    Part = lab.probes.Part
+    values = [tf.constant(1.0), Part(vector, 2), tf.constant(2.0), Part(vector, 0), Part(vector, 1)]
+    assert lab.probes.vector_of(values).numpy().tolist() == [1.0, 12.0, 2.0, 10.0, 11.0]
+    assert lab.probes.vector_of([Part(vector, i) for i in range(3)]).numpy().tolist() == [10.0, 11.0, 12.0]
+
+
+def test_total_grad_norm_on_the_host_skips_missing_variables_and_steps_without_update():
+    columns = {"grad_norm/a": np.array([3.0, np.nan, 3e30, 1.0], np.float32),
+               "grad_norm/b": np.array([4.0, np.nan, 4e30, 1.0], np.float32),
+               "grad_norm/replica_0": np.array([99.0] * 4, np.float32)}
+    total = lab.probes.total_grad_norm(columns, np.array([1, 1, 1, 0]))
+    assert total[0] == 5.0 and np.isnan(total[1]) and np.isclose(total[2], 5e30, rtol=1e-6) and np.isnan(total[3])
+
+
 class Amplify(keras.layers.Layer):
     """Multiplies its input by a huge constant on the step numbered `at` (from 0)."""
 
