@@ -259,6 +259,14 @@ def is_mean(metric):
     return isinstance(metric, keras.metrics.Mean) and hasattr(metric, "total") and hasattr(metric, "count")
 
 
+def _keras_defines(cls, name):
+    """Whether Keras itself (not a subclass of the user's) defines `cls.name`."""
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            return klass.__module__.split(".", 1)[0] == "keras"
+    return False
+
+
 def _replica_context():
     ctx = tf.distribute.get_replica_context()
     if ctx is not None and ctx.num_replicas_in_sync > 1:
@@ -477,8 +485,9 @@ class Probe:
             state = getattr(probe._local, "state", None)
             if state is not None and not container.built:
                 container.build(y_true, y_pred)
+                skip = probe._unread_tracker()
                 for metric in leaf_metrics(probe.model).values():
-                    if is_mean(metric) and id(metric) not in state.totals:
+                    if is_mean(metric) and id(metric) not in state.totals and metric is not skip:
                         state.totals[id(metric)] = (tf.convert_to_tensor(metric.total.value),
                                                     tf.convert_to_tensor(metric.count.value))
                         probe._patch(metric, "result", lambda inner, metric=metric: probe._wrap_result(metric, inner))
@@ -777,10 +786,17 @@ class Probe:
 
     def _metric_totals(self):
         totals = {}
+        # Keras' own train_step feeds its loss tracker the loss compute_loss
+        # returned: the tracker's batch value is that loss, nothing to check.
+        skip = self._unread_tracker()
         for metric in _watched_metrics(self.model):
-            if is_mean(metric):
+            if is_mean(metric) and metric is not skip:
                 totals[id(metric)] = (tf.convert_to_tensor(metric.total.value), tf.convert_to_tensor(metric.count.value))
         return totals
+
+    def _unread_tracker(self):
+        """The loss tracker when its batch value needs no reading (Keras' own step), else None."""
+        return leaf_metrics(self.model).get("loss") if _keras_defines(type(self.model), "train_step") else None
 
     def _metric_delta(self, metric, before):
         total = _all_reduce(tf.cast(tf.convert_to_tensor(metric.total.value) - before[0], tf.float32), "SUM")
