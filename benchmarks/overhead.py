@@ -2,13 +2,13 @@
 
 Every configuration runs in this one process, each on its own copy of the
 model, interleaved and repeated: in each round every configuration runs one
-fit in a shuffled order, and each is reported as the median over the rounds
-of its fit time divided by bare `fit(verbose=0)`'s time in the same round
-(beside it, the ratio of its fastest fit to the fastest bare fit: noise from
-other work only ever adds time, so on a busy machine the minimum is the least
-disturbed figure), and as the median ratio of the process's CPU time, which
-other processes disturb less than wall time (it counts every thread of this
-process, TensorFlow's pools included). The machines are shared and noisy:
+fit in a shuffled order. Each is reported as the ratio of its median fit time
+to bare `fit(verbose=0)`'s median (beside it, the ratio of its fastest fit to
+the fastest bare fit: noise from other work only ever adds time, so on a busy
+machine the minimum is the least disturbed figure), and as the same ratio of
+the process's CPU time, which other processes disturb less than wall time (it
+counts every thread of this process, TensorFlow's pools included). The JSON
+also holds the median of the per-round ratios. The machines are shared and noisy:
 absolute times from different runs are not comparable, and the load averages
 are printed with the table. Tracing is excluded: each configuration first runs a warm-up fit with
 the same callbacks on the same model.
@@ -168,6 +168,7 @@ def measure(build, flat, steps_per_execution, rounds, batches, epochs, tmp, seed
         model.fit(x, y, batch_size=BATCH_SIZE, epochs=1, verbose=0, callbacks=callbacks[name])
         models[name] = model
     seconds = {name: [] for name in found}
+    cpu_seconds = {name: [] for name in found}
     ratios = {name: [] for name in found}
     cpu_ratios = {name: [] for name in found}
     order = list(found)
@@ -181,6 +182,7 @@ def measure(build, flat, steps_per_execution, rounds, batches, epochs, tmp, seed
             times[name] = time.perf_counter() - start
             cpu[name] = time.process_time() - start_cpu
             seconds[name].append(times[name])
+            cpu_seconds[name].append(cpu[name])
         for name in found:
             ratios[name].append(times[name] / times["bare fit"])
             cpu_ratios[name].append(cpu[name] / cpu["bare fit"])
@@ -190,10 +192,13 @@ def measure(build, flat, steps_per_execution, rounds, batches, epochs, tmp, seed
         "steps": steps,
         "bare_seconds_median": statistics.median(seconds["bare fit"]),
         "bare_ms_per_step": 1000 * statistics.median(seconds["bare fit"]) / steps,
-        "configs": {name: {"median_ratio": statistics.median(ratios[name]),
+        "configs": {name: {"median_ratio": statistics.median(seconds[name]) / statistics.median(seconds["bare fit"]),
                            "fastest_ratio": min(seconds[name]) / fastest_bare,
-                           "cpu_median_ratio": statistics.median(cpu_ratios[name]),
-                           "ratios": ratios[name], "cpu_ratios": cpu_ratios[name], "seconds": seconds[name]}
+                           "cpu_median_ratio": (statistics.median(cpu_seconds[name])
+                                                / statistics.median(cpu_seconds["bare fit"])),
+                           "round_median_ratio": statistics.median(ratios[name]),
+                           "ratios": ratios[name], "cpu_ratios": cpu_ratios[name], "seconds": seconds[name],
+                           "cpu_seconds": cpu_seconds[name]}
                     for name in found},
     }
 
@@ -211,7 +216,7 @@ def table(label, results, rounds):
     names = [n for n in results[spes[0]]["configs"] if n != "bare fit"]
     head = " | ".join(f"steps_per_execution={spe} ({results[spe]['bare_ms_per_step']:.2f} ms/step)" for spe in spes)
     lines = [(f"**{label}**, {results[spes[0]]['steps']} steps per fit, {rounds} rounds: "
-              "median ratio to bare fit (fastest / fastest; median CPU-time ratio)"), "",
+              "median time / bare fit's median (fastest / fastest; CPU time, median / median)"), "",
              f"| | {head} |", "|---|" + "---|" * len(spes)]
     for name in names:
         cells = " | ".join(f"{results[spe]['configs'][name]['median_ratio']:.2f} "
@@ -269,8 +274,8 @@ def main(argv=None):
         report["watch"] = {"steps": steps, "unwatched_ms_per_step": 1000 * bare / steps, "configs": ratios,
                            "loadavg_after": loadavg()}
         print(f"\n**lab.watch** on a hand-written `tf.function` loop (MLP, batch {BATCH_SIZE}, {steps} steps, "
-              f"{rounds} rounds; unwatched {1000 * bare / steps:.2f} ms/step): median ratio to the unwatched loop "
-              "(fastest / fastest; median CPU-time ratio)\n")
+              f"{rounds} rounds; unwatched {1000 * bare / steps:.2f} ms/step): median time / the unwatched loop's "
+              "median (fastest / fastest; CPU time, median / median)\n")
         print("| | ratio |\n|---|---|")
         for name, value in ratios.items():
             if name != "unwatched":

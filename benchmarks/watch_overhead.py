@@ -6,9 +6,9 @@ batches. Every configuration runs in this one process, interleaved and
 repeated, each on its own model and optimizer with its own watch block open
 for the whole measurement (the step is traced inside it, in a warm-up pass);
 configurations run in a shuffled order each round, and each is reported as the
-median ratio of its loop time to the unwatched loop's in the same round, beside
-the ratio of its fastest loop to the fastest unwatched loop and the median
-ratio of the process's CPU time (the machines are
+ratio of its median loop time to the unwatched loop's median, beside the ratio
+of its fastest loop to the fastest unwatched loop and the same ratio of the
+process's CPU time (the machines are
 shared and noisy: absolute times from different runs are not comparable).
 `benchmarks/overhead.py` runs this too, after its fit() table.
 
@@ -101,6 +101,7 @@ def measure(compiled, rounds, steps, batch_size=32):
         ratios = {name: [] for name in CONFIGS}
         cpu_ratios = {name: [] for name in CONFIGS}
         seconds = {name: [] for name in CONFIGS}
+        cpu_seconds = {name: [] for name in CONFIGS}
         order = list(CONFIGS)
         shuffle = random.Random(0).shuffle
         for _ in range(rounds):
@@ -115,13 +116,17 @@ def measure(compiled, rounds, steps, batch_size=32):
                 times[name] = time.perf_counter() - start
                 cpu[name] = time.process_time() - start_cpu
                 seconds[name].append(times[name])
+                cpu_seconds[name].append(cpu[name])
             for name in CONFIGS:
                 ratios[name].append(times[name] / times["unwatched"])
                 cpu_ratios[name].append(cpu[name] / cpu["unwatched"])
     fastest = min(seconds["unwatched"])
-    return ({name: {"median_ratio": statistics.median(ratios[name]), "fastest_ratio": min(seconds[name]) / fastest,
-                    "cpu_median_ratio": statistics.median(cpu_ratios[name])}
-             for name in CONFIGS}, statistics.median(seconds["unwatched"]))
+    median = statistics.median
+    return ({name: {"median_ratio": median(seconds[name]) / median(seconds["unwatched"]),
+                    "fastest_ratio": min(seconds[name]) / fastest,
+                    "cpu_median_ratio": median(cpu_seconds[name]) / median(cpu_seconds["unwatched"]),
+                    "round_median_ratio": median(ratios[name])}
+             for name in CONFIGS}, median(seconds["unwatched"]))
 
 
 def main(argv=None):

@@ -73,7 +73,9 @@ def _scaled_norms(tensors):
     the norms themselves (60 us a step for 50 variables on a CPU)."""
     count = len(tensors)
     flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], axis=0)
-    sizes = tf.stack([tf.size(t) for t in tensors])
+    static = [t.shape.num_elements() for t in tensors]
+    sizes = (tf.constant(static, tf.int32) if None not in static
+             else tf.stack([tf.size(t, out_type=tf.int32) for t in tensors]))
     segments = tf.repeat(tf.range(count), sizes)
     # An empty segment's max is the lowest float: its norm is 0. A NaN
     # element makes the sum NaN whether or not the max keeps it.
