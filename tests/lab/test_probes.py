@@ -287,3 +287,49 @@ def test_gradient_accumulation_rows_carry_each_batch_and_mark_updates(digits):
     assert rows["updated"].tolist() == [0, 1, 0, 1]
     assert np.isfinite(rows["grad_norm"]).all()
     np.testing.assert_allclose(rows["grad_norm"].iloc[0], np.sqrt(sum(n**2 for n in first.values())), rtol=1e-4)
+
+
+def _dense_stack(layers):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,))] + [keras.layers.Dense(8, activation="relu") for _ in range(layers)]
+                             + [keras.layers.Dense(3)])
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _step_kernels(model, probe_args):
+    """Kernels in `train_step` traced with a probe (None: without), branch
+    functions included (a graph runs a branch not taken as dead nodes)."""
+    probe = lab.probes.Probe(model, **probe_args) if probe_args is not None else None
+    if probe is not None:
+        probe.install()
+    try:
+        specs = (tf.TensorSpec([4, 8], tf.float32), tf.TensorSpec([4], tf.int32))
+        graph = tf.function(lambda data: model.train_step(data)).get_concrete_function(specs).graph
+        counts, seen, graphs = 0, set(), [graph]
+        while graphs:
+            graph = graphs.pop()
+            counts += sum(op.type not in ("Const", "Placeholder", "NoOp") for op in graph.get_operations())
+            for name, function in getattr(graph, "_functions", {}).items():
+                if name not in seen and hasattr(function, "graph"):
+                    seen.add(name)
+                    graphs.append(function.graph)
+        return counts
+    finally:
+        if probe is not None:
+            probe.uninstall()
+
+
+def test_what_a_probe_adds_to_a_step_grows_by_a_few_kernels_per_variable():
+    # The per-variable values travel as one vector (no op per column): a
+    # model with 48 more variables costs a few kernels more for each of them,
+    # and Recorder()'s own kernels do not depend on the variables at all.
+    small, deep = _dense_stack(1), _dense_stack(25)
+    extra = len(deep.trainable_variables) - len(small.trainable_variables)
+    added = {}
+    for name, args in {"plain": {}, "gradients": {"gradients": True},
+                       "weights": {"gradients": True, "weights": True}}.items():
+        added[name] = [_step_kernels(m, args) - _step_kernels(m, None) for m in (small, deep)]
+    assert added["plain"][0] == added["plain"][1] <= 20
+    assert (added["gradients"][1] - added["gradients"][0]) / extra <= 3
+    assert (added["weights"][1] - added["weights"][0]) / extra <= 10

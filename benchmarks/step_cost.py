@@ -1,0 +1,160 @@
+"""What the probes add to one training step: kernels in the traced step, and its time.
+
+`overhead.py` measures whole `fit()` calls, where Keras' own per-batch work
+and the bare fit's thread pool move the baseline by ±10% on a 2-core machine.
+This benchmark isolates the part the lab puts inside the compiled step: each
+configuration's train function (traced with the probe a Recorder installs) is
+called directly on an endless dataset, in pairs with the bare model's train
+function (the order within a pair drawn at random), and each pair gives one
+ratio; the table shows the median of those ratios with its quartiles. It also
+counts the kernels each configuration adds to the traced `train_step` (Const
+and Placeholder nodes left out; the branch functions of conds counted, since
+a graph runs the nodes of a branch not taken as dead ones).
+
+Usage:
+    python benchmarks/step_cost.py                      # MLP, CNN, 50-variable MLP; spe 1 and 32
+    python benchmarks/step_cost.py --threads 1          # one TF thread: less scheduling noise
+    python benchmarks/step_cost.py --models deep --pairs 60
+"""
+
+import argparse
+import collections
+import os
+import random
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+CONFIGS = {
+    "`Recorder()`": {},
+    "`Recorder(gradients=True)`": {"gradients": True},
+    "`Recorder(gradients=True, weights=True)`": {"gradients": True, "weights": True},
+}
+SKIPPED_NODES = ("Const", "Placeholder", "NoOp")
+
+
+def build(overhead, key, steps_per_execution, probe_args):
+    """A compiled model of `overhead.MODELS[key]`, its train function traced
+    (with a probe when `probe_args` is not None), and an endless iterator."""
+    import keras
+    import tensorflow as tf
+
+    from lab.probes import Probe
+
+    _, make, flat = overhead.MODELS[key]
+    keras.utils.set_random_seed(0)
+    model = make()
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  steps_per_execution=steps_per_execution)
+    probe = None
+    if probe_args is not None:
+        probe = Probe(model, **probe_args)
+        probe.ensure_capacity(steps_per_execution)
+        probe.install()
+    x, y = overhead.data(flat, 208)
+    iterator = iter(tf.data.Dataset.from_tensor_slices((x, y)).batch(overhead.BATCH_SIZE).repeat())
+    model.make_train_function(force=True)
+    for _ in range(8):  # traces, and warms the kernels
+        model.train_function(iterator)
+    if probe is not None:
+        probe.read()
+    return model, iterator, probe, (x[: overhead.BATCH_SIZE], y[: overhead.BATCH_SIZE])
+
+
+def kernels(model, batch):
+    """Nodes of `train_step` traced on one batch, by op type (branch functions included)."""
+    import tensorflow as tf
+
+    x, y = batch
+    traced = tf.function(lambda data: model.train_step(data)).get_concrete_function(
+        (tf.TensorSpec(x.shape, tf.as_dtype(x.dtype)), tf.TensorSpec(y.shape, tf.as_dtype(y.dtype))))
+    counts, seen = collections.Counter(), set()
+
+    def walk(graph):
+        for op in graph.get_operations():
+            counts[op.type] += 1
+        for name, function in getattr(graph, "_functions", {}).items():
+            if name not in seen and hasattr(function, "graph"):
+                seen.add(name)
+                walk(function.graph)
+
+    walk(traced.graph)
+    return sum(v for k, v in counts.items() if k not in SKIPPED_NODES)
+
+
+def measure(overhead, key, steps_per_execution, pairs, calls):
+    bare = build(overhead, key, steps_per_execution, None)
+    built = {name: build(overhead, key, steps_per_execution, args) for name, args in CONFIGS.items()}
+    calls = max(1, calls // steps_per_execution)
+
+    def timed(entry):
+        model, iterator, probe, _ = entry
+        start = time.perf_counter()
+        for _ in range(calls):
+            model.train_function(iterator)
+        seconds = time.perf_counter() - start
+        if probe is not None:
+            probe.read()  # as a Recorder's flush does; outside the timed part
+        return seconds
+
+    draw = random.Random(steps_per_execution)
+    ratios = {name: [] for name in CONFIGS}
+    bare_seconds = []
+    for _ in range(pairs):
+        for name, entry in built.items():
+            if draw.random() < 0.5:
+                base, watched = timed(bare), timed(entry)
+            else:
+                watched, base = timed(entry), timed(bare)
+            ratios[name].append(watched / base)
+            bare_seconds.append(base)
+    base_kernels = kernels(bare[0], bare[3])
+    result = {"bare_us_per_step": 1e6 * statistics.median(bare_seconds) / (calls * steps_per_execution),
+              "bare_kernels": base_kernels, "configs": {}}
+    for name, entry in built.items():
+        q1, _, q3 = statistics.quantiles(ratios[name], n=4)
+        result["configs"][name] = {"median_ratio": statistics.median(ratios[name]), "q1": q1, "q3": q3,
+                                   "kernels_added": kernels(entry[0], entry[3]) - base_kernels}
+        entry[2].uninstall()
+    return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="mlp,cnn,deep", help="comma-separated, from overhead.py's models")
+    parser.add_argument("--pairs", type=int, default=40, help="timed pairs per configuration (40)")
+    parser.add_argument("--calls", type=int, default=96, help="steps per timed part (96)")
+    parser.add_argument("--threads", type=int, help="TensorFlow intra- and inter-op threads (default: TF's)")
+    args = parser.parse_args(argv)
+    import tensorflow as tf
+
+    if args.threads:
+        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+        tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+    import overhead
+
+    keys = args.models.split(",")
+    unknown = [k for k in keys if k not in overhead.MODELS]
+    if unknown:
+        parser.error(f"unknown model(s) {unknown}; choose from {list(overhead.MODELS)}")
+    print(f"load average at start: {overhead.loadavg()} on {os.cpu_count()} CPUs; "
+          f"TF threads: {args.threads or 'default'}")
+    for key in keys:
+        results = {spe: measure(overhead, key, spe, args.pairs, args.calls) for spe in overhead.SPES}
+        head = " | ".join(f"spe={spe} ({r['bare_us_per_step']:.0f} us/step)" for spe, r in results.items())
+        print(f"\n**{overhead.MODELS[key][0]}**: the train function alone, watched / bare, median of "
+              f"{args.pairs} pairs [quartiles]; kernels the probe adds to a {results[1]['bare_kernels']}-kernel step\n")
+        print(f"| | kernels added | {head} |\n|---|---|" + "---|" * len(results))
+        for name in CONFIGS:
+            cells = " | ".join(f"{r['configs'][name]['median_ratio']:.3f} [{r['configs'][name]['q1']:.2f}-"
+                               f"{r['configs'][name]['q3']:.2f}]" for r in results.values())
+            print(f"| {name} | {results[1]['configs'][name]['kernels_added']} | {cells} |")
+        print(f"\n(load average after: {overhead.loadavg()})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
