@@ -122,7 +122,7 @@ class Part:
     one gather however many variables there are, not one slice per column.
     """
 
-    __slots__ = ("vector", "index")
+    __slots__ = ("index", "vector")
 
     def __init__(self, vector, index):
         self.vector = vector
@@ -944,7 +944,7 @@ class Probe:
                 stacklevel=3,
             )
         nan = tf.constant(np.nan, tf.float32)
-        self.buffer.write(vector_of([values[c] if c in values else nan for c in self.columns]))
+        self.buffer.write(vector_of([values.get(c, nan) for c in self.columns]))
 
     def ensure_capacity(self, steps_per_execution):
         """Raises the ring's size so one execution never overwrites unread rows."""
