@@ -121,9 +121,9 @@ def fake_handle():
 
 
 @pytest.fixture
-def notebook(monkeypatch):
-    """Pretends to run in a kernel with a front end; records what gets displayed, by handle."""
-    from widgets import dashboard as dashboard_module
+def displayed(monkeypatch):
+    """Records what gets displayed through IPython, by handle (a FakeHandle each)."""
+    import IPython.display
 
     handles = []
 
@@ -132,9 +132,15 @@ def notebook(monkeypatch):
         handles.append(FakeHandle(bundle))
         return handles[-1]
 
-    import IPython.display
-
-    monkeypatch.setattr(dashboard_module, "_frontend_available", lambda: True)
     monkeypatch.setattr(IPython.display, "display", display)
     return handles
+
+
+@pytest.fixture
+def notebook(displayed, monkeypatch):
+    """Pretends to run in a kernel with a front end; records what gets displayed, by handle."""
+    from widgets import dashboard as dashboard_module
+
+    monkeypatch.setattr(dashboard_module, "_frontend_available", lambda: True)
+    return displayed
 

@@ -71,31 +71,14 @@ def test_a_second_run_continues_the_same_record(panels):
     assert list(panel.run.batches()["step"]) == list(range(2 * BATCHES))
 
 
-def test_after_training_the_panel_output_shows_the_final_static_charts(panels, monkeypatch):
-    import IPython.display
-
-    outputs = []
-
-    class Output:
-        def __init__(self, bundle):
-            self.bundles = [bundle]
-
-        def update(self, bundle, raw=False):
-            assert raw
-            self.bundles.append(bundle)
-
-    def display(bundle, raw=False, display_id=None):
-        assert raw and display_id
-        outputs.append(Output(bundle))
-        return outputs[-1]
-
-    monkeypatch.setattr(IPython.display, "display", display)
+def test_after_training_the_panel_output_shows_the_final_static_charts(panels, displayed):
+    outputs = displayed
     panel = panels(epochs=1)
     panel._ipython_display_()
-    assert "(idle), 0 steps" in outputs[0].bundles[0]["text/html"]
+    assert "(idle), 0 steps" in outputs[0].shown[0]["text/html"]
     panel.start().wait(TIMEOUT)
     assert len(outputs) == 1  # the panel's one output; the Dashboard inside it made none
-    final = outputs[0].bundles[-1]
+    final = outputs[0].shown[-1]
     assert f"(finished), {BATCHES} steps" in final["text/html"] and "<svg" in final["text/html"]
     assert "Dashboard (finished)" in final["text/plain"]
 
