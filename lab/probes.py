@@ -137,6 +137,15 @@ def scalar(value):
     return value.tensor() if isinstance(value, Part) else value
 
 
+def whole_vector(values):
+    """The vector that `values` are all the parts of, in order, else None."""
+    first = values[0] if values else None
+    if isinstance(first, Part) and len(values) == int(first.vector.shape[0]) and all(
+            isinstance(v, Part) and v.vector is first.vector and v.index == i for i, v in enumerate(values)):
+        return first.vector
+    return None
+
+
 def vector_of(values):
     """One float32 1-D tensor of `values` (scalars and `Part`s), in order.
 
@@ -144,10 +153,9 @@ def vector_of(values):
     is one stack of the scalars, one concat and one gather."""
     if not values:
         return tf.zeros([0], tf.float32)
-    first = values[0]
-    if isinstance(first, Part) and len(values) == int(first.vector.shape[0]) and all(
-            isinstance(v, Part) and v.vector is first.vector and v.index == i for i, v in enumerate(values)):
-        return tf.cast(first.vector, tf.float32)
+    whole = whole_vector(values)
+    if whole is not None:
+        return tf.cast(whole, tf.float32)
     scalars, vectors, offsets, positions = [], [], {}, []
     for value in values:
         if isinstance(value, Part):
@@ -749,9 +757,9 @@ class Probe:
             return
         old = [state.values.get(name) for name in names]
         if combine is not None and any(v is not None for v in old):
-            if all(isinstance(v, Part) and v.vector is old[0].vector and v.index == i for i, v in enumerate(old)) \
-                    and int(old[0].vector.shape[0]) == len(names):
-                vector = combine(old[0].vector, vector)  # an optimizer applied again: one op for all
+            whole = whole_vector(old)
+            if whole is not None:
+                vector = combine(whole, vector)  # an optimizer applied again: one op for all
             else:
                 for i, name in enumerate(names):
                     self._emit(state, name, vector[i], reset=reset, combine=combine)
