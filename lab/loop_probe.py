@@ -1,11 +1,13 @@
 """LoopProbe: the Probe's optimizer hooks for a hand-written training loop.
 
 There is no `train_step` to bracket, so every value an optimizer hook
-measures goes into one device-side vector of slots, whatever graph the
-user's step runs in (eager, `tf.function`, XLA); `take()` hands over this
-step's values as one device tensor and resets the slots, and `row_columns`
-turns a block of them into row columns on the host. The slots belong to the model's life, not to one watch
-block: a step traced inside one block keeps writing them in later blocks.
+measures goes into a device-side ring of rows, one row per step, whatever
+graph the user's step runs in (eager, `tf.function`, XLA). The graph writes
+the row a device cursor names; `take()` closes a step by moving the cursor
+to the next row (one eager op), and `read_rows()` reads the closed rows in
+one block and resets them. `row_columns` turns them into row columns on the
+host. The ring belongs to the model's life, not to one watch block: a step
+traced inside one block keeps writing it in later blocks.
 
 The hook on `apply` also names the fix for what a hand-written step gets
 wrong: no gradient at all (the loss computed outside the tape), `None`
@@ -27,6 +29,9 @@ from lab.probes import Probe, StepState, total_grad_norm, variable_keys
 # (a subclassed model is often built by its first step).
 _SPARE_SLOTS = 32
 _SPARE_SLOTS_UNBUILT = 256
+_EXACT_FLOAT32 = 2 ** 24
+# Steps the device ring keeps between reads, at least (watch's default capacity).
+_RING_STEPS = 1024
 # optimizer -> the loop probes that watch it (an optimizer may serve several models).
 _WATCHED_OPTIMIZERS = weakref.WeakKeyDictionary()
 # Traces of one tf.function after which the lab says why it keeps tracing.
@@ -80,37 +85,81 @@ class _SharedState:
 
 
 class _LoopSlots:
-    """One model's slots, kept for the model's life (never on it) across watch blocks.
+    """One model's ring of step rows, kept for the model's life (never on it) across watch blocks.
 
+    The ring is one flat float32 variable of `rows` rows of `width` slots;
+    `cursor` holds where the row the running step writes starts (a float32
+    variable, exact for these integers) and `position` is the host's copy of
+    that row's number.
     A `tf.function` step traced inside one block keeps that block's hooks in
-    its graph: it writes these same variables when a later block runs it, so
-    a step may be watched again without tracing it again.
+    its graph: it writes this same ring when a later block runs it, so a step
+    may be watched again without tracing it again.
     """
 
-    def __init__(self, names, spare, make_variable):
+    def __init__(self, names, spare, rows, make_variable):
         self.index = {name: position for position, (name, _) in enumerate(names)}
         self.resets = [reset for _, reset in names] + [np.nan] * spare
-        self.vector = make_variable("lab_loop_slots", np.array(self.resets, np.float32))
-        self._place_resets()
+        self.width = len(self.resets)
+        # The cursor stays an exact float32 integer (under 2**24): 64 MiB of rows at most.
+        self.rows = max(2, min(rows, _EXACT_FLOAT32 // self.width))
+        self.vector = make_variable("lab_loop_rows", np.tile(np.array(self.resets, np.float32), rows))
+        self.cursor = make_variable("lab_loop_row", 0.0)
+        self.position = 0
+        self._steps = None  # the constants that move the cursor: +1, and back to row 0
+        self._row_indices = {}
         self.active = make_variable("lab_loop_active", 0.0)
         self.hold = make_variable("lab_hold", 0.0)
 
     def add(self, name, reset=np.nan):
-        """Gives `name` a free slot; None when none is left."""
-        if name not in self.index and len(self.index) < len(self.resets):
+        """Gives `name` a free slot; None when none is left (its reset applies from the next reset on)."""
+        if name not in self.index and len(self.index) < self.width:
             self.index[name] = len(self.index)
             self.resets[self.index[name]] = reset
-            self._place_resets()
         return self.index.get(name)
 
     def reset(self):
-        self.vector.assign(self.reset_values)
+        """Every row back to its reset values, the cursor on row 0 (a block's start)."""
+        self.vector.assign(np.tile(np.array(self.resets, np.float32), self.rows))
+        self.position = 0
+        self.cursor.assign(0.0)
 
-    def _place_resets(self):
-        # Beside the variable (a GPU's memory), so a reset copies nothing from
-        # the host; outside any graph being traced.
-        with tf.init_scope(), tf.device(self.vector.device):
-            self.reset_values = tf.identity(tf.constant(self.resets, tf.float32))
+    def advance(self):
+        """Closes the running row: the cursor moves to the next one (one eager op); returns the closed row."""
+        closed = self.position
+        self.position = (closed + 1) % self.rows
+        if self._steps is None:
+            # Beside the variable (a GPU's memory), so moving the cursor copies nothing from the host.
+            with tf.init_scope(), tf.device(self.cursor.device):
+                self._steps = (tf.identity(tf.constant(float(self.width))), tf.identity(tf.constant(0.0)))
+        # The raw ops: a variable's Python methods cost more than the op itself.
+        if self.position:
+            tf.raw_ops.AssignAddVariableOp(resource=self.cursor.handle, value=self._steps[0])
+        else:
+            tf.raw_ops.AssignVariableOp(resource=self.cursor.handle, value=self._steps[1])
+        return closed
+
+    def row(self, position):
+        """One row's values (numpy), read alone (waits for the device)."""
+        indices = self._row_indices.get(position)
+        if indices is None:
+            with tf.init_scope():
+                indices = self._row_indices[position] = tf.range(position * self.width, (position + 1) * self.width)
+        return tf.raw_ops.ResourceGather(resource=self.vector.handle, indices=indices, dtype=tf.float32).numpy()
+
+    def read_rows(self, positions):
+        """The closed rows at `positions` (rows x width, numpy), in one read; then resets them.
+
+        The running row is neither read nor reset: a step writing it while
+        another thread reads the run loses nothing.
+        """
+        positions = np.asarray(positions, np.int64)
+        flat = (positions[:, None] * self.width + np.arange(self.width)).reshape(-1)
+        flat_tensor = tf.constant(flat, tf.int64)
+        values = tf.raw_ops.ResourceGather(resource=self.vector.handle, indices=flat_tensor, dtype=tf.float32)
+        tf.raw_ops.ResourceScatterNdUpdate(
+            ref=self.vector.handle, indices=tf.reshape(flat_tensor, [-1, 1]),
+            updates=tf.constant(np.tile(np.array(self.resets, np.float32), len(positions))))
+        return values.numpy().reshape(len(positions), self.width)
 
 
 _SLOTS = weakref.WeakKeyDictionary()  # model -> _LoopSlots
@@ -136,6 +185,7 @@ class LoopProbe(Probe):
         self._writes = threading.local()
         self._slots = None
         self._frozen = None
+        self._offsets = weakref.WeakKeyDictionary()  # graph -> the running row's offset read in it
         self._traces = {}
         self._warned = set()
         self.warnings = []  # (message, step) the run turns into events
@@ -199,7 +249,10 @@ class LoopProbe(Probe):
                 "block; watch it once, with all its optimizers: `lab.watch(model, opt_a, opt_b)`.")
         if slots is None:
             spare = _SPARE_SLOTS if self.model.built else _SPARE_SLOTS_UNBUILT
-            slots = _SLOTS[self.model] = _LoopSlots(names, spare, self._make_variable)
+            # A row per step kept between reads, and the running one; never
+            # fewer than by default, since a later block may keep more.
+            rows = max(self.capacity, _RING_STEPS) + 1
+            slots = _SLOTS[self.model] = _LoopSlots(names, spare, rows, self._make_variable)
         for name, reset in names:
             slots.add(name, reset)
         slots.reset()
@@ -228,7 +281,8 @@ class LoopProbe(Probe):
             return
         value = tf.cast(value, tf.float32)
         if combine is not None and getattr(self._writes, "batch", None) is None:
-            value, combine, accumulate = combine(self._slots.vector[index], value), None, False
+            old = self._slots.vector.sparse_read(self._row_offset() + index)
+            value, combine, accumulate = combine(old, value), None, False
         self._put(([index], value, combine if combine is not None else accumulate))
 
     def _emit_vector(self, state, names, vector, reset=np.nan, combine=None):
@@ -251,18 +305,38 @@ class LoopProbe(Probe):
         else:
             self._scatter([item])
 
+    def _row_offset(self):
+        """Where the running row starts in the ring: a Python int in an eager
+        step, else a tensor read once per graph (the cursor moves only between
+        steps, on the host)."""
+        slots = self._slots
+        if tf.executing_eagerly():
+            return slots.position * slots.width
+        graph = tf.compat.v1.get_default_graph()
+        offset = self._offsets.get(graph)
+        if offset is None:
+            offset = self._offsets[graph] = tf.cast(slots.cursor.read_value(), tf.int32)
+        return offset
+
     def _scatter(self, items):
         modes = []
         for _, _, mode in items:
             if not any(mode is m for m in modes):
                 modes.append(mode)
+        offset = self._row_offset()
         for mode in modes:
             chosen = [(indices, value) for indices, value, m in items if m is mode]
-            indices = tf.constant([[i] for positions, _ in chosen for i in positions], tf.int32)
+            where = [i for positions, _ in chosen for i in positions]
+            if isinstance(offset, int):
+                indices = tf.constant([[offset + i] for i in where], tf.int32)
+            else:
+                indices = tf.constant([[i] for i in where], tf.int32) + offset
             values = _concat([value for _, value in chosen])
             if callable(mode):
                 # Every norm that covers several applies, combined in one vector op.
-                old = tf.gather(self._slots.vector.read_value(), indices[:, 0])  # XLA has no ResourceGatherNd
+                # A gather of these slots alone: a read of the whole ring would
+                # make the scatter below copy it (XLA has no ResourceGatherNd).
+                old = self._slots.vector.sparse_read(indices[:, 0])
                 self._slots.vector.scatter_nd_update(indices, mode(old, values))
             elif mode:
                 self._slots.vector.scatter_nd_add(indices, values)
@@ -341,7 +415,7 @@ class LoopProbe(Probe):
 
     def updates_waiting(self):
         """Updates made since the last `take()`, by every optimizer (waits for the device)."""
-        return float(self._slots.vector[self._slots.index["_updates"]].numpy())
+        return float(self._slots.row(self._slots.position)[self._slots.index["_updates"]])
 
     def end_block(self):
         """Forgets the user's functions seen while the block was open (kept only while watching)."""
@@ -367,26 +441,27 @@ class LoopProbe(Probe):
                 or (kind in ("weight_norm", "update_ratio") and self.weights))
 
     def take(self):
-        """This step's slot values as a device tensor (nothing waits for it); resets the slots.
+        """Closes this step's row (one eager op; nothing waits for the device); returns where it is."""
+        return self._slots.advance()
 
-        Two eager ops per step: the read keeps its own copy (the next write
-        copies the variable's buffer rather than change a tensor still held).
-        """
-        # The raw ops: a variable's Python methods cost more than the ops themselves.
-        handle = self._slots.vector.handle
-        values = tf.raw_ops.ReadVariableOp(resource=handle, dtype=tf.float32)
-        tf.raw_ops.AssignVariableOp(resource=handle, value=self._slots.reset_values)
-        return values
+    def read_rows(self, taken):
+        """The rows `take()` closed (steps x slots, numpy), read in one block and reset."""
+        return self._slots.read_rows(taken)
+
+    @property
+    def rows_kept(self):
+        """Closed rows the device holds at most between reads."""
+        return min(self.capacity, self._slots.rows - 1)
 
     def hit(self, taken):
         """(hit breakpoint number or 0, whether the gate ran, updates) of one step; waits for it."""
-        values = taken.numpy()
+        values = self._slots.row(taken)
         index = self._slots.index
         return int(values[index["_hit"]]), values[index["_gated"]] > 0, values[index["_updates"]]
 
     def waiting_updates(self, name):
         """Updates by optimizer `name` since the last `take()` (waits for the device)."""
-        return self._slots.vector[self._slots.index[f"_updates/{name}"]].numpy()
+        return self._slots.row(self._slots.position)[self._slots.index[f"_updates/{name}"]]
 
     def row_columns(self, taken):
         """Row columns from stacked slot values (steps x slots, numpy)."""

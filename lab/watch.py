@@ -4,10 +4,10 @@ A hand-written loop has no `train_step` for the lab to bracket, so a step's
 values cannot be gathered inside one graph the way the Recorder gathers them.
 Instead the optimizer hooks (the Probe's, through `lab.loop_probe.LoopProbe`)
 write what they measure into one device-side vector of slots, in whatever
-graph the user's step runs (eager, `tf.function`, XLA). Once per step the
-user calls `run.step(loss=..., **metrics)`: two eager ops take the slots'
-values (a device tensor) and reset them; the loss and metrics are kept as
-the tensors they are. Nothing waits for the device until the rows are read,
+graph the user's step runs (eager, `tf.function`, XLA): a ring of rows on
+the device, one per step. Once per step the user calls `run.step(loss=...,
+**metrics)`: one eager op moves the ring's cursor to the next row; the loss
+and metrics are kept as the tensors they are. Nothing waits for the device until the rows are read,
 in one block: on a timer, every `capacity` steps, when the run is read and
 at the end.
 
@@ -99,7 +99,7 @@ class WatchedRun(StatusReporter, Run):
         self.probe = probe
         self.flush_every = flush_every
         self._row_points = [p for p in breakpoints if not getattr(p, "on_device", False)]
-        self._pending = []  # (host columns, seconds, values, slot tensor) of unread steps
+        self._pending = []  # (host columns, seconds, values, ring row) of unread steps
         self._steps = 0
         self._last = time.perf_counter()
         self._last_flush = time.monotonic()
@@ -177,7 +177,7 @@ class WatchedRun(StatusReporter, Run):
             self.flush()
             self._check_rows(start)
         elif (time.monotonic() - self._last_flush >= self.flush_every
-              or len(self._pending) >= self.probe.capacity):
+              or len(self._pending) >= self.probe.rows_kept):
             self.flush()
         return index
 
@@ -211,7 +211,7 @@ class WatchedRun(StatusReporter, Run):
                     columns[key] = np.array([p[0].get(key, -1) for p in pending])
             for position, name in enumerate(self._given):
                 columns[name] = _to_numpy([p[2][position] for p in pending])
-            rows = self.probe.row_columns(tf.stack([p[3] for p in pending]).numpy())
+            rows = self.probe.row_columns(self.probe.read_rows([p[3] for p in pending]))
             columns.update(rows)
             self._check_unseen_updates(rows)
             self.append_batches(columns)
@@ -431,6 +431,11 @@ def watch(model, *optimizers, gradients=True, weights=False, breakpoints=(), flu
     run.batches()
     ```
     """
+    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
+        raise ValueError(f"lab.watch(capacity=...) must be a positive int (steps kept on the device "
+                         f"between reads); got {capacity!r}.")
+    if isinstance(flush_every, bool) or not isinstance(flush_every, (int, float, np.number)) or not flush_every > 0:
+        raise ValueError(f"lab.watch(flush_every=...) must be a positive number of seconds; got {flush_every!r}.")
     points = breakpoints_module.as_breakpoints(breakpoints)
     for point in points:
         if isinstance(point, breakpoints_module._LossSpike):
@@ -444,7 +449,7 @@ def watch(model, *optimizers, gradients=True, weights=False, breakpoints=(), flu
                 f"got {type(point).__name__}.")
     chosen = _name_optimizers(model, optimizers, named_optimizers)
     probe = LoopProbe(model, chosen, gradients=gradients, weights=weights,
-                      breakpoints=[p for p in points if getattr(p, "on_device", False)], capacity=capacity)
+                      breakpoints=[p for p in points if getattr(p, "on_device", False)], capacity=int(capacity))
     run = WatchedRun(probe, points, flush_every=flush_every)
     run.metadata.update(model=model.name, model_class=type(model).__name__, loop="watch",
                         optimizer=", ".join(f"{k}: {type(o).__name__}" for k, o in chosen.items()),

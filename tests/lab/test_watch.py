@@ -273,6 +273,65 @@ def test_bad_arguments_name_the_fix():
     with pytest.raises(ValueError, match="rename it"):
         with lab.watch(model, keras.optimizers.SGD()) as run:
             run.step(loss=1.0, grad_norm=2.0)
+    for bad in (0, 2.5, "64", True):
+        with pytest.raises(ValueError, match=r"capacity=\.\.\.\) must be a positive int"):
+            with lab.watch(model, keras.optimizers.SGD(), capacity=bad):
+                pass
+    for bad in (0, -1.0, "0.5", None):
+        with pytest.raises(ValueError, match=r"flush_every=\.\.\.\) must be a positive number"):
+            with lab.watch(model, keras.optimizers.SGD(), flush_every=bad):
+                pass
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
+def test_more_steps_than_the_device_keeps_arrive_each_in_its_own_row(digits, mode):
+    # capacity=2: the device's ring of rows wraps around several times.
+    model, optimizer = make_mlp(), keras.optimizers.SGD(0.05)
+    step = make_step(model, optimizer, mode)
+    data = batches(*digits, 4) * 2
+    expected = []
+    with lab.watch(model, optimizer, capacity=2, flush_every=3600) as run:
+        for x, y in data:
+            expected.append(tape_norms(model, x, y)[1])
+            run.step(loss=step(x, y))
+    frame = run.batches()
+    assert list(frame["step"]) == list(range(8))
+    assert (frame["updated"] == 1).all()
+    for norms, (_, row) in zip(expected, frame.iterrows()):
+        for path, norm in norms.items():
+            np.testing.assert_allclose(row[f"grad_norm/{path}"], norm, rtol=1e-4)
+
+
+def test_reading_the_run_between_an_update_and_run_step_loses_nothing(digits):
+    # The running row is neither read nor reset by a read of the run.
+    model, optimizer = make_mlp(), keras.optimizers.SGD(0.05)
+    step = make_step(model, optimizer, "graph")
+    (x, y), (x2, y2) = batches(*digits, 2)
+    with lab.watch(model, optimizer, flush_every=3600) as run:
+        run.step(loss=step(x, y))
+        norms = tape_norms(model, x2, y2)[1]
+        loss = step(x2, y2)
+        assert len(run.batches()) == 1  # the second step's update is in, its row not closed
+        run.step(loss=loss)
+    row = run.batches().iloc[1]
+    assert row["updated"] == 1
+    for path, norm in norms.items():
+        np.testing.assert_allclose(row[f"grad_norm/{path}"], norm, rtol=1e-4)
+
+
+def test_a_later_block_may_keep_more_steps_than_the_first(digits):
+    model, optimizer = make_mlp(), keras.optimizers.SGD(0.05)
+    step = make_step(model, optimizer, "graph")
+    data = batches(*digits, 4)
+    with lab.watch(model, optimizer, capacity=1) as first:
+        first.step(loss=step(*data[0]))
+    with lab.watch(model, optimizer, capacity=64, flush_every=3600) as second:
+        for x, y in data * 3:
+            second.step(loss=step(x, y))
+        assert second.probe.rows_kept == 64
+    frame = second.batches()
+    assert len(frame) == 12 and (frame["updated"] == 1).all()
+    assert frame["grad_norm"].notna().all()
 
 
 def test_a_step_traced_in_one_block_is_watched_again_in_the_next(digits):
