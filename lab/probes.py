@@ -776,23 +776,30 @@ class Probe:
             return
         record_gradients = self.gradients and not state.batch_gradients
         keys = self._keys(variables)
+        present = []
         if record_gradients:
             present = [i for i in range(min(len(grads), len(variables))) if grads[i] is not None]
-            if present:
-                # Several applies of one optimizer in a step: the norm covers them all.
-                self._emit_vector(state, [f"grad_norm/{keys[i]}" for i in present],
-                                  norms_of([grads[i] for i in present]), combine=_hypot)
+        # Every norm of the update in one norms_of: one overflow check for all.
+        tensors = [grads[i] for i in present]
         if self.weights and variables:
             values = [tf.convert_to_tensor(v.value) for v in variables]
-            if before is None:
-                self._emit_vector(state, [f"weight_norm/{key}" for key in keys], norms_of(values))
-                return
-            count = len(values)
-            norms = norms_of(values + [tf.cast(v, tf.float32) - tf.cast(b, tf.float32) for v, b in zip(values, before)])
-            weight_norms = norms[:count]
+            tensors += values
+            if before is not None:
+                tensors += [tf.cast(v, tf.float32) - tf.cast(b, tf.float32) for v, b in zip(values, before)]
+        if not tensors:
+            return
+        norms = norms_of(tensors)
+        if present:
+            # Several applies of one optimizer in a step: the norm covers them all.
+            grad_norms = norms[:len(present)] if len(tensors) > len(present) else norms
+            self._emit_vector(state, [f"grad_norm/{keys[i]}" for i in present], grad_norms, combine=_hypot)
+        if self.weights and variables:
+            start, count = len(present), len(variables)
+            weight_norms = norms[start:start + count] if len(tensors) > count else norms
             self._emit_vector(state, [f"weight_norm/{key}" for key in keys], weight_norms)
-            self._emit_vector(state, [f"update_ratio/{key}" for key in keys],
-                              tf.math.divide_no_nan(norms[count:], weight_norms))
+            if before is not None:
+                self._emit_vector(state, [f"update_ratio/{key}" for key in keys],
+                                  tf.math.divide_no_nan(norms[start + count:], weight_norms))
 
     def _metric_totals(self):
         totals = {}

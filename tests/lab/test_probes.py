@@ -332,4 +332,7 @@ def test_what_a_probe_adds_to_a_step_grows_by_a_few_kernels_per_variable():
         added[name] = [_step_kernels(m, args) - _step_kernels(m, None) for m in (small, deep)]
     assert added["plain"][0] == added["plain"][1] <= 20
     assert (added["gradients"][1] - added["gradients"][0]) / extra <= 3
-    assert (added["weights"][1] - added["weights"][0]) / extra <= 10
+    assert (added["weights"][1] - added["weights"][0]) / extra <= 9
+    # The weight and update norms share the gradients' one overflow check (a
+    # cond of its own cost about 50 kernels more, branch included).
+    assert added["weights"][0] - added["gradients"][0] <= 9 * len(small.trainable_variables) + 15
