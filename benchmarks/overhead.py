@@ -23,11 +23,17 @@ batch 64, 624 steps per fit (3 epochs of 208 batches). Then `lab.watch` on a
 hand-written `tf.function` loop against the same loop unwatched
 (`benchmarks/watch_overhead.py`).
 
+At the end it holds the figures against the targets the lab aims for
+(`TARGETS`): a target is "met" when the 90% bootstrap interval of the ratio
+(rounds resampled) lies at or under it, "not met" when it lies over it, and
+"noise" when the interval straddles it: this machine cannot tell.
+
 Usage:
     python benchmarks/overhead.py                       # full: 3 models, 7 rounds, and lab.watch
     python benchmarks/overhead.py --quick               # the short form: MLP, fewer steps and rounds
     python benchmarks/overhead.py --json out.json       # also write the figures as JSON
     python benchmarks/overhead.py --models mlp --rounds 5 --no-watch
+    python benchmarks/overhead.py --threads 1           # one TF thread: less scheduling noise
 """
 
 import argparse
@@ -51,6 +57,15 @@ import lab  # noqa: E402
 
 BATCH_SIZE = 64
 SPES = (1, 32)
+# What watching may cost at most: median time over bare fit's median, by
+# steps_per_execution, on every model; and a watched hand-written loop's.
+TARGETS = {
+    "1": {"`lab.Recorder()`": 1.03, "`widgets.Dashboard(gradients=True)`": 1.05,
+          "`lab.Recorder(gradients=True, weights=True)`": 1.08},
+    "32": {"`lab.Recorder()`": 1.02, "`widgets.Dashboard(gradients=True)`": 1.03,
+           "`lab.Recorder(gradients=True, weights=True)`": 1.05},
+}
+WATCH_TARGETS = {"watch()": 1.05}
 
 
 class StoreFloats(keras.callbacks.Callback):
@@ -203,6 +218,43 @@ def measure(build, flat, steps_per_execution, rounds, batches, epochs, tmp, seed
     }
 
 
+def verdict(seconds, bare_seconds, limit, draws=4000, seed=0):
+    """Whether median(seconds) / median(bare_seconds) is at most `limit`, as
+    far as these rounds can tell: (verdict, low, high), with (low, high) the
+    ratio's 90% bootstrap interval (each list resampled on its own) and the
+    verdict "met" (high <= limit), "not met" (low > limit) or "noise"."""
+    draw = np.random.default_rng(seed)
+    watched, bare = np.asarray(seconds, float), np.asarray(bare_seconds, float)
+    ratios = (np.median(draw.choice(watched, (draws, len(watched))), axis=1)
+              / np.median(draw.choice(bare, (draws, len(bare))), axis=1))
+    low, high = np.quantile(ratios, [0.05, 0.95])
+    found = "met" if high <= limit else "not met" if low > limit else "noise"
+    return found, float(low), float(high)
+
+
+def target_rows(report):
+    """One row per target the report holds: (where, configuration, target, ratio, verdict, low, high)."""
+    rows = []
+    for key, model in report["models"].items():
+        for spe, limits in TARGETS.items():
+            result = model["results"].get(spe)
+            if result is None:
+                continue
+            bare = result["configs"]["bare fit"]["seconds"]
+            for name, limit in limits.items():
+                config = result["configs"][name]
+                rows.append((f"{model['label']}, spe={spe}", name, limit, config["median_ratio"],
+                             *verdict(config["seconds"], bare, limit)))
+    watch = report.get("watch")
+    if watch is not None:
+        bare = watch["configs"]["unwatched"]["seconds"]
+        for name, limit in WATCH_TARGETS.items():
+            config = watch["configs"][name]
+            rows.append(("hand-written tf.function loop", f"`lab.{name}`", limit, config["median_ratio"],
+                         *verdict(config["seconds"], bare, limit)))
+    return rows
+
+
 def loadavg():
     try:
         return [round(v, 2) for v in os.getloadavg()]
@@ -233,7 +285,11 @@ def main(argv=None):
     parser.add_argument("--models", help="comma-separated, from: " + ", ".join(MODELS))
     parser.add_argument("--rounds", type=int, help="rounds of interleaved fits (7; 3 with --quick)")
     parser.add_argument("--no-watch", action="store_true", help="skip the lab.watch loop benchmark")
+    parser.add_argument("--threads", type=int, help="TensorFlow intra- and inter-op threads (default: TF's)")
     args = parser.parse_args(argv)
+    if args.threads:
+        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+        tf.config.threading.set_inter_op_parallelism_threads(args.threads)
     rounds = args.rounds or (3 if args.quick else 7)
     batches, epochs = (64, 2) if args.quick else (208, 3)
     keys = args.models.split(",") if args.models else (["mlp"] if args.quick else list(MODELS))
@@ -245,9 +301,11 @@ def main(argv=None):
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "tensorflow": tf.__version__, "keras": keras.__version__},
-        "batch_size": BATCH_SIZE, "rounds": rounds, "loadavg": {"start": loadavg()}, "models": {},
+        "batch_size": BATCH_SIZE, "rounds": rounds, "threads": args.threads, "loadavg": {"start": loadavg()},
+        "models": {},
     }
-    print(f"load average at start (1, 5, 15 min): {report['loadavg']['start']} on {os.cpu_count()} CPUs")
+    print(f"load average at start (1, 5, 15 min): {report['loadavg']['start']} on {os.cpu_count()} CPUs; "
+          f"TF threads: {args.threads or 'default'}")
     if not has_livelossplot():
         print("(livelossplot is not installed: its row is left out)")
     tmp = tempfile.mkdtemp(prefix="lab-overhead-")
@@ -282,6 +340,14 @@ def main(argv=None):
                 print(f"| {name} | {value['median_ratio']:.2f} ({value['fastest_ratio']:.2f}; "
                       f"cpu {value['cpu_median_ratio']:.2f}) |")
         print(f"\n(load average after: {report['watch']['loadavg_after']})")
+    rows = target_rows(report)
+    report["targets"] = [dict(zip(("where", "configuration", "target", "ratio", "verdict", "low", "high"), row))
+                         for row in rows]
+    print("\n**Targets**: median ratio [90% bootstrap interval] against the target; \"noise\": "
+          "the interval straddles it\n")
+    print("| where | configuration | target | ratio | verdict |\n|---|---|---|---|---|")
+    for where, name, limit, ratio, found, low, high in rows:
+        print(f"| {where} | {name} | {limit:.2f} | {ratio:.2f} [{low:.2f}-{high:.2f}] | {found} |")
     report["loadavg"]["end"] = loadavg()
     report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     if args.json:

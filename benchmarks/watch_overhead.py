@@ -14,7 +14,8 @@ shared and noisy: absolute times from different runs are not comparable).
 
 Usage:
     python benchmarks/watch_overhead.py           # full: graph and eager steps, 5 rounds
-    python benchmarks/watch_overhead.py --quick   # CI's short form
+    python benchmarks/watch_overhead.py --quick   # the short form
+    python benchmarks/watch_overhead.py --threads 1
 """
 
 import argparse
@@ -125,14 +126,18 @@ def measure(compiled, rounds, steps, batch_size=32):
     return ({name: {"median_ratio": median(seconds[name]) / median(seconds["unwatched"]),
                     "fastest_ratio": min(seconds[name]) / fastest,
                     "cpu_median_ratio": median(cpu_seconds[name]) / median(cpu_seconds["unwatched"]),
-                    "round_median_ratio": median(ratios[name])}
+                    "round_median_ratio": median(ratios[name]), "seconds": seconds[name]}
              for name in CONFIGS}, median(seconds["unwatched"]))
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a short form for CI")
+    parser.add_argument("--quick", action="store_true", help="the short form: graph steps only, 2 rounds")
+    parser.add_argument("--threads", type=int, help="TensorFlow intra- and inter-op threads (default: TF's)")
     args = parser.parse_args(argv)
+    if args.threads:
+        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+        tf.config.threading.set_inter_op_parallelism_threads(args.threads)
     shapes = [("tf.function", True, 200)] if args.quick else [("tf.function", True, 400), ("eager", False, 60)]
     rounds = 2 if args.quick else 5
     print(f"{'step':12} {'configuration':26} {'median ratio':>13} {'fastest / fastest':>18}")

@@ -1,0 +1,54 @@
+"""benchmarks/overhead.py: how its figures are held against the targets."""
+
+import importlib.util
+import pathlib
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def overhead():
+    spec = importlib.util.spec_from_file_location("overhead", ROOT / "benchmarks" / "overhead.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def rounds(ratio, spread, count=7, seed=0):
+    """Fit times of `count` rounds around `ratio` seconds, each within +-spread."""
+    return list(ratio * (1 + np.random.default_rng(seed).uniform(-spread, spread, count)))
+
+
+def test_a_target_is_met_missed_or_left_to_noise_by_the_ratio_interval(overhead):
+    bare = rounds(1.0, 0.01, seed=1)
+    assert overhead.verdict(rounds(1.00, 0.01), bare, 1.05)[0] == "met"
+    assert overhead.verdict(rounds(1.20, 0.01), bare, 1.05)[0] == "not met"
+    # Rounds that vary by +-20% cannot tell 1.04 from 1.05.
+    found, low, high = overhead.verdict(rounds(1.04, 0.2), rounds(1.0, 0.2, seed=1), 1.05)
+    assert found == "noise" and low < 1.05 < high
+
+
+def test_every_target_of_the_report_gets_a_row(overhead):
+    def result(ratios):
+        bare = rounds(1.0, 0.01, seed=1)
+        configs = {"bare fit": {"seconds": bare, "median_ratio": 1.0}}
+        for name, ratio in ratios.items():
+            configs[name] = {"seconds": rounds(ratio, 0.01), "median_ratio": ratio}
+        return {"configs": configs}
+
+    names = list(overhead.TARGETS["1"])
+    report = {
+        "models": {"mlp": {"label": "MLP", "results": {"1": result(dict.fromkeys(names, 1.0)),
+                                                        "32": result(dict.fromkeys(names, 1.3))}}},
+        "watch": result({"watch()": 1.01}),
+    }
+    report["watch"]["configs"]["unwatched"] = report["watch"]["configs"].pop("bare fit")
+    rows = overhead.target_rows(report)
+    assert [(where, name, found) for where, name, _, _, found, _, _ in rows] == (
+        [("MLP, spe=1", name, "met") for name in names]
+        + [("MLP, spe=32", name, "not met") for name in names]
+        + [("hand-written tf.function loop", "`lab.watch()`", "met")])
+    assert [limit for _, _, limit, *_ in rows[:3]] == [1.03, 1.05, 1.08]
