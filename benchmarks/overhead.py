@@ -235,7 +235,7 @@ def verdict(seconds, bare_seconds, limit, draws=4000, seed=0):
 def target_rows(report):
     """One row per target the report holds: (where, configuration, target, ratio, verdict, low, high)."""
     rows = []
-    for key, model in report["models"].items():
+    for model in report["models"].values():
         for spe, limits in TARGETS.items():
             result = model["results"].get(spe)
             if result is None:

@@ -4,6 +4,8 @@ import numbers
 
 import numpy as np
 
+from lab.arguments import check_number
+
 
 class Breakpoint:
     """A condition over the batch row the Recorder just made.
@@ -227,11 +229,7 @@ class _LossSpike(DeviceBreakpoint):
 
 
 def _check_number(argument, value, kind, valid, described, example):
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise TypeError(f"loss_spike({argument}=...) must be {described}; got {type(value).__name__} "
-                        f"{value!r} (e.g. {example}).")
-    if not valid():
-        raise ValueError(f"loss_spike({argument}=...) must be {described}; got {value!r} (e.g. {example}).")
+    check_number("loss_spike", argument, value, kind, lambda _: valid(), described, example)
 
 
 def nonfinite():

@@ -1,5 +1,6 @@
 """Recorder: a Keras callback that turns fit()'s lifecycle into Run rows."""
 
+import os
 import time
 import warnings
 import weakref
@@ -9,6 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from lab import compat, modes, schema
+from lab.arguments import check_seconds
 from lab.hooks import CompiledState, hooks_for, release_all
 from lab.observers import Observers
 from lab.probes import Probe
@@ -81,6 +83,14 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
     def __init__(self, gradients=False, weights=False, breakpoints=(), path=None,
                  run=None, flush_every=0.25, save_every=30.0):
         super().__init__()
+        check_seconds("lab.Recorder", "flush_every", flush_every, "flush_every=0.25: read the device four times a second")
+        check_seconds("lab.Recorder", "save_every", save_every, "save_every=30.0: save twice a minute")
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"lab.Recorder(path=...) must be a file path (str or pathlib.Path) or None; got "
+                            f"{type(path).__name__} {path!r} (e.g. path='runs/first.h5').")
+        if run is not None and not isinstance(run, Run):
+            raise TypeError(f"lab.Recorder(run=...) must be a lab.Run to continue (e.g. run=lab.Run.load('runs/first.h5')) "
+                            f"or None; got {type(run).__name__}.")
         self.gradients = gradients
         self.weights = weights
         self.breakpoints = as_breakpoints(breakpoints)

@@ -19,6 +19,7 @@ lab was watching.
 """
 
 import contextlib
+import numbers
 import threading
 import time
 
@@ -27,6 +28,7 @@ import numpy as np
 import tensorflow as tf
 
 from lab import breakpoints as breakpoints_module
+from lab.arguments import check_number, check_seconds
 from lab.loop_probe import LoopProbe
 from lab.probes import find_optimizers
 from lab.run import Run
@@ -431,11 +433,9 @@ def watch(model, *optimizers, gradients=True, weights=False, breakpoints=(), flu
     run.batches()
     ```
     """
-    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
-        raise ValueError(f"lab.watch(capacity=...) must be a positive int (steps kept on the device "
-                         f"between reads); got {capacity!r}.")
-    if isinstance(flush_every, bool) or not isinstance(flush_every, (int, float, np.number)) or not flush_every > 0:
-        raise ValueError(f"lab.watch(flush_every=...) must be a positive number of seconds; got {flush_every!r}.")
+    check_number("lab.watch", "capacity", capacity, numbers.Integral, lambda v: v >= 1,
+                 "a positive whole number of steps", "capacity=1024: the steps kept on the device between reads")
+    check_seconds("lab.watch", "flush_every", flush_every, "flush_every=0.25: read the device four times a second")
     points = breakpoints_module.as_breakpoints(breakpoints)
     for point in points:
         if isinstance(point, breakpoints_module._LossSpike):

@@ -31,6 +31,18 @@ def test_a_plain_callable_or_a_single_breakpoint_is_accepted_as_breakpoints():
     assert as_breakpoints(None) == [] and as_breakpoints(()) == []
 
 
+@pytest.mark.parametrize("arguments, error, named", [
+    ({"flush_every": -1}, ValueError, r"lab.Recorder\(flush_every=\.\.\.\) must be a number of seconds, 0 or more"),
+    ({"flush_every": "0.5"}, TypeError, r"flush_every=\.\.\.\) must be .* got str '0.5'"),
+    ({"save_every": float("inf")}, ValueError, r"save_every=\.\.\.\) must be a number of seconds"),
+    ({"path": 3}, TypeError, r"path=\.\.\.\) must be a file path"),
+    ({"run": {}}, TypeError, r"run=\.\.\.\) must be a lab.Run"),
+])
+def test_a_recorder_refuses_bad_timings_paths_and_runs_at_construction(arguments, error, named):
+    with pytest.raises(error, match=named):
+        lab.Recorder(**arguments)
+
+
 def test_a_plain_callable_breakpoint_stops_fit():
     x, y = data()
     recorder = lab.Recorder(breakpoints=[lambda row: row["step"] >= 1])

@@ -273,12 +273,12 @@ def test_bad_arguments_name_the_fix():
     with pytest.raises(ValueError, match="rename it"):
         with lab.watch(model, keras.optimizers.SGD()) as run:
             run.step(loss=1.0, grad_norm=2.0)
-    for bad in (0, 2.5, "64", True):
-        with pytest.raises(ValueError, match=r"capacity=\.\.\.\) must be a positive int"):
+    for bad, error in ((0, ValueError), (2.5, TypeError), ("64", TypeError), (True, TypeError)):
+        with pytest.raises(error, match=r"lab.watch\(capacity=\.\.\.\) must be a positive whole number"):
             with lab.watch(model, keras.optimizers.SGD(), capacity=bad):
                 pass
-    for bad in (0, -1.0, "0.5", None):
-        with pytest.raises(ValueError, match=r"flush_every=\.\.\.\) must be a positive number"):
+    for bad, error in ((-1.0, ValueError), (float("nan"), ValueError), ("0.5", TypeError), (None, TypeError)):
+        with pytest.raises(error, match=r"lab.watch\(flush_every=\.\.\.\) must be a number of seconds, 0 or"):
             with lab.watch(model, keras.optimizers.SGD(), flush_every=bad):
                 pass
 
