@@ -102,7 +102,7 @@ class _LoopSlots:
         self.width = len(self.resets)
         # The cursor stays an exact float32 integer (under 2**24): 64 MiB of rows at most.
         self.rows = max(2, min(rows, _EXACT_FLOAT32 // self.width))
-        self.vector = make_variable("lab_loop_rows", np.tile(np.array(self.resets, np.float32), rows))
+        self.vector = make_variable("lab_loop_rows", self._reset_rows(self.rows))
         self.cursor = make_variable("lab_loop_row", 0.0)
         self.position = 0
         self._steps = None  # the constants that move the cursor: +1, and back to row 0
@@ -117,9 +117,13 @@ class _LoopSlots:
             self.resets[self.index[name]] = reset
         return self.index.get(name)
 
+    def _reset_rows(self, count):
+        """`count` rows of reset values, flat (numpy)."""
+        return np.tile(np.array(self.resets, np.float32), count)
+
     def reset(self):
         """Every row back to its reset values, the cursor on row 0 (a block's start)."""
-        self.vector.assign(np.tile(np.array(self.resets, np.float32), self.rows))
+        self.vector.assign(self._reset_rows(self.rows))
         self.position = 0
         self.cursor.assign(0.0)
 
@@ -158,7 +162,7 @@ class _LoopSlots:
         values = tf.raw_ops.ResourceGather(resource=self.vector.handle, indices=flat_tensor, dtype=tf.float32)
         tf.raw_ops.ResourceScatterNdUpdate(
             ref=self.vector.handle, indices=tf.reshape(flat_tensor, [-1, 1]),
-            updates=tf.constant(np.tile(np.array(self.resets, np.float32), len(positions))))
+            updates=tf.constant(self._reset_rows(len(positions))))
         return values.numpy().reshape(len(positions), self.width)
 
 

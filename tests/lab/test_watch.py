@@ -391,3 +391,12 @@ def test_an_interrupted_loop_leaves_an_interrupt_event(digits):
     assert list(run.events()["kind"]) == ["interrupt"] and len(run) == 1
     assert run.status == "interrupted"
     assert "apply" not in vars(optimizer)
+
+
+def test_a_model_too_wide_for_the_default_ring_gets_fewer_rows_within_the_64_mib_cap():
+    # 2**16 slots a row: 256 rows keep the cursor an exact float32 integer.
+    from lab.loop_probe import _LoopSlots
+
+    slots = _LoopSlots([("loss", 0.0)], 2**16 - 1, 1025, lambda name, value: tf.Variable(value))
+    assert slots.rows == 256
+    assert slots.vector.shape.num_elements() == slots.rows * slots.width <= 2**24
