@@ -193,14 +193,13 @@ class _NonFinite(DeviceBreakpoint):
 
 class _LossSpike(DeviceBreakpoint):
     def __init__(self, factor, warmup, decay):
-        _check_number("factor", factor, numbers.Real,
-                      lambda: bool(np.isfinite(factor)) and factor > 1,
-                      "a number above 1", "loss_spike(3.0): three times the recent average loss")
-        _check_number("warmup", warmup, numbers.Integral, lambda: warmup >= 0,
-                      "a whole number of steps, 0 or more", "warmup=10: look for spikes from the 11th step on")
-        _check_number("decay", decay, numbers.Real, lambda: 0 <= decay < 1,
-                      "a number from 0 up to (not including) 1",
-                      "decay=0.9: each step moves the recent average 10% towards the new loss")
+        check_number("loss_spike", "factor", factor, numbers.Real, lambda v: bool(np.isfinite(v)) and v > 1,
+                     "a number above 1", "loss_spike(3.0): three times the recent average loss")
+        check_number("loss_spike", "warmup", warmup, numbers.Integral, lambda v: v >= 0,
+                     "a whole number of steps, 0 or more", "warmup=10: look for spikes from the 11th step on")
+        check_number("loss_spike", "decay", decay, numbers.Real, lambda v: 0 <= v < 1,
+                     "a number from 0 up to (not including) 1",
+                     "decay=0.9: each step moves the recent average 10% towards the new loss")
         super().__init__(f"loss_spike({float(factor):g})")
         self.factor, self.warmup, self.decay = float(factor), int(warmup), float(decay)
         self._average = self._seen = None
@@ -226,10 +225,6 @@ class _LossSpike(DeviceBreakpoint):
     def reset(self):
         if self._seen is not None:
             self._seen.assign(0.0)
-
-
-def _check_number(argument, value, kind, valid, described, example):
-    check_number("loss_spike", argument, value, kind, lambda _: valid(), described, example)
 
 
 def nonfinite():
