@@ -218,6 +218,13 @@ def measure(build, flat, steps_per_execution, rounds, batches, epochs, tmp, seed
     }
 
 
+def use_threads(count):
+    """TensorFlow's intra- and inter-op threads, before any op runs (None: TF's default)."""
+    if count:
+        tf.config.threading.set_intra_op_parallelism_threads(count)
+        tf.config.threading.set_inter_op_parallelism_threads(count)
+
+
 def verdict(seconds, bare_seconds, limit, draws=4000, seed=0):
     """Whether median(seconds) / median(bare_seconds) is at most `limit`, as
     far as these rounds can tell: (verdict, low, high), with (low, high) the
@@ -287,9 +294,7 @@ def main(argv=None):
     parser.add_argument("--no-watch", action="store_true", help="skip the lab.watch loop benchmark")
     parser.add_argument("--threads", type=int, help="TensorFlow intra- and inter-op threads (default: TF's)")
     args = parser.parse_args(argv)
-    if args.threads:
-        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
-        tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+    use_threads(args.threads)
     rounds = args.rounds or (3 if args.quick else 7)
     batches, epochs = (64, 2) if args.quick else (208, 3)
     keys = args.models.split(",") if args.models else (["mlp"] if args.quick else list(MODELS))

@@ -130,12 +130,9 @@ def main(argv=None):
     parser.add_argument("--calls", type=int, default=96, help="steps per timed part (96)")
     parser.add_argument("--threads", type=int, help="TensorFlow intra- and inter-op threads (default: TF's)")
     args = parser.parse_args(argv)
-    import tensorflow as tf
-
-    if args.threads:
-        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
-        tf.config.threading.set_inter_op_parallelism_threads(args.threads)
     import overhead
+
+    overhead.use_threads(args.threads)
 
     keys = args.models.split(",")
     unknown = [k for k in keys if k not in overhead.MODELS]

@@ -23,6 +23,7 @@ import contextlib
 import os
 import random
 import statistics
+import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -135,9 +136,10 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="the short form: graph steps only, 2 rounds")
     parser.add_argument("--threads", type=int, help="TensorFlow intra- and inter-op threads (default: TF's)")
     args = parser.parse_args(argv)
-    if args.threads:
-        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
-        tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import overhead
+
+    overhead.use_threads(args.threads)
     shapes = [("tf.function", True, 200)] if args.quick else [("tf.function", True, 400), ("eager", False, 60)]
     rounds = 2 if args.quick else 5
     print(f"{'step':12} {'configuration':26} {'median ratio':>13} {'fastest / fastest':>18}")
