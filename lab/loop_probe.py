@@ -3,9 +3,10 @@
 There is no `train_step` to bracket, so every value an optimizer hook
 measures goes into a device-side ring of rows, one row per step, whatever
 graph the user's step runs in (eager, `tf.function`, XLA). The graph writes
-the row a device cursor names; `take()` closes a step by moving the cursor
-to the next row (one eager op), and `read_rows()` reads the closed rows in
-one block and resets them. `row_columns` turns them into row columns on the
+the running row, whose start each call of the function takes from the host
+as an input (a call-time capture); `take()` closes a step by moving the
+host's row number (no op), and `read_rows()` reads the closed rows in one
+block and resets them. `row_columns` turns them into row columns on the
 host. The ring belongs to the model's life, not to one watch block: a step
 traced inside one block keeps writing it in later blocks.
 
@@ -21,15 +22,18 @@ import weakref
 import keras
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.framework.func_graph import FuncGraph
+from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
 
 from lab import compat
-from lab.probes import Probe, StepState, total_grad_norm, variable_keys
+from lab.probes import Probe, StepState, _replica_context, total_grad_norm, variable_keys
 
 # Slots kept free for variables the model did not list when watching began
 # (a subclassed model is often built by its first step).
 _SPARE_SLOTS = 32
 _SPARE_SLOTS_UNBUILT = 256
-_EXACT_FLOAT32 = 2 ** 24
+# The ring's size at most, in float32 slots: 64 MiB.
+_RING_SLOTS = 2 ** 24
 # Steps the device ring keeps between reads, at least (watch's default capacity).
 _RING_STEPS = 1024
 # optimizer -> the loop probes that watch it (an optimizer may serve several models).
@@ -77,10 +81,12 @@ class _LoopState(StepState):
         return True
 
 
-class _SharedState:
-    """Stands in for the Probe's per-thread step state: always present."""
+class _SharedState(threading.local):
+    """Stands in for the Probe's per-thread step state: always present, one
+    per thread (each replica of a strategy traces in its own thread)."""
 
     def __init__(self):
+        super().__init__()
         self.state = _LoopState()
 
 
@@ -88,9 +94,9 @@ class _LoopSlots:
     """One model's ring of step rows, kept for the model's life (never on it) across watch blocks.
 
     The ring is one flat float32 variable of `rows` rows of `width` slots;
-    `cursor` holds where the row the running step writes starts (a float32
-    variable, exact for these integers) and `position` is the host's copy of
-    that row's number.
+    `position` is the row the running step writes. It lives on the host
+    only: each call of a traced step takes where that row starts as an input
+    (`offset_in`), so closing a step costs no op on the device.
     A `tf.function` step traced inside one block keeps that block's hooks in
     its graph: it writes this same ring when a later block runs it, so a step
     may be watched again without tracing it again.
@@ -100,12 +106,10 @@ class _LoopSlots:
         self.index = {name: position for position, (name, _) in enumerate(names)}
         self.resets = [reset for _, reset in names] + [np.nan] * spare
         self.width = len(self.resets)
-        # The cursor stays an exact float32 integer (under 2**24): 64 MiB of rows at most.
-        self.rows = max(2, min(rows, _EXACT_FLOAT32 // self.width))
+        self.rows = max(2, min(rows, _RING_SLOTS // self.width))
         self.vector = make_variable("lab_loop_rows", self._reset_rows(self.rows))
-        self.cursor = make_variable("lab_loop_row", 0.0)
         self.position = 0
-        self._steps = None  # the constants that move the cursor: +1, and back to row 0
+        self._offsets = {}  # row -> its start as an int32 tensor, made once
         self._row_indices = {}
         self.active = make_variable("lab_loop_active", 0.0)
         self.hold = make_variable("lab_hold", 0.0)
@@ -122,25 +126,41 @@ class _LoopSlots:
         return np.tile(np.array(self.resets, np.float32), count)
 
     def reset(self):
-        """Every row back to its reset values, the cursor on row 0 (a block's start)."""
+        """Every row back to its reset values, row 0 running (a block's start)."""
         self.vector.assign(self._reset_rows(self.rows))
         self.position = 0
-        self.cursor.assign(0.0)
 
     def advance(self):
-        """Closes the running row: the cursor moves to the next one (one eager op); returns the closed row."""
+        """Closes the running row: the next one runs (host only, no op); returns the closed row."""
         closed = self.position
         self.position = (closed + 1) % self.rows
-        if self._steps is None:
-            # Beside the variable (a GPU's memory), so moving the cursor copies nothing from the host.
-            with tf.init_scope(), tf.device(self.cursor.device):
-                self._steps = (tf.identity(tf.constant(float(self.width))), tf.identity(tf.constant(0.0)))
-        # The raw ops: a variable's Python methods cost more than the op itself.
-        if self.position:
-            tf.raw_ops.AssignAddVariableOp(resource=self.cursor.handle, value=self._steps[0])
-        else:
-            tf.raw_ops.AssignVariableOp(resource=self.cursor.handle, value=self._steps[1])
         return closed
+
+    def offset_in(self, graph):
+        """Where the running row starts, as an int32 tensor of `graph` (being traced).
+
+        It is an input of the traced function, given at each call the row
+        that runs then (`capture_call_time_value`); a function traced inside
+        another takes it from the outer one's input. A branch of a `tf.cond`
+        or a loop's body takes its function's.
+        """
+        top = graph
+        while isinstance(top, ControlFlowFuncGraph):
+            top = top.outer_graph
+        if not isinstance(top, FuncGraph):
+            raise RuntimeError(
+                "lab.watch records steps that run eagerly or in a `tf.function`; this step "
+                "runs in a TF1 graph (`tf.compat.v1`). Run it eagerly or in a `tf.function`.")
+        with top.as_default():
+            return top.capture_call_time_value(self._running_offset, tf.TensorSpec([], tf.int32), key=self,
+                                               default_value=tf.constant(0, tf.int32))
+
+    def _running_offset(self):
+        offset = self._offsets.get(self.position)
+        if offset is None:
+            with tf.init_scope():
+                offset = self._offsets[self.position] = tf.constant(self.position * self.width, tf.int32)
+        return offset
 
     def row(self, position):
         """One row's values (numpy), read alone (waits for the device)."""
@@ -189,7 +209,7 @@ class LoopProbe(Probe):
         self._writes = threading.local()
         self._slots = None
         self._frozen = None
-        self._offsets = weakref.WeakKeyDictionary()  # graph -> the running row's offset read in it
+        self._offsets = weakref.WeakKeyDictionary()  # graph -> the running row's start, its input
         self._traces = {}
         self._warned = set()
         self.warnings = []  # (message, step) the run turns into events
@@ -311,18 +331,33 @@ class LoopProbe(Probe):
 
     def _row_offset(self):
         """Where the running row starts in the ring: a Python int in an eager
-        step, else a tensor read once per graph (the cursor moves only between
-        steps, on the host)."""
+        step, else the function's input that the host gives at each call."""
         slots = self._slots
         if tf.executing_eagerly():
             return slots.position * slots.width
         graph = tf.compat.v1.get_default_graph()
         offset = self._offsets.get(graph)
         if offset is None:
-            offset = self._offsets[graph] = tf.cast(slots.cursor.read_value(), tf.int32)
+            offset = self._offsets[graph] = slots.offset_in(graph)
         return offset
 
     def _scatter(self, items):
+        """Writes `items` to the running row. Under several replicas, one write
+        for all, of the first replica's values: after the all-reduce every
+        replica applies the same gradients, and a write from each would count
+        one update as several."""
+        ctx = _replica_context()
+        if ctx is None:
+            self._write(items)
+            return
+
+        def write_first(distribution, *values):
+            first = [distribution.experimental_local_results(value)[0] for value in values]
+            self._write([(indices, value, mode) for (indices, _, mode), value in zip(items, first)])
+
+        ctx.merge_call(write_first, args=tuple(value for _, value, _ in items))
+
+    def _write(self, items):
         modes = []
         for _, _, mode in items:
             if not any(mode is m for m in modes):
@@ -445,7 +480,7 @@ class LoopProbe(Probe):
                 or (kind in ("weight_norm", "update_ratio") and self.weights))
 
     def take(self):
-        """Closes this step's row (one eager op; nothing waits for the device); returns where it is."""
+        """Closes this step's row (no op: the next call of the step writes the next row); returns where it is."""
         return self._slots.advance()
 
     def read_rows(self, taken):

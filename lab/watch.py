@@ -5,10 +5,11 @@ values cannot be gathered inside one graph the way the Recorder gathers them.
 Instead the optimizer hooks (the Probe's, through `lab.loop_probe.LoopProbe`)
 write what they measure into a ring of rows on the device, one row per step,
 in whatever graph the user's step runs (eager, `tf.function`, XLA). Once per
-step the user calls `run.step(loss=..., **metrics)`: one eager op moves the
-ring's cursor to the next row; the loss and metrics are kept as the tensors
-they are. Nothing waits for the device until the rows are read, in one block:
-on a timer, every `capacity` steps, when the run is read and at the end.
+step the user calls `run.step(loss=..., **metrics)`, and the next row runs:
+each call of a traced step takes its row from the host as an input, so
+closing a step is no op on the device. The loss and metrics are kept as the
+tensors they are. Nothing waits for the device until the rows are read, in
+one block: on a timer, every `capacity` steps, when the run is read and at the end.
 
 While watching, the lab also names the fix for the mistakes hand-written
 steps are known for: a loss computed outside the tape (no gradient at all),

@@ -137,6 +137,21 @@ def test_mirrored_records_each_replica(mirrored):
     np.testing.assert_allclose(columns["loss"], losses.mean(axis=0), rtol=1e-4)
 
 
+@pytest.mark.parametrize("loop", ["loop_mirrored", "loop_mirrored_eager"])
+def test_a_watched_loop_under_mirrored_strategy_records_what_one_device_records(mirrored, loop):
+    # The tf.distribute guide's loop (strategy.run in a tf.function, and eager):
+    # the applied gradients once, not each replica's write combined as several applies.
+    assert "fit_error" not in mirrored, mirrored["fit_error"]
+    one, two = mirrored["loop_one"], mirrored[loop]
+    assert two["columns"]["updated"] == [1.0] * 4
+    assert {"loss", "grad_norm"} <= set(two["columns"]) and set(one["columns"]) == set(two["columns"])
+    assert any(c.startswith("update_ratio/") for c in two["columns"])
+    for column, values in one["columns"].items():
+        np.testing.assert_allclose(two["columns"][column], values, rtol=1e-4, atol=1e-6, err_msg=column)
+    for w1, w2 in zip(one["weights"], two["weights"]):
+        np.testing.assert_allclose(w2, w1, rtol=1e-4, atol=1e-6)
+
+
 def test_two_workers_on_localhost(tmp_path):
     ports = _free_ports(2)
     cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}

@@ -394,9 +394,99 @@ def test_an_interrupted_loop_leaves_an_interrupt_event(digits):
 
 
 def test_a_model_too_wide_for_the_default_ring_gets_fewer_rows_within_the_64_mib_cap():
-    # 2**16 slots a row: 256 rows keep the cursor an exact float32 integer.
+    # 2**16 slots a row: 256 rows fill the 2**24 slots (64 MiB) the ring may take.
     from lab.loop_probe import _LoopSlots
 
     slots = _LoopSlots([("loss", 0.0)], 2**16 - 1, 1025, lambda name, value: tf.Variable(value))
     assert slots.rows == 256
     assert slots.vector.shape.num_elements() == slots.rows * slots.width <= 2**24
+
+
+def applied_norms(steps):
+    """What a step's row must hold: per variable, the norm over every apply of the step (tape gradients)."""
+    return [np.sqrt(sum(np.sum(g[i].astype(np.float64) ** 2) for g in steps)) for i in range(len(steps[0]))]
+
+
+def tape_gradients(model, x, y):
+    with tf.GradientTape() as tape:
+        loss = LOSS(y, model(x, training=True))
+    return [g.numpy() for g in tape.gradient(loss, model.trainable_variables)]
+
+
+@pytest.mark.parametrize("shape", ["apply in a tf.cond", "applies in a tf.while_loop",
+                                   "a step function traced inside another's loop"])
+def test_each_call_of_a_traced_step_writes_the_row_running_when_it_is_called(digits, shape):
+    # The row a traced step writes is an input of each call, given by the host:
+    # it must reach a branch, a loop body and a function called inside a loop.
+    model, optimizer = make_mlp(), keras.optimizers.SGD(0.05)
+    twin = make_mlp()
+
+    def update(x, y):
+        with tf.GradientTape() as tape:
+            loss = LOSS(y, model(x, training=True))
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return loss
+
+    inner = tf.function(update)
+
+    @tf.function
+    def step(x, y, times):
+        if shape == "apply in a tf.cond":
+            return tf.cond(times > 0, lambda: update(x, y), lambda: tf.constant(0.0))
+        for _ in tf.range(times):
+            if shape == "applies in a tf.while_loop":
+                update(x, y)
+            else:
+                inner(x, y)
+        return tf.constant(0.0)
+
+    twin_optimizer = keras.optimizers.SGD(0.05)
+    data = batches(*digits, 4)
+    counts = [1, 2, 1, 0] if shape != "apply in a tf.cond" else [1, 0, 1, 1]
+    with lab.watch(model, optimizer, flush_every=3600) as run:
+        expected = []
+        for (x, y), times in zip(data, counts):
+            grads = []
+            for _ in range(times):  # the same updates on a twin, for the tape's gradients
+                grads.append(tape_gradients(twin, x, y))
+                twin_optimizer.apply_gradients(zip([tf.constant(g) for g in grads[-1]], twin.trainable_variables))
+            expected.append(applied_norms(grads) if grads else None)
+            step(x, y, tf.constant(times))
+            run.step(loss=0.0)
+    frame = run.batches()
+    assert list(frame["updated"]) == [1.0 if times else 0.0 for times in counts]
+    for norms, (_, row) in zip(expected, frame.iterrows()):
+        for index, variable in enumerate(model.trainable_variables):
+            if norms is None:
+                assert np.isnan(row[f"grad_norm/{variable.path}"])
+            else:
+                np.testing.assert_allclose(row[f"grad_norm/{variable.path}"], norms[index], rtol=1e-4)
+
+
+def test_closing_a_step_runs_no_op_on_the_device(digits):
+    # run.step costs the loop no eager op: the next call of the step takes its
+    # row from the host (counted here by TensorFlow's own op callback).
+    from tensorflow.python.framework import op_callbacks
+
+    model, optimizer = make_mlp(), keras.optimizers.SGD(0.05)
+    step = make_step(model, optimizer, "graph")
+    data = batches(*digits, 3)
+    executed = []
+
+    def count(op_type, inputs, attrs, outputs, op_name=None, graph=None):
+        if graph is None:
+            executed.append(op_type)
+
+    with lab.watch(model, optimizer, flush_every=3600) as run:
+        losses = [step(x, y) for x, y in data[:1]]
+        run.step(loss=losses[0])
+        op_callbacks.add_op_callback(count)
+        try:
+            for x, y in data[1:]:
+                loss = step(x, y)
+                run.step(loss=loss)
+        finally:
+            op_callbacks.remove_op_callback(count)
+    assert [op for op in executed if "train_step" not in op and "step" not in op] == []
+    assert len(executed) == 2  # the two calls of the step itself
+    assert list(run.batches()["updated"]) == [1.0, 1.0, 1.0]

@@ -110,6 +110,41 @@ def half_batches(x, y):
     return halves
 
 
+def watched_loop(strategy, x, y, compiled=True):
+    """The tf.distribute guide's custom loop (`strategy.run` inside a
+    `tf.function`, or called eagerly) under `lab.watch`: its rows and weights."""
+    import tensorflow as tf
+
+    with strategy.scope():
+        model = make_model()
+        optimizer = keras.optimizers.SGD(0.1)
+    loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+
+    def train_step(inputs):
+        def step_fn(batch):
+            features, labels = batch
+            with tf.GradientTape() as tape:
+                loss = tf.nn.compute_average_loss(loss_object(labels, model(features, training=True)),
+                                                  global_batch_size=16)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        return strategy.reduce("SUM", strategy.run(step_fn, args=(inputs,)), axis=None)
+
+    if compiled:
+        train_step = tf.function(train_step)
+    dataset = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(16))
+    with lab.watch(model, optimizer, weights=True, flush_every=3600) as run:
+        for batch in dataset:
+            run.step(loss=train_step(batch))
+    frame = run.batches()
+    columns = [c for c in frame.columns
+               if c in ("loss", "updated") or c.startswith(("grad_norm", "weight_norm", "update_ratio"))]
+    return {"columns": {c: frame[c].astype(float).tolist() for c in columns},
+            "weights": [w.tolist() for w in model.get_weights()]}
+
+
 def data():
     rng = np.random.default_rng(0)
     return rng.normal(size=(64, 8)).astype("float32"), rng.integers(0, 3, 64).astype("int32")
@@ -136,6 +171,9 @@ def main():
             out["mirrored"] = record(mirrored, x, y)
             out["halves"] = half_batches(x, y)
             out["breakpoint"] = breakpoint_run(mirrored, x, y)
+            out["loop_one"] = watched_loop(lab.strategy("cpu"), x, y)
+            out["loop_mirrored"] = watched_loop(mirrored, x, y)
+            out["loop_mirrored_eager"] = watched_loop(mirrored, x, y, compiled=False)
         except Exception as error:  # noqa: BLE001 - reported, so the other checks still run
             out["fit_error"] = f"{type(error).__name__}: {error}"
         try:
