@@ -527,11 +527,11 @@ def _retrace_message(function, traces, calls):
     head = (f"The @tf.function `{name}` was traced {len(traces)} times in {calls} calls: "
             "it builds a new graph for every new Python value and every new input shape.")
     for kind, advice in (
-        ("python", "is a Python value that changed between traces ({values}): pass it as a "
-                   "tensor (`tf.constant(...)`) or leave it out of the call."),
-        ("tensor", "changed shape between traces ({values}): give the batches one shape "
-                   "(`dataset.batch(n, drop_remainder=True)`) or trace for any batch size "
-                   "with `@tf.function(reduce_retracing=True)`."),
+        ("python", ("is a Python value that changed between traces ({values}): pass it as a "
+                    "tensor (`tf.constant(...)`) or leave it out of the call.")),
+        ("tensor", ("changed shape between traces ({values}): give the batches one shape "
+                    "(`dataset.batch(n, drop_remainder=True)`) or trace for any batch size "
+                    "with `@tf.function(reduce_retracing=True)`.")),
     ):
         for argument in traces[0]:
             seen = [t.get(argument) for t in traces]
