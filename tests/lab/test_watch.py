@@ -490,3 +490,28 @@ def test_closing_a_step_runs_no_op_on_the_device(digits):
     assert [op for op in executed if "train_step" not in op and "step" not in op] == []
     assert len(executed) == 2  # the two calls of the step itself
     assert list(run.batches()["updated"]) == [1.0, 1.0, 1.0]
+
+
+def test_run_step_values_of_every_kind_arrive_as_float32_columns(digits):
+    # Per-example losses are averaged; float64, int and bool tensors, Keras
+    # metrics and Python numbers are kept, whatever the number of steps read at once.
+    model, optimizer = make_mlp(), keras.optimizers.SGD(0.05)
+    step = make_step(model, optimizer, "graph")
+    mean = keras.metrics.Mean()
+    expected = []
+    with lab.watch(model, optimizer, flush_every=3600) as run:
+        for index, (x, y) in enumerate(batches(*digits, 4) * 2):
+            per_example = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)(y, model(x))
+            step(x, y)
+            mean.update_state(float(index))
+            run.step(loss=per_example, precise=tf.constant(index / 3, tf.float64), count=tf.constant(index),
+                     flag=tf.constant(index % 2 == 0), running=mean, number=index * 0.5)
+            expected.append((float(np.mean(per_example.numpy())), index / 3, index, index % 2 == 0,
+                             float(np.mean(np.arange(index + 1))), index * 0.5))
+            if index == 2:
+                assert len(run.batches()) == 3  # a read of three steps, then one of five
+    frame = run.batches()
+    columns = ["loss", "precise", "count", "flag", "running", "number"]
+    for column in columns:
+        assert frame[column].dtype == np.float32, column
+    np.testing.assert_allclose(frame[columns].to_numpy(), np.array(expected, np.float32), rtol=1e-6)
