@@ -12,6 +12,7 @@ compiled loss on that one batch and names the problem and its fix.
 
 import collections
 import math
+import numbers
 import re
 
 import keras
@@ -19,6 +20,7 @@ import numpy as np
 import pandas as pd
 import tensorflow as tf
 
+from lab.arguments import check_number
 from lab.feed import Feed
 
 
@@ -138,10 +140,12 @@ def inspect_data(x, y=None, sample_weight=None, batch_size=None, model=None, val
     print(report)
     ```
     """
-    if batch_size is not None and (isinstance(batch_size, bool) or int(batch_size) < 1):
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
-    if not 0.0 <= float(validation_split) < 1.0:
-        raise ValueError(f"validation_split must be in [0, 1), got {validation_split!r}.")
+    for argument, value in (("batch_size", batch_size), ("steps_per_epoch", steps_per_epoch)):
+        if value is not None:
+            check_number("lab.inspect_data", argument, value, numbers.Integral, lambda v: v >= 1,
+                         "a whole number, 1 or more, or None", "32")
+    check_number("lab.inspect_data", "validation_split", validation_split, numbers.Real, lambda v: 0 <= v < 1,
+                 "a share of the examples in [0, 1)", "0.2: the last 20% are held out")
     report = DataReport(_form(x))
     if report.form != "arrays":
         _check_adapter_arguments(report, y, sample_weight, batch_size, validation_split)

@@ -7,11 +7,14 @@ the caller (or to a collector) and keeps nothing, calling the model's own
 """
 
 import itertools
+import numbers
 import weakref
 
 import keras
 import numpy as np
 import tensorflow as tf
+
+from lab.arguments import check_number
 
 # model -> ((run_eagerly, jit_compile), function); kept off the model, which
 # the lab leaves as it found it, and weak so the model can be collected.
@@ -58,8 +61,11 @@ def predict_stream(model, data, batch_size=32, collect=None, steps=None):
     """
     if not isinstance(model, keras.Model):
         raise TypeError(f"predict_stream() needs a keras.Model; got {type(model).__name__}.")
-    if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int; got {batch_size!r}.")
+    check_number("lab.predict_stream", "batch_size", batch_size, numbers.Integral, lambda v: v >= 1,
+                 "a whole number of examples, 1 or more", "1024")
+    if steps is not None:
+        check_number("lab.predict_stream", "steps", steps, numbers.Integral, lambda v: v >= 1,
+                     "a whole number of batches, 1 or more, or None (all of them)", "10")
     if collect is not None and not callable(collect):
         raise TypeError(
             f"collect must be a callable `collect(y_pred, batch)`; got {type(collect).__name__}."

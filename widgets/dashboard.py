@@ -22,6 +22,7 @@ from run to run only inside `<svg>` elements, which
 
 import collections
 import html
+import numbers
 import threading
 import time
 import warnings
@@ -31,6 +32,7 @@ import keras
 
 import lab
 
+from lab.arguments import check_number, check_seconds
 from lab.recorder import Recorder
 from widgets import static
 from widgets.charts import LiveFigure
@@ -113,12 +115,11 @@ class Dashboard(keras.callbacks.Callback):
                  refresh_every=0.25, refresh_budget=0.02, max_points=2000, ghost=None, view="auto",
                  **recorder_options):
         self.requested_view = check_view(view)
-        if refresh_every < 0:
-            raise ValueError(f"refresh_every must be 0 or more seconds; got {refresh_every}.")
-        if not 0 < refresh_budget <= 1:
-            raise ValueError(f"refresh_budget is a share of training time in (0, 1]; got {refresh_budget}.")
-        if max_points < 8:
-            raise ValueError(f"max_points must be at least 8; got {max_points}.")
+        check_seconds("widgets.Dashboard", "refresh_every", refresh_every, "0.25: at most four refreshes a second")
+        check_number("widgets.Dashboard", "refresh_budget", refresh_budget, numbers.Real, lambda v: 0 < v <= 1,
+                     "a share of training time in (0, 1]", "0.02: refreshes take at most 2% of it")
+        check_number("widgets.Dashboard", "max_points", max_points, numbers.Integral, lambda v: v >= 8,
+                     "a whole number of points, 8 or more", "2000")
         super().__init__()
         self.recorder = Recorder(gradients=gradients, weights=weights, breakpoints=breakpoints,
                                  path=path, run=run, **recorder_options)
@@ -247,16 +248,22 @@ class Dashboard(keras.callbacks.Callback):
             batch_size: int, samples per batch for arrays.
             steps: int or None, stop after this many batches.
 
-        Yields:
-            Each batch's predictions, as `lab.predict_stream` does.
+        Returns:
+            A generator of each batch's predictions, as `lab.predict_stream`
+            returns; bad arguments raise here, not at the first batch.
         """
+        # Checked here, when called, not at the first batch.
+        stream = lab.predict_stream(model, data, batch_size=batch_size, steps=steps)
         total = steps
         if total is None and hasattr(data, "__len__") and not isinstance(data, (dict, list, tuple)):
             total = -(-len(data) // batch_size)
+        return self._with_progress(stream, total)
+
+    def _with_progress(self, stream, total):
         self._predicting = (0, total)
         last = 0.0
         try:
-            for done, predictions in enumerate(lab.predict_stream(model, data, batch_size=batch_size, steps=steps), 1):
+            for done, predictions in enumerate(stream, 1):
                 self._predicting = (done, total)
                 now = time.monotonic()
                 if now - last >= self.refresh_every:

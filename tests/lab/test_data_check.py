@@ -200,9 +200,13 @@ def test_y_given_beside_a_dataset(arrays):
 
 
 def test_bad_arguments_are_refused_with_the_allowed_range(arrays):
-    with pytest.raises(ValueError, match="batch_size must be a positive integer"):
-        lab.inspect_data(*arrays, batch_size=0)
-    with pytest.raises(ValueError, match=r"validation_split must be in \[0, 1\)"):
+    for argument, bad, error in (("batch_size", 0, ValueError), ("batch_size", 2.5, TypeError),
+                                 ("batch_size", "32", TypeError), ("steps_per_epoch", 0, ValueError),
+                                 ("validation_split", 1.0, ValueError), ("validation_split", -0.1, ValueError),
+                                 ("validation_split", "0.2", TypeError)):
+        with pytest.raises(error, match=rf"lab.inspect_data\({argument}=\.\.\.\) must be .*\(e.g. "):
+            lab.inspect_data(*arrays, **{argument: bad})
+    with pytest.raises(ValueError, match=r"in \[0, 1\)"):
         lab.inspect_data(*arrays, validation_split=1.0)
 
 

@@ -136,8 +136,10 @@ def test_the_stream_keeps_no_batch_it_has_handed_out(model, x):
 
 
 def test_bad_input_gets_a_clear_error(model, x):
-    with pytest.raises(ValueError, match="batch_size must be a positive int"):
-        lab.predict_stream(model, x, batch_size=0)
+    for argument, bad, error in (("batch_size", 0, ValueError), ("batch_size", 32.0, TypeError),
+                                 ("steps", -1, ValueError), ("steps", 2.5, TypeError)):
+        with pytest.raises(error, match=rf"lab.predict_stream\({argument}=\.\.\.\) must be .*\(e.g. "):
+            lab.predict_stream(model, x, **{argument: bad})
     with pytest.raises(TypeError, match="cannot read data of type int"):
         lab.predict_stream(model, 3)
     with pytest.raises(TypeError, match="collect must be a callable"):

@@ -166,11 +166,23 @@ def test_uncompiled_model_raises_keras_error_and_nothing_is_shown(notebook):
     assert dashboard.status == "idle" and notebook == []
 
 
+def test_dashboard_predict_stream_refuses_a_bad_batch_size_when_called(digits, make_model):
+    (x, _), _ = digits
+    dashboard = widgets.Dashboard()
+    with pytest.raises(ValueError, match=r"lab.predict_stream\(batch_size=\.\.\.\) must be"):
+        dashboard.predict_stream(make_model(), x, batch_size=0)  # not at the first batch: no next() here
+    assert dashboard.prediction_text() == ""
+
+
 def test_bad_arguments_name_the_fix():
-    with pytest.raises(ValueError, match="refresh_every must be 0 or more"):
-        widgets.Dashboard(refresh_every=-1)
-    with pytest.raises(ValueError, match="max_points must be at least 8"):
-        widgets.Dashboard(max_points=1)
+    # Refused at construction, by name; a NaN refresh_every would have stopped every refresh.
+    for argument, bad, error in (("refresh_every", -1, ValueError), ("refresh_every", float("nan"), ValueError),
+                                 ("refresh_every", "fast", TypeError), ("refresh_budget", 0, ValueError),
+                                 ("refresh_budget", 1.5, ValueError), ("refresh_budget", "2%", TypeError),
+                                 ("max_points", 1, ValueError), ("max_points", 2000.5, TypeError),
+                                 ("max_points", "2000", TypeError)):
+        with pytest.raises(error, match=rf"widgets.Dashboard\({argument}=\.\.\.\) must be .*\(e.g. "):
+            widgets.Dashboard(**{argument: bad})
 
 
 def test_a_slow_view_refreshes_less_often_instead_of_slowing_training(digits, make_model, monkeypatch):
