@@ -33,6 +33,7 @@ Usage:
     python benchmarks/overhead.py --quick               # the short form: MLP, fewer steps and rounds
     python benchmarks/overhead.py --json out.json       # also write the figures as JSON
     python benchmarks/overhead.py --models mlp --rounds 5 --no-watch
+    python benchmarks/overhead.py --watch-only --rounds 15  # lab.watch's figures alone
     python benchmarks/overhead.py --threads 1           # one TF thread: less scheduling noise
 """
 
@@ -292,6 +293,7 @@ def main(argv=None):
     parser.add_argument("--models", help="comma-separated, from: " + ", ".join(MODELS))
     parser.add_argument("--rounds", type=int, help="rounds of interleaved fits (7; 3 with --quick)")
     parser.add_argument("--no-watch", action="store_true", help="skip the lab.watch loop benchmark")
+    parser.add_argument("--watch-only", action="store_true", help="only the lab.watch loop benchmark (no fit())")
     parser.add_argument("--threads", type=int, help="TensorFlow intra- and inter-op threads (default: TF's)")
     args = parser.parse_args(argv)
     use_threads(args.threads)
@@ -301,6 +303,10 @@ def main(argv=None):
     unknown = [k for k in keys if k not in MODELS]
     if unknown:
         parser.error(f"unknown model(s) {unknown}; choose from {list(MODELS)}")
+    if args.watch_only and (args.no_watch or args.models):
+        parser.error("--watch-only runs no fit() model: leave out --models and --no-watch")
+    if args.watch_only:
+        keys = []
     report = {
         "command": " ".join(["python", "benchmarks/overhead.py"] + list(sys.argv[1:] if argv is None else argv)),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

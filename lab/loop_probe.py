@@ -153,7 +153,7 @@ class _LoopSlots:
                 "runs in a TF1 graph (`tf.compat.v1`). Run it eagerly or in a `tf.function`.")
         with top.as_default():
             return top.capture_call_time_value(self._running_offset, tf.TensorSpec([], tf.int32), key=self,
-                                               default_value=tf.constant(0, tf.int32))
+                                               default_value=np.int32(0))
 
     def _running_offset(self):
         offset = self._offsets.get(self.position)

@@ -515,3 +515,31 @@ def test_run_step_values_of_every_kind_arrive_as_float32_columns(digits):
     for column in columns:
         assert frame[column].dtype == np.float32, column
     np.testing.assert_allclose(frame[columns].to_numpy(), np.array(expected, np.float32), rtol=1e-6)
+
+
+def test_a_module_whose_step_was_traced_while_watching_saves_and_loads(digits, tmp_path):
+    # The row's start is an input the host gives each call; a SavedModel, which
+    # has no host to ask, gets row 0 and still runs.
+    model, optimizer = make_mlp(), keras.optimizers.SGD(0.05)
+
+    class Trainer(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.model, self.optimizer = model, optimizer
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 64]), tf.TensorSpec([None], tf.int64)])
+        def train(self, x, y):
+            with tf.GradientTape() as tape:
+                loss = LOSS(y, self.model(x, training=True))
+            grads = tape.gradient(loss, self.model.trainable_variables)
+            self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables))
+            return loss
+
+    trainer = Trainer()
+    x, y = batches(*digits, 1)[0]
+    with lab.watch(model, optimizer) as run:
+        run.step(loss=trainer.train(x, y.astype("int64")))
+    assert run.batches()["updated"].tolist() == [1.0]
+    tf.saved_model.save(trainer, str(tmp_path / "trainer"))
+    loaded = tf.saved_model.load(str(tmp_path / "trainer"))
+    assert np.isfinite(float(loaded.train(x, y.astype("int64"))))
