@@ -151,7 +151,8 @@ class _LoopSlots:
             raise RuntimeError(
                 "lab.watch records steps that run eagerly or in a `tf.function`; this step "
                 "runs in a TF1 graph (`tf.compat.v1`). Run it eagerly or in a `tf.function`.")
-        with top.as_default():
+        # Outside any TF1 control-flow context (a TPU replicate's): an input of the whole function.
+        with top.as_default(), tf.control_dependencies(None):
             return top.capture_call_time_value(self._running_offset, tf.TensorSpec([], tf.int32), key=self,
                                                default_value=np.int32(0))
 
