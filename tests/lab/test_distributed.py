@@ -152,6 +152,14 @@ def test_a_watched_loop_under_mirrored_strategy_records_what_one_device_records(
         np.testing.assert_allclose(w2, w1, rtol=1e-4, atol=1e-6)
 
 
+def test_a_watched_loop_nonfinite_on_one_replica_skips_the_update_on_every_replica(mirrored):
+    assert "fit_error" not in mirrored, mirrored["fit_error"]
+    loop = mirrored["loop_nonfinite"]
+    assert loop["hit"] == [2, "nonfinite", True]
+    assert loop["columns"]["updated"] == [1.0, 1.0, 0.0]
+    assert loop["iterations"] == 2 and loop["finite_weights"]
+
+
 def test_two_workers_on_localhost(tmp_path):
     ports = _free_ports(2)
     cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}

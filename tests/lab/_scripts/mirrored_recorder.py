@@ -110,7 +110,7 @@ def half_batches(x, y):
     return halves
 
 
-def watched_loop(strategy, x, y, compiled=True):
+def watched_loop(strategy, x, y, compiled=True, breakpoints=()):
     """The tf.distribute guide's custom loop (`strategy.run` inside a
     `tf.function`, or called eagerly) under `lab.watch`: its rows and weights."""
     import tensorflow as tf
@@ -135,14 +135,20 @@ def watched_loop(strategy, x, y, compiled=True):
     if compiled:
         train_step = tf.function(train_step)
     dataset = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(16))
-    with lab.watch(model, optimizer, weights=True, flush_every=3600) as run:
-        for batch in dataset:
-            run.step(loss=train_step(batch))
+    hit = None
+    try:
+        with lab.watch(model, optimizer, weights=not breakpoints, breakpoints=breakpoints, flush_every=3600) as run:
+            for batch in dataset:
+                run.step(loss=train_step(batch))
+    except lab.BreakpointHit as error:
+        hit = [error.step, error.breakpoint, error.skipped]
     frame = run.batches()
     columns = [c for c in frame.columns
                if c in ("loss", "updated") or c.startswith(("grad_norm", "weight_norm", "update_ratio"))]
     return {"columns": {c: frame[c].astype(float).tolist() for c in columns},
-            "weights": [w.tolist() for w in model.get_weights()]}
+            "weights": [w.tolist() for w in model.get_weights()], "hit": hit,
+            "iterations": int(optimizer.iterations.numpy()),
+            "finite_weights": all(bool(np.isfinite(w).all()) for w in model.get_weights())}
 
 
 def data():
@@ -174,6 +180,9 @@ def main():
             out["loop_one"] = watched_loop(lab.strategy("cpu"), x, y)
             out["loop_mirrored"] = watched_loop(mirrored, x, y)
             out["loop_mirrored_eager"] = watched_loop(mirrored, x, y, compiled=False)
+            bad = x.copy()
+            bad[40] = np.nan  # batch 2, the second replica's half
+            out["loop_nonfinite"] = watched_loop(mirrored, bad, y, breakpoints=[lab.breakpoints.nonfinite()])
         except Exception as error:  # noqa: BLE001 - reported, so the other checks still run
             out["fit_error"] = f"{type(error).__name__}: {error}"
         try:
