@@ -17,6 +17,7 @@ about 270 MB) plus the kept batches. Lower `history` to spend less.
 
 import collections
 import dataclasses
+import numbers
 import time
 import traceback as traceback_module
 
@@ -26,6 +27,7 @@ import pandas as pd
 import tensorflow as tf
 
 from lab import schema
+from lab.arguments import check_number
 from lab.feed import Feed, to_numpy
 from lab.hooks import CompiledState, hooks_for
 from lab.probes import find_optimizers, is_mean, leaf_metrics, variable_keys
@@ -156,8 +158,12 @@ class Stepper:
                 "The model is not compiled. Call model.compile(optimizer=..., loss=...) "
                 "before stepping it, as fit() would require."
             )
-        if int(history) < 1:
-            raise ValueError(f"history must be at least 1, got {history}.")
+        check_number("lab.Stepper", "history", history, numbers.Integral, lambda v: v >= 1,
+                     "a whole number of steps to keep for rewind, 1 or more", "16")
+        for argument, value in (("batch_size", batch_size), ("steps_per_epoch", steps_per_epoch)):
+            if value is not None:
+                check_number("lab.Stepper", argument, value, numbers.Integral, lambda v: v >= 1,
+                             "a whole number, 1 or more, or None", "32")
         _check_list_data(model, data)
         self.model = model
         self.feed = Feed(data, batch_size=batch_size, shuffle=shuffle, seed=seed,
@@ -241,8 +247,7 @@ class Stepper:
             StepTrace, the last step's (its `error` is set when it failed; the
             model is then as before that step, and the batch is next again).
         """
-        if int(n) < 1:
-            raise ValueError(f"step(n) needs n >= 1, got {n}.")
+        check_number("Stepper.step", "n", n, numbers.Integral, lambda v: v >= 1, "a whole number of steps, 1 or more", "1")
         trace = None
         for _ in range(int(n)):
             trace = self._step_once()
@@ -264,6 +269,8 @@ class Stepper:
         Returns:
             StepTrace, the last step's; `stepper.hit` says whether the condition held.
         """
+        check_number("Stepper.run_until", "max_steps", max_steps, numbers.Integral, lambda v: v >= 1,
+                     "a whole number of steps, 1 or more", "1000")
         conditions = list(condition) if isinstance(condition, (list, tuple)) else [condition]
         checks = [(c, trace_condition(c, self._breakpoint_variables)) for c in conditions]
         trace = None
@@ -305,9 +312,9 @@ class Stepper:
         Raises:
             ValueError: when fewer than `n` steps are kept.
         """
+        check_number("Stepper.rewind", "n", n, numbers.Integral, lambda v: v >= 1,
+                     "a whole number of steps, 1 or more", "1")
         n = int(n)
-        if n < 1:
-            raise ValueError(f"rewind(n) needs n >= 1, got {n}.")
         if not self._snapshots:
             raise ValueError("There is no step to rewind: step first (the history is kept from the first step).")
         if n > len(self._snapshots):

@@ -194,3 +194,23 @@ def test_a_stepper_given_a_list_for_a_one_input_model_says_so_at_construction():
     with pytest.raises(ValueError, match=r"Pass the arrays as a tuple"):
         lab.Stepper(model, [x, y])
     assert lab.Stepper(model, (x, y), batch_size=4).step().error is None
+
+
+@pytest.mark.parametrize("call, error, named", [
+    (lambda model, data: lab.Stepper(model, data, history=2.5), TypeError, r"lab.Stepper\(history=\.\.\.\)"),
+    (lambda model, data: lab.Stepper(model, data, history=0), ValueError, r"lab.Stepper\(history=\.\.\.\)"),
+    (lambda model, data: lab.Stepper(model, data, batch_size="8"), TypeError, r"lab.Stepper\(batch_size=\.\.\.\)"),
+    (lambda model, data: lab.Stepper(model, data, steps_per_epoch=0), ValueError,
+     r"lab.Stepper\(steps_per_epoch=\.\.\.\)"),
+    (lambda model, data: lab.Stepper(model, data, batch_size=8).step(1.5), TypeError, r"Stepper.step\(n=\.\.\.\)"),
+    (lambda model, data: lab.Stepper(model, data, batch_size=8).rewind(0), ValueError, r"Stepper.rewind\(n=\.\.\.\)"),
+    (lambda model, data: lab.Stepper(model, data, batch_size=8).run_until(lambda t: False, max_steps="5"),
+     TypeError, r"Stepper.run_until\(max_steps=\.\.\.\)"),
+])
+def test_the_stepper_refuses_numbers_it_would_have_truncated_or_misread(call, error, named):
+    # history=2.5 used to keep 2 steps and batch_size="8" to pass as 8; now each is named where given.
+    x, y = np.zeros((16, 4), "float32"), np.zeros((16, 1), "float32")
+    model = tiny_model()
+    with pytest.raises(error, match=named + r" must be .*\(e.g. "):
+        call(model, (x, y))
+    assert "train_step" not in vars(model)
