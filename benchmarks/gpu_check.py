@@ -1,4 +1,4 @@
-"""GPU check: discovery, a one-GPU strategy, a Recorder with gradients, eager vs graph vs XLA.
+"""GPU check: discovery, a one-GPU strategy, a Recorder with gradients, a watched loop, eager vs graph vs XLA.
 
 For a machine with a GPU; on one without, it says so and runs the same checks
 on the CPU, so the script itself stays exercised. Prints a short report and
@@ -21,7 +21,6 @@ import pandas as pd  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import lab  # noqa: E402
-from lab import modes  # noqa: E402
 from lab.devices import describe  # noqa: E402
 
 
@@ -79,6 +78,38 @@ def main():
                 f"{len(grads)} gradient columns, loss {batches['loss'].iloc[0]:.3f} -> "
                 f"{batches['loss'].iloc[-1]:.3f}")
 
+    def watched_loop():
+        # The row a traced step writes is an input from the host: on a GPU it
+        # must reach the scatter on the device; the norms must be the tape's.
+        keras.utils.set_random_seed(0)
+        model, optimizer = build_model(), keras.optimizers.SGD(0.05)
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+        @tf.function(jit_compile=False)
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(yb, model(xb, training=True))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        expected, worst = [], 0.0
+        with lab.watch(model, optimizer, capacity=4) as run:
+            for i in range(12):
+                xb, yb = x[64 * i:64 * (i + 1)].astype("float32"), y[64 * i:64 * (i + 1)]
+                with tf.GradientTape() as tape:
+                    loss = loss_fn(yb, model(xb, training=True))
+                expected.append([float(tf.norm(g)) for g in tape.gradient(loss, model.trainable_variables)])
+                run.step(loss=step(xb, yb))
+        frame = run.batches()
+        for norms, (_, row) in zip(expected, frame.iterrows()):
+            for variable, norm in zip(model.trainable_variables, norms):
+                worst = max(worst, abs(row[f"grad_norm/{variable.path}"] - norm) / norm)
+        if len(frame) != 12 or worst > 1e-4:
+            raise AssertionError(f"{len(frame)} rows; largest relative difference from the tape {worst:.2e}")
+        placed = sorted({run.probe._slots.vector.device.split("device:")[-1]})
+        return f"12 rows equal the tape's norms (largest relative difference {worst:.1e}); ring on {placed}"
+
     comparison = {}
 
     def timings():
@@ -88,6 +119,7 @@ def main():
         return f"{failed} mode(s) failed" if failed else "all modes ran"
 
     check(f"one-device strategy '{spec}' + Recorder(gradients=True)", results, one_device)
+    check("lab.watch on a tf.function loop", results, watched_loop)
     check("eager vs graph vs XLA", results, timings)
     if "frame" in comparison:
         columns = ["mode", "steps_per_execution", "trace_seconds", "step_ms", "speedup_vs_eager",
