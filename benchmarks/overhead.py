@@ -25,7 +25,8 @@ hand-written `tf.function` loop against the same loop unwatched
 
 At the end it holds the figures against the targets the lab aims for
 (`TARGETS`): a target is "met" when the 90% bootstrap interval of the ratio
-(rounds resampled) lies at or under it, "not met" when it lies over it, and
+(rounds resampled whole: each round's configuration and bare fit ran under
+the same load) lies at or under it, "not met" when it lies over it, and
 "noise" when the interval straddles it: this machine cannot tell.
 
 Usage:
@@ -229,12 +230,21 @@ def use_threads(count):
 def verdict(seconds, bare_seconds, limit, draws=4000, seed=0):
     """Whether median(seconds) / median(bare_seconds) is at most `limit`, as
     far as these rounds can tell: (verdict, low, high), with (low, high) the
-    ratio's 90% bootstrap interval (each list resampled on its own) and the
-    verdict "met" (high <= limit), "not met" (low > limit) or "noise"."""
+    ratio's 90% bootstrap interval and the verdict "met" (high <= limit),
+    "not met" (low > limit) or "noise".
+
+    Round i of `seconds` and of `bare_seconds` ran in the same round, under
+    the same load, so rounds are drawn whole: a slow round slows both, and
+    the interval holds only the noise that does not cancel. Lists of other
+    lengths are drawn each on its own."""
     draw = np.random.default_rng(seed)
     watched, bare = np.asarray(seconds, float), np.asarray(bare_seconds, float)
-    ratios = (np.median(draw.choice(watched, (draws, len(watched))), axis=1)
-              / np.median(draw.choice(bare, (draws, len(bare))), axis=1))
+    if len(watched) == len(bare):
+        picks = draw.integers(0, len(bare), (draws, len(bare)))
+        ratios = np.median(watched[picks], axis=1) / np.median(bare[picks], axis=1)
+    else:
+        ratios = (np.median(draw.choice(watched, (draws, len(watched))), axis=1)
+                  / np.median(draw.choice(bare, (draws, len(bare))), axis=1))
     low, high = np.quantile(ratios, [0.05, 0.95])
     found = "met" if high <= limit else "not met" if low > limit else "noise"
     return found, float(low), float(high)

@@ -31,6 +31,18 @@ def test_a_target_is_met_missed_or_left_to_noise_by_the_ratio_interval(overhead)
     assert found == "noise" and low < 1.05 < high
 
 
+def test_a_load_shared_by_a_round_cancels_out_of_the_interval(overhead):
+    # Each round slowed as a whole by up to 40% (another tenant), the watched
+    # fit always 10% slower than bare fit in its round: 1.10 misses 1.05.
+    load = 1 + np.random.default_rng(2).uniform(0, 0.4, 9)
+    bare = load * (1 + np.random.default_rng(3).uniform(-0.01, 0.01, 9))
+    watched = 1.10 * load * (1 + np.random.default_rng(4).uniform(-0.01, 0.01, 9))
+    found, low, high = overhead.verdict(list(watched), list(bare), 1.05)
+    assert found == "not met" and 1.05 < low <= 1.10 <= high < 1.15
+    # Rounds of different counts cannot be paired: each is drawn on its own.
+    assert overhead.verdict(list(watched), list(bare[:8]), 1.05)[0] == "noise"
+
+
 def test_every_target_of_the_report_gets_a_row(overhead):
     def result(ratios):
         bare = rounds(1.0, 0.01, seed=1)
