@@ -36,6 +36,8 @@ _SPARE_SLOTS_UNBUILT = 256
 _RING_SLOTS = 2 ** 24
 # Steps the device ring keeps between reads, at least (watch's default capacity).
 _RING_STEPS = 1024
+# Rows whose start is kept as a tensor for the next calls (made again past these: about 3 us).
+_KEPT_OFFSETS = 4 * _RING_STEPS
 # optimizer -> the loop probes that watch it (an optimizer may serve several models).
 _WATCHED_OPTIMIZERS = weakref.WeakKeyDictionary()
 # Traces of one tf.function after which the lab says why it keeps tracing.
@@ -109,7 +111,7 @@ class _LoopSlots:
         self.rows = max(2, min(rows, _RING_SLOTS // self.width))
         self.vector = make_variable("lab_loop_rows", self._reset_rows(self.rows))
         self.position = 0
-        self._offsets = {}  # row -> its start as an int32 tensor, made once
+        self._offsets = {}  # row -> its start as an int32 tensor, made once (the first _KEPT_OFFSETS rows)
         self._row_indices = {}
         self.active = make_variable("lab_loop_active", 0.0)
         self.hold = make_variable("lab_hold", 0.0)
@@ -160,7 +162,9 @@ class _LoopSlots:
         offset = self._offsets.get(self.position)
         if offset is None:
             with tf.init_scope():
-                offset = self._offsets[self.position] = tf.constant(self.position * self.width, tf.int32)
+                offset = tf.constant(self.position * self.width, tf.int32)
+            if len(self._offsets) < _KEPT_OFFSETS:  # a ring of a million rows keeps no million tensors
+                self._offsets[self.position] = offset
         return offset
 
     def row(self, position):

@@ -543,3 +543,23 @@ def test_a_module_whose_step_was_traced_while_watching_saves_and_loads(digits, t
     tf.saved_model.save(trainer, str(tmp_path / "trainer"))
     loaded = tf.saved_model.load(str(tmp_path / "trainer"))
     assert np.isfinite(float(loaded.train(x, y.astype("int64"))))
+
+
+def test_a_ring_past_the_kept_row_starts_still_writes_each_step_in_its_own_row(digits, monkeypatch):
+    # Row starts beyond the first few thousand are made at each call, not kept.
+    from lab import loop_probe
+
+    monkeypatch.setattr(loop_probe, "_KEPT_OFFSETS", 2)
+    model, optimizer = make_mlp(), keras.optimizers.SGD(0.05)
+    step = make_step(model, optimizer, "graph")
+    expected = []
+    with lab.watch(model, optimizer, flush_every=3600) as run:
+        for x, y in batches(*digits, 4) * 2:
+            expected.append(tape_norms(model, x, y)[1])
+            run.step(loss=step(x, y))
+        assert len(run.probe._slots._offsets) == 2
+    frame = run.batches()
+    assert len(frame) == 8 and (frame["updated"] == 1).all()
+    for norms, (_, row) in zip(expected, frame.iterrows()):
+        for path, norm in norms.items():
+            np.testing.assert_allclose(row[f"grad_norm/{path}"], norm, rtol=1e-4)
