@@ -83,7 +83,7 @@ class _LoopState(StepState):
         return True
 
 
-class _SharedState(threading.local):
+class _ThreadState(threading.local):
     """Stands in for the Probe's per-thread step state: always present, one
     per thread (each replica of a strategy traces in its own thread)."""
 
@@ -111,7 +111,7 @@ class _LoopSlots:
         self.rows = max(2, min(rows, _RING_SLOTS // self.width))
         self.vector = make_variable("lab_loop_rows", self._reset_rows(self.rows))
         self.position = 0
-        self._offsets = {}  # row -> its start as an int32 tensor, made once (the first _KEPT_OFFSETS rows)
+        self._starts = {}  # row -> its start as an int32 tensor, made once (the first _KEPT_OFFSETS rows)
         self._row_indices = {}
         self.active = make_variable("lab_loop_active", 0.0)
         self.hold = make_variable("lab_hold", 0.0)
@@ -159,12 +159,12 @@ class _LoopSlots:
                                                default_value=np.int32(0))
 
     def _running_offset(self):
-        offset = self._offsets.get(self.position)
+        offset = self._starts.get(self.position)
         if offset is None:
             with tf.init_scope():
                 offset = tf.constant(self.position * self.width, tf.int32)
-            if len(self._offsets) < _KEPT_OFFSETS:  # a ring of a million rows keeps no million tensors
-                self._offsets[self.position] = offset
+            if len(self._starts) < _KEPT_OFFSETS:  # a ring of a million rows keeps no million tensors
+                self._starts[self.position] = offset
         return offset
 
     def row(self, position):
@@ -210,11 +210,10 @@ class LoopProbe(Probe):
         super().__init__(model, gradients=gradients, weights=weights, breakpoints=breakpoints,
                          capacity=capacity)
         self.optimizers = dict(optimizers)
-        self._local = _SharedState()
+        self._local = _ThreadState()
         self._writes = threading.local()
         self._slots = None
         self._frozen = None
-        self._offsets = weakref.WeakKeyDictionary()  # graph -> the running row's start, its input
         self._traces = {}
         self._warned = set()
         self.warnings = []  # (message, step) the run turns into events
@@ -340,11 +339,8 @@ class LoopProbe(Probe):
         slots = self._slots
         if tf.executing_eagerly():
             return slots.position * slots.width
-        graph = tf.compat.v1.get_default_graph()
-        offset = self._offsets.get(graph)
-        if offset is None:
-            offset = self._offsets[graph] = slots.offset_in(graph)
-        return offset
+        # One input per function: offset_in gives the same one again (keyed by the ring).
+        return slots.offset_in(tf.compat.v1.get_default_graph())
 
     def _scatter(self, items):
         """Writes `items` to the running row. Under several replicas, one write

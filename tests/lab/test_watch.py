@@ -557,7 +557,7 @@ def test_a_ring_past_the_kept_row_starts_still_writes_each_step_in_its_own_row(d
         for x, y in batches(*digits, 4) * 2:
             expected.append(tape_norms(model, x, y)[1])
             run.step(loss=step(x, y))
-        assert len(run.probe._slots._offsets) == 2
+        assert len(run.probe._slots._starts) == 2
     frame = run.batches()
     assert len(frame) == 8 and (frame["updated"] == 1).all()
     for norms, (_, row) in zip(expected, frame.iterrows()):
