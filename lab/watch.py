@@ -106,6 +106,10 @@ class WatchedRun(StatusReporter, Run):
         self._last = time.perf_counter()
         self._last_flush = time.monotonic()
         self._flush_lock = threading.Lock()
+        # Closing a step (its ring row and its entry in _pending) and taking
+        # the closed steps are atomic with each other: a reader in another
+        # thread never splits a step.
+        self._rows_lock = threading.Lock()
         self._given = None
         self._iterations = None
         self._constant_checked = False
@@ -159,11 +163,12 @@ class WatchedRun(StatusReporter, Run):
                 f"run.step got {new} after the first step, which set the columns "
                 f"{self._given}: they are not recorded. Pass every value from the first step "
                 "on (or a new `lab.watch` block)."), RuntimeWarning)
-        taken = self.probe.take()
-        index = self._steps
-        self._steps += 1
-        self.probe.steps_seen = self._steps
-        self._pending.append((host, seconds, values, taken))
+        with self._rows_lock:
+            taken = self.probe.take()
+            index = self._steps
+            self._steps += 1
+            self.probe.steps_seen = self._steps
+            self._pending.append((host, seconds, values, taken))
         if self.probe.warnings:
             self._note_warnings()
         if self.probe.breakpoints:
@@ -204,9 +209,12 @@ class WatchedRun(StatusReporter, Run):
             return 0  # a subscriber reading the run while rows are being moved
         try:
             self._last_flush = time.monotonic()
-            pending, self._pending = self._pending, []
-            if not pending:
-                return 0
+            with self._rows_lock:
+                pending, self._pending = self._pending, []
+                if not pending:
+                    return 0
+                # Read with the steps taken: a step closed after them has its updates in their rows.
+                counts = self._update_counts()
             columns = {"seconds": np.array([p[1] for p in pending])}
             for key in _HOST_COLUMNS:
                 if any(key in p[0] for p in pending):
@@ -215,7 +223,7 @@ class WatchedRun(StatusReporter, Run):
                 columns[name] = _to_numpy([p[2][position] for p in pending])
             rows = self.probe.row_columns(self.probe.read_rows([p[3] for p in pending]))
             columns.update(rows)
-            self._check_unseen_updates(rows)
+            self._check_unseen_updates(rows, counts)
             self.append_batches(columns)
             self._check_constant_metrics()
             return len(pending)
@@ -255,12 +263,21 @@ class WatchedRun(StatusReporter, Run):
             message, step = self.probe.warnings.pop(0)
             self.add_event("warning", message, step=step)
 
-    def _check_unseen_updates(self, rows):
+    def _update_counts(self):
+        """Per optimizer: (its iterations, the updates in the running row).
+
+        In this order: an update landing between the two reads is counted
+        as waiting, never as unseen."""
+        counts = {}
         for name, optimizer in self.probe.optimizers.items():
             iterations = int(optimizer.iterations.numpy())
+            counts[name] = (iterations, int(self.probe.waiting_updates(name)))
+        return counts
+
+    def _check_unseen_updates(self, rows, counts):
+        for name, (iterations, waiting) in counts.items():
             seen = int(np.nansum(rows[f"_updates/{name}"]))
-            # Updates since the last run.step(...) belong to the next rows.
-            waiting = int(self.probe.waiting_updates(name))
+            # Updates since the last run.step(...) belong to the next rows (waiting).
             # Steps that ran in graphs without hooks advance `iterations` only.
             unseen = iterations - self._iterations[name] - seen - waiting
             self._iterations[name] = iterations - waiting

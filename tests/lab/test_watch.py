@@ -563,3 +563,40 @@ def test_a_ring_past_the_kept_row_starts_still_writes_each_step_in_its_own_row(d
     for norms, (_, row) in zip(expected, frame.iterrows()):
         for path, norm in norms.items():
             np.testing.assert_allclose(row[f"grad_norm/{path}"], norm, rtol=1e-4)
+
+
+def test_a_step_closed_while_another_thread_reads_the_run_is_kept(digits):
+    # A widget reading a watched loop from its own thread: the loop's thread
+    # may be between taking its row and listing it when the read starts.
+    import threading
+
+    model, optimizer = make_mlp(), keras.optimizers.SGD(0.05)
+    step = make_step(model, optimizer, "graph")
+    (x, y), (x2, y2) = batches(*digits, 2)
+    listing, go_on = threading.Event(), threading.Event()
+    with lab.watch(model, optimizer, flush_every=3600) as run:
+        run.step(loss=step(x, y))
+
+        class Held(type(run._pending)):
+            """Holds the loop's thread between fetching the list and adding to it."""
+
+            def append(self, item):
+                listing.set()
+                go_on.wait(10)
+                super().append(item)
+
+        run._pending = Held(run._pending)
+        loss = step(x2, y2)
+        closing = threading.Thread(target=run.step, kwargs={"loss": loss})
+        closing.start()
+        assert listing.wait(10)
+        reader = threading.Thread(target=run.flush)
+        reader.start()
+        reader.join(0.5)  # the read runs now, or waits for the step to be closed
+        go_on.set()
+        closing.join(10)
+        reader.join(10)
+        assert len(run.batches()) == 2
+    frame = run.batches()
+    assert frame["step"].tolist() == [0, 1] and (frame["updated"] == 1).all()
+    assert (run.events()["kind"] != "warning").all()
