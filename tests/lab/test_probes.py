@@ -115,6 +115,26 @@ class TwoOptimizerGAN(keras.Model):
         return {"d_loss": self.d_loss_tracker.result(), "g_loss": self.g_loss_tracker.result()}
 
 
+@pytest.mark.parametrize("mode", ["graph", "xla"])
+def test_weights_of_a_model_with_large_layers_are_recorded_under_xla(digits, mode):
+    # Three Dense layers of 64-256-256-10: 18 norms in one update. Under XLA
+    # the overflow branch's segment ids once had a bounded size that failed
+    # to compile, and fit() raised at its first step.
+    x, y = digits
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256, activation="relu"),
+                              keras.layers.Dense(256, activation="relu"), keras.layers.Dense(10)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=LOSS, jit_compile=mode == "xla")
+    grads = tape_gradients(model, x[:BATCH], y[:BATCH])
+    row, _ = first_row(model, x, y, weights=True)
+    assert row["mode"] == mode
+    for variable in model.trainable_variables:
+        after = np.linalg.norm(variable.numpy())
+        np.testing.assert_allclose(row[f"grad_norm/{variable.path}"], grads[variable.path], rtol=1e-4)
+        np.testing.assert_allclose(row[f"weight_norm/{variable.path}"], after, rtol=1e-4)
+        np.testing.assert_allclose(row[f"update_ratio/{variable.path}"], 0.1 * grads[variable.path] / after, rtol=1e-3)
+
+
 def test_a_gan_with_two_optimizers_gets_rows_for_both(digits):
     x, _ = digits
     keras.utils.set_random_seed(3)
