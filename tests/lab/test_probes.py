@@ -121,13 +121,21 @@ def test_weights_of_a_model_with_large_layers_are_recorded_under_xla(digits, mod
     # the overflow branch's segment ids once had a bounded size that failed
     # to compile, and fit() raised at its first step.
     x, y = digits
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256, activation="relu"),
-                              keras.layers.Dense(256, activation="relu"), keras.layers.Dense(10)])
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=LOSS, jit_compile=mode == "xla")
+
+    def make():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256, activation="relu"),
+                                  keras.layers.Dense(256, activation="relu"), keras.layers.Dense(10)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=LOSS, jit_compile=mode == "xla")
+        return model
+
+    bare, model = make(), make()
+    bare.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, verbose=0)
     grads = tape_gradients(model, x[:BATCH], y[:BATCH])
     row, _ = first_row(model, x, y, weights=True)
     assert row["mode"] == mode
+    for watched, plain in zip(model.weights, bare.weights):  # and the training is the bare one
+        np.testing.assert_array_equal(watched.numpy(), plain.numpy())
     for variable in model.trainable_variables:
         after = np.linalg.norm(variable.numpy())
         np.testing.assert_allclose(row[f"grad_norm/{variable.path}"], grads[variable.path], rtol=1e-4)
