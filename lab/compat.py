@@ -97,3 +97,40 @@ def tracing_tf_function(describe=repr, depth=2):
             return owner, {name: describe(value) for name, value in arguments.items()}
         frame = frame.f_back
     return None
+
+
+# TensorFlow's XLA optimization barrier (`XlaOptimizationBarrier`, in
+# `tensorflow/compiler/tf2xla/ops` since TF 2.9, not in tf.raw_ops) and its
+# test for an XLA trace (`control_flow_util.GraphOrParentsInXlaContext`: a
+# `jit_compile` function and what is traced inside it).
+from tensorflow.compiler.tf2xla.ops.gen_xla_ops import xla_optimization_barrier as _xla_barrier  # noqa: E402
+from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext as _in_xla_context  # noqa: E402
+
+
+def in_xla_trace():
+    """Whether the code running is being traced into an XLA program."""
+    return not tf.executing_eagerly() and bool(_in_xla_context(tf.compat.v1.get_default_graph()))
+
+
+def isolated(tensors):
+    """`tensors` (None entries kept) as the lab's own computations must read
+    them: inside an XLA trace, through one optimization barrier; elsewhere
+    as they are.
+
+    XLA compiles the training step and the lab's reads of it into one
+    program. Without a barrier it may merge the lab's `g * g` (a norm) with
+    the optimizer's (Adam's second moment), or fuse them, and then round the
+    optimizer's own computation differently: a GAN's weights came out an
+    ulp apart from a bare fit. The barrier's outputs are the same values;
+    nothing before it can be fused with, or merged into, what reads them.
+    """
+    tensors = list(tensors)
+    if not in_xla_trace():
+        return tensors
+    present = [i for i, t in enumerate(tensors) if t is not None]
+    if not present:
+        return tensors
+    passed = _xla_barrier([tf.convert_to_tensor(tensors[i]) for i in present])
+    for i, tensor in zip(present, passed):
+        tensors[i] = tensor
+    return tensors

@@ -35,8 +35,14 @@ import tensorflow as tf
 from lab import schema
 from lab.buffer import StepBuffer
 from lab.compat import SCALES_LOSS_BY_REPLICAS as KERAS_SCALES_LOSS
-from lab.compat import unscale_loss_for_distribution
+from lab.compat import in_xla_trace, isolated, unscale_loss_for_distribution
 from lab.hooks import hooks_for
+
+XLA_NOTE = (
+    "This step is compiled by XLA with the lab's reads in the same program: XLA may "
+    "round the step's own computations differently than without them, so weights can "
+    "differ from a fit without the lab by float rounding. Compile with jit_compile=False "
+    "for training bit for bit as without the lab.")
 
 ALREADY_WATCHED = (
     "This model is already watched by another lab Recorder or Dashboard. "
@@ -409,6 +415,7 @@ class Probe:
         self._hold = None
         self.running_columns = set()  # logged values that are Keras' running ones
         self.record_errors = []  # why steps could not be recorded (the lab's own failures)
+        self.traced_in_xla = False  # a step with these hooks was compiled by XLA (see XLA_NOTE)
         self.busy = lambda: False  # the owner's "training right now", for the layer's claim
         self._hooks = hooks_for(model)
         self._nonfinite_index = next((i for i, b in enumerate(self.breakpoints) if b.name == "nonfinite"), None)
@@ -565,7 +572,7 @@ class Probe:
                 state.batch_gradients = True
                 pairs = [(variable, grad) for variable, grad in zip(trainable_variables, grads) if grad is not None]
                 if pairs:
-                    norms = norms_of([grad for _, grad in pairs])
+                    norms = norms_of(isolated([grad for _, grad in pairs]))
                     probe._emit_vector(state, [f"grad_norm/{probe._key(variable)}" for variable, _ in pairs],
                                        norms, combine=_hypot)
                     probe._emit(state, "_batch_grad_norm", global_norm(norms), combine=_hypot)
@@ -615,8 +622,8 @@ class Probe:
                 saved = [tf.convert_to_tensor(v.value) for v in watched]  # reads are snapshots
                 with tf.control_dependencies(saved):
                     original(grads, trainable_variables)
-                finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(v.value)) for v in watched
-                                        if v.dtype in ("float16", "bfloat16", "float32", "float64")])
+                finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(v)) for v in isolated(
+                    v.value for v in watched if v.dtype in ("float16", "bfloat16", "float32", "float64"))])
 
                 def put_back():
                     for variable, value in zip(watched, saved):
@@ -678,7 +685,7 @@ class Probe:
             return
         local = [g for g in grads if g is not None]
         if local:
-            self._emit(state, "_local_grad_norm", global_norm(norms_of(local)), combine=_hypot)
+            self._emit(state, "_local_grad_norm", global_norm(norms_of(isolated(local))), combine=_hypot)
 
     def _with_state(self, state, function, *args):
         self._local.state = state
@@ -698,10 +705,11 @@ class Probe:
         """Evaluates the device breakpoints; returns whether to skip this update."""
         hold = self._hold_variable()
         loss = None
-        if state.loss is not None:
-            loss = tf.reduce_mean(tf.cast(unscale_loss_for_distribution(tf.convert_to_tensor(state.loss)), tf.float32))
+        read = isolated([state.loss] + [g for g in grads if g is not None])
+        applied = read[1:]
+        if read[0] is not None:
+            loss = tf.reduce_mean(tf.cast(unscale_loss_for_distribution(read[0]), tf.float32))
             loss = _all_reduce(loss, "MEAN")
-        applied = [g for g in grads if g is not None]
         hit_index = tf.constant(0.0)
         for index in reversed(range(len(self.breakpoints))):
             flag = tf.cast(self.breakpoints[index].check(loss, applied, self._make_variable), tf.float32)
@@ -785,6 +793,7 @@ class Probe:
             state.values[name] = Part(vector, i)
 
     def _emit_update(self, state, name, variables, grads, learning_rate, before):
+        self.traced_in_xla = self.traced_in_xla or in_xla_trace()
         if name not in state.optimizers:
             state.optimizers.append(name)
         self._emit(state, f"_lr/{name}", learning_rate)
@@ -800,9 +809,13 @@ class Probe:
         tensors = [grads[i] for i in present]
         if self.weights and variables:
             values = [tf.convert_to_tensor(v.value) for v in variables]
-            tensors += values
+            read = isolated(tensors + values + list(before or []))
+            tensors = read[:len(present) + len(values)]
             if before is not None:
-                tensors += [tf.cast(v, tf.float32) - tf.cast(b, tf.float32) for v, b in zip(values, before)]
+                after, earlier = read[len(present):len(tensors)], read[len(tensors):]
+                tensors += [tf.cast(v, tf.float32) - tf.cast(b, tf.float32) for v, b in zip(after, earlier)]
+        else:
+            tensors = isolated(tensors)
         if not tensors:
             return
         norms = norms_of(tensors)
@@ -833,8 +846,9 @@ class Probe:
         return leaf_metrics(self.model).get("loss") if _keras_defines(type(self.model), "train_step") else None
 
     def _metric_delta(self, metric, before):
-        total = _all_reduce(tf.cast(tf.convert_to_tensor(metric.total.value) - before[0], tf.float32), "SUM")
-        count = _all_reduce(tf.cast(tf.convert_to_tensor(metric.count.value) - before[1], tf.float32), "SUM")
+        total, count, total_before, count_before = isolated([metric.total.value, metric.count.value, *before])
+        total = _all_reduce(tf.cast(total - total_before, tf.float32), "SUM")
+        count = _all_reduce(tf.cast(count - count_before, tf.float32), "SUM")
         # A metric the step did not update has no value for this batch (not 0).
         return tf.where(count > 0, tf.math.divide_no_nan(total, count), np.float32(np.nan))
 
@@ -848,6 +862,7 @@ class Probe:
         return by_name.get(key)
 
     def _record(self, state, totals, logs, batch_size):
+        self.traced_in_xla = self.traced_in_xla or in_xla_trace()
         values = {"_batch_size": _all_reduce(batch_size, "SUM")}
         by_name = leaf_metrics(self.model)
         tracker = by_name.get("loss")
@@ -856,7 +871,7 @@ class Probe:
             tracker_loss = self._metric_delta(tracker, totals[id(tracker)])
         logged = dict(_flat_logs(logs))
         if state.loss is not None:
-            loss = tf.cast(unscale_loss_for_distribution(tf.convert_to_tensor(state.loss)), tf.float32)
+            loss = tf.cast(unscale_loss_for_distribution(isolated([state.loss])[0]), tf.float32)
             values["loss"] = _all_reduce(loss if loss.shape.rank == 0 else tf.reduce_mean(loss), "MEAN")
             if tracker_loss is not None:
                 values["_tracker_loss"] = tracker_loss
@@ -875,7 +890,7 @@ class Probe:
             if metric is not None:
                 # Not a mean: its batch value cannot be read off its state.
                 self.running_columns.add(key)
-            values[key] = _all_reduce(tf.cast(tensor, tf.float32), "MEAN")
+            values[key] = _all_reduce(tf.cast(isolated([tensor])[0], tf.float32), "MEAN")
         produced = dict(state.values)
         for key, (slot, reset, combine) in state.slotted.items():
             read = tf.identity(slot.read_value())
@@ -925,7 +940,7 @@ class Probe:
             return
         replicas = ctx.num_replicas_in_sync
         if state.loss is not None:
-            local = tf.reduce_mean(tf.cast(unscale_loss_for_distribution(tf.convert_to_tensor(state.loss)), tf.float32))
+            local = tf.reduce_mean(tf.cast(unscale_loss_for_distribution(isolated([state.loss])[0]), tf.float32))
             losses = ctx.all_gather(tf.reshape(local, [1]), axis=0)
             for index in range(replicas):
                 values[f"loss/replica_{index}"] = losses[index]

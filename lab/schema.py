@@ -36,6 +36,7 @@ PER_VARIABLE_PREFIXES = (GRAD_NORM_PREFIX, WEIGHT_NORM_PREFIX, UPDATE_RATIO_PREF
 BATCH = "batch"
 RUNNING = "running"
 RUNNING_VALUES = "running_values"  # run.metadata key: columns holding running values
+XLA_TRACED = "traced_in_xla"  # run.metadata key: XLA compiled the lab's reads with the step (probes.XLA_NOTE)
 
 # Columns starting with "_" are the probe's bookkeeping, never shown or saved.
 INTERNAL = "_"

@@ -998,6 +998,46 @@ def test_fit_weights_optimizer_and_history_are_unchanged(name):
     check_history(t)
 
 
+
+# Keras' jit_compile="auto" is XLA on a machine with a GPU. The guides whose
+# bare fit() gives the same weights twice under XLA (the others draw unseeded
+# XLA random numbers), with gradients and weights recorded (and nonfinite).
+XLA_GUIDES = ("custom_fit/GAN", "custom_fit/CustomModel_low_level", "built_in/multi_input_multi_output",
+              "mixed_precision")
+
+
+# TensorFlow 2.16's XLA fuses the float16 model's bias-gradient reductions
+# differently once the lab reads the gradients (the barrier in
+# `lab.compat.isolated` cannot stop that; 2.21's does not): its weights come
+# out up to 1e-9 apart. The run says so (`lab.probes.XLA_NOTE`).
+TF_216_REFUSES = pytest.mark.xfail(tuple(int(p) for p in tf.__version__.split(".")[:2]) == (2, 16), strict=True,
+                                   reason="TF 2.16's XLA rounds a float16 step differently when its gradients are read")
+
+
+def _xla_param(name, nonfinite):
+    return pytest.param(name, nonfinite, marks=TF_216_REFUSES) if name == "mixed_precision" else (name, nonfinite)
+
+
+@pytest.mark.parametrize(("name", "nonfinite"), [_xla_param(name, False) for name in XLA_GUIDES]
+                         + [_xla_param("custom_fit/GAN", True), _xla_param("mixed_precision", True)])
+def test_under_xla_fit_weights_optimizer_and_history_are_unchanged(name, nonfinite, monkeypatch):
+    compile_ = keras.Model.compile
+
+    def compile_with_xla(model, *args, **kwargs):
+        return compile_(model, *args, **{**kwargs, "jit_compile": True})
+
+    monkeypatch.setattr(keras.Model, "compile", compile_with_xla)
+    guide = GUIDES[name]
+    args, kwargs, _, _, _ = guide.data()
+    recorder = lab.Recorder(gradients=True, weights=True,
+                            breakpoints=[lab.breakpoints.nonfinite()] if nonfinite else ())
+    t = fit_three(guide.make, *args, oracle=False, recorder=recorder, **kwargs)
+    assert t.lab.jit_compile is True and (t.rows["mode"] == "xla").all()
+    check_weights(t)
+    check_optimizer(t)
+    check_history(t)
+    assert t.rows["grad_norm"].notna().all() and t.rows.filter(like="weight_norm/").notna().all().all()
+
 @pytest.mark.parametrize("name", params("rows"))
 def test_rows_hold_each_batch_own_values(name):
     guide, t = GUIDES[name], runs_of(name)

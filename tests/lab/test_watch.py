@@ -71,6 +71,8 @@ def test_rows_hold_the_gradients_the_tape_gives_on_the_same_batch(digits, mode):
     np.testing.assert_allclose(frame["learning_rate"], 0.05)
     assert (frame["seen"] == BATCH).all()
     assert "apply" not in vars(optimizer) and "_backend_update_step" not in vars(optimizer)
+    # An XLA step has the lab's reads compiled in: the run says so, once.
+    assert sum("XLA" in d for d in run.events()["detail"]) == (1 if mode == "xla" else 0)
 
 
 def test_several_optimizers_are_named_by_keyword_and_each_reports_its_own_variables(digits):
