@@ -13,6 +13,17 @@ import sys
 import keras
 import tensorflow as tf
 
+# TensorFlow's XLA optimization barrier (`XlaOptimizationBarrier`, in
+# `tensorflow/compiler/tf2xla/ops` since TF 2.9, not in tf.raw_ops) and its
+# test for an XLA trace (`control_flow_util.GraphOrParentsInXlaContext`: a
+# `jit_compile` function and what is traced inside it); both in TF 2.16 and 2.21.
+from tensorflow.compiler.tf2xla.ops.gen_xla_ops import (
+    xla_optimization_barrier as _xla_barrier,
+)
+from tensorflow.python.ops.control_flow_util import (
+    GraphOrParentsInXlaContext as _in_xla_context,
+)
+
 
 def _version(text):
     """(major, minor, patch) from a version string; "3.10.0rc1" -> (3, 10, 0)."""
@@ -97,14 +108,6 @@ def tracing_tf_function(describe=repr, depth=2):
             return owner, {name: describe(value) for name, value in arguments.items()}
         frame = frame.f_back
     return None
-
-
-# TensorFlow's XLA optimization barrier (`XlaOptimizationBarrier`, in
-# `tensorflow/compiler/tf2xla/ops` since TF 2.9, not in tf.raw_ops) and its
-# test for an XLA trace (`control_flow_util.GraphOrParentsInXlaContext`: a
-# `jit_compile` function and what is traced inside it).
-from tensorflow.compiler.tf2xla.ops.gen_xla_ops import xla_optimization_barrier as _xla_barrier  # noqa: E402
-from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext as _in_xla_context  # noqa: E402
 
 
 def in_xla_trace():
