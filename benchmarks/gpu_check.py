@@ -1,4 +1,4 @@
-"""GPU check: discovery, a one-GPU strategy, a Recorder with gradients, a watched loop, eager vs graph vs XLA.
+"""GPU check: discovery, a one-GPU strategy, a Recorder with gradients, training unchanged by the lab, a watched loop, eager vs graph vs XLA.
 
 For a machine with a GPU; on one without, it says so and runs the same checks
 on the CPU, so the script itself stays exercised. Prints a short report and
@@ -103,6 +103,22 @@ def main():
         placed = sorted({run.probe._slots.vector.device.split("device:")[-1]})
         return f"12 rows equal the tape's norms (largest relative difference {worst:.1e}); ring on {placed}"
 
+    def unchanged():
+        # Keras' jit_compile="auto" is XLA where there is a GPU: the step and
+        # the lab's reads are one XLA program. The weights must still be a
+        # bare fit's, and the run must say that XLA compiled its step.
+        bare, watched = build_model(), build_model()
+        bare.fit(x, y, batch_size=64, epochs=2, verbose=0, shuffle=False)
+        recorder = lab.Recorder(gradients=True, weights=True)
+        watched.fit(x, y, batch_size=64, epochs=2, verbose=0, shuffle=False, callbacks=[recorder])
+        differ = [w.path for w, b in zip(watched.weights, bare.weights)
+                  if not np.array_equal(w.numpy(), b.numpy())]
+        noted = any("XLA" in d for d in recorder.run.events()["detail"])
+        if differ or noted != bool(watched.jit_compile):
+            raise AssertionError(f"jit_compile={watched.jit_compile}; weights that differ from a bare fit: "
+                                 f"{differ}; XLA note in the run: {noted}")
+        return f"jit_compile={watched.jit_compile}: every weight equals the bare fit's; XLA note: {noted}"
+
     comparison = {}
 
     def timings():
@@ -112,6 +128,7 @@ def main():
         return f"{failed} mode(s) failed" if failed else "all modes ran"
 
     check(f"one-device strategy '{spec}' + Recorder(gradients=True)", results, one_device)
+    check("Recorder(gradients=True, weights=True) leaves training as a bare fit's", results, unchanged)
     check("lab.watch on a tf.function loop", results, watched_loop)
     check("eager vs graph vs XLA", results, timings)
     if "frame" in comparison:
