@@ -71,12 +71,36 @@ def norms_of(tensors):
                    lambda: _scaled_norms(tensors))
 
 
+# The most elements `_scaled_norms` concatenates at once (64 MiB of float32).
+_CHUNK_ELEMENTS = 2**24
+
+
 def _scaled_norms(tensors):
-    """`scaled_norm` of each tensor, in a dozen ops whatever their number.
+    """`scaled_norm` of each tensor, in a dozen ops per chunk of tensors.
 
     This is the rare branch of `norms_of`, but a graph runs every node of the
     branch not taken as dead; a per-tensor computation here cost more than
-    the norms themselves (60 us a step for 50 variables on a CPU)."""
+    the norms themselves (60 us a step for 50 variables on a CPU). Its
+    concatenation and segment ids are as large as the tensors together, so
+    they go in chunks of at most `_CHUNK_ELEMENTS` (a tensor larger than
+    that is a chunk of its own): a large model's gradients, weights and
+    updates are never copied at once (and under XLA, whose memory plan for
+    the step may count the branch's buffers whether or not it runs, that
+    plan grows by a chunk, not by the model)."""
+    static = [t.shape.num_elements() for t in tensors]
+    if None in static or sum(static) <= _CHUNK_ELEMENTS:
+        return _scaled_norms_together(tensors)
+    chunks, size = [[]], 0
+    for tensor, elements in zip(tensors, static):
+        if chunks[-1] and size + elements > _CHUNK_ELEMENTS:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(tensor)
+        size += elements
+    return tf.concat([_scaled_norms_together(chunk) for chunk in chunks], axis=0)
+
+
+def _scaled_norms_together(tensors):
     count = len(tensors)
     flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], axis=0)
     segments = _segment_ids([t.shape.num_elements() for t in tensors], tensors)

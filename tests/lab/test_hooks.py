@@ -477,10 +477,14 @@ def test_norms_of_overflow_branch_matches_each_tensors_scaled_norm(compiled):
     assert got[0] == np.float32(5e20) and got[2] == 0.0 and got[4] == np.inf
 
 
+@pytest.mark.parametrize("chunk", [None, 70000], ids=["together", "in-chunks"])
 @pytest.mark.parametrize("mode", ["static", "dynamic", "xla"])
-def test_the_overflow_branch_of_many_large_tensors_gives_each_its_norm(mode):
+def test_the_overflow_branch_of_many_large_tensors_gives_each_its_norm(mode, chunk, monkeypatch):
     # 18 tensors with the sizes of a 64-256-256-10 MLP's weights, gradients and
     # updates, and empty ones first and last; one overflows, so the branch runs.
+    # In chunks (as for a large model), the 65,536-element tensors go alone.
+    if chunk:
+        monkeypatch.setattr(lab.probes, "_CHUNK_ELEMENTS", chunk)
     sizes = [16384, 256, 65536, 256, 2560, 10] * 3
     tensors = [tf.zeros([0])] + [tf.fill([n], float(i + 1)) for i, n in enumerate(sizes)] + [tf.zeros([0])]
     tensors[3] = tf.fill([sizes[2]], 1e20)
@@ -492,6 +496,11 @@ def test_the_overflow_branch_of_many_large_tensors_gives_each_its_norm(mode):
     want = np.array([0.0] + [np.sqrt(n) * (i + 1) for i, n in enumerate(sizes)] + [0.0], np.float32)
     want[3] = np.sqrt(sizes[2]) * 1e20
     np.testing.assert_allclose(got, want, rtol=1e-5)
+    if mode == "static":
+        graph = function.get_concrete_function(tensors).graph
+        sums = sum(op.type == "UnsortedSegmentSum" for f in graph._functions.values() if hasattr(f, "graph")
+                   for op in f.graph.get_operations())
+        assert sums == (1 if chunk is None else 6)  # each 65,536-element tensor starts a chunk
 
 
 def test_a_row_of_scalars_and_vector_parts_keeps_each_value_in_its_column():
