@@ -512,6 +512,12 @@ class Probe:
 
         return train_step
 
+    def note_xla(self, run, step):
+        """Says once in `run` that XLA compiled the lab's reads with the step (`XLA_NOTE`)."""
+        if self.traced_in_xla and not run.metadata.get(schema.XLA_TRACED):
+            run.metadata[schema.XLA_TRACED] = True
+            run.add_event("warning", XLA_NOTE, step=step)
+
     def _could_not_record(self, error):
         """The lab's own code failed on this step: the step runs as Keras
         wrote it, without a row, and the run is told (`record_errors`)."""

@@ -13,7 +13,7 @@ from lab import compat, modes, schema
 from lab.arguments import check_seconds
 from lab.hooks import CompiledState, hooks_for, release_all
 from lab.observers import Observers
-from lab.probes import XLA_NOTE, Probe
+from lab.probes import Probe
 from lab.run import Run
 from lab.status import StatusReporter
 from lab.breakpoints import as_breakpoints
@@ -280,7 +280,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         hit_row = self._cut_at_device_hit(columns)
         self.run.append_batches(columns)
         self._note_running_values()
-        self._note_xla()
+        self._probe.note_xla(self.run, self.run.next_step - 1)
         self._check_old_style(rows)
         if hit_row is not None:
             self._on_device_hit(hit_row)
@@ -292,12 +292,6 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
             if message not in told:
                 told.append(message)
                 self.run.add_event("error", f"the lab could not record steps: {message}", step=self.run.next_step)
-
-    def _note_xla(self):
-        """Says, once per run, that XLA compiled the lab's reads with the step."""
-        if self._probe.traced_in_xla and not self.run.metadata.get(schema.XLA_TRACED):
-            self.run.metadata[schema.XLA_TRACED] = True
-            self.run.add_event("warning", XLA_NOTE, step=self.run.next_step - 1)
 
     def _note_running_values(self):
         """Says which columns hold Keras' running values, not the batch's own."""

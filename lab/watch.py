@@ -28,10 +28,9 @@ import numpy as np
 import tensorflow as tf
 
 from lab import breakpoints as breakpoints_module
-from lab import schema
 from lab.arguments import check_number, check_seconds
 from lab.loop_probe import LoopProbe
-from lab.probes import XLA_NOTE, find_optimizers
+from lab.probes import find_optimizers
 from lab.run import Run
 from lab.status import StatusReporter
 
@@ -227,9 +226,7 @@ class WatchedRun(StatusReporter, Run):
             self._check_unseen_updates(rows, counts)
             self.append_batches(columns)
             self._check_constant_metrics()
-            if self.probe.traced_in_xla and not self.metadata.get(schema.XLA_TRACED):
-                self.metadata[schema.XLA_TRACED] = True
-                self.add_event("warning", XLA_NOTE, step=len(self) - 1)
+            self.probe.note_xla(self, len(self) - 1)
             return len(pending)
         finally:
             self._flush_lock.release()

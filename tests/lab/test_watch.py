@@ -45,6 +45,12 @@ def tape_norms(model, x, y):
     return float(loss), {v.path: np.linalg.norm(g.numpy()) for v, g in zip(model.trainable_variables, grads)}
 
 
+def assert_row_holds(row, norms):
+    """Each `grad_norm/<path>` of a run's row is the tape's norm for that variable."""
+    for path, norm in norms.items():
+        np.testing.assert_allclose(row[f"grad_norm/{path}"], norm, rtol=1e-4)
+
+
 def weights_of(model):
     return [w.numpy().copy() for w in model.trainable_variables]
 
@@ -65,8 +71,7 @@ def test_rows_hold_the_gradients_the_tape_gives_on_the_same_batch(digits, mode):
     assert (frame["seconds"] > 0).all()
     for (loss, norms), (_, row) in zip(expected, frame.iterrows()):
         np.testing.assert_allclose(row["loss"], loss, rtol=1e-5)
-        for path, norm in norms.items():
-            np.testing.assert_allclose(row[f"grad_norm/{path}"], norm, rtol=1e-4)
+        assert_row_holds(row, norms)
         np.testing.assert_allclose(row["grad_norm"], np.sqrt(sum(n**2 for n in norms.values())), rtol=1e-4)
     np.testing.assert_allclose(frame["learning_rate"], 0.05)
     assert (frame["seen"] == BATCH).all()
@@ -300,8 +305,7 @@ def test_more_steps_than_the_device_keeps_arrive_each_in_its_own_row(digits, mod
     assert list(frame["step"]) == list(range(8))
     assert (frame["updated"] == 1).all()
     for norms, (_, row) in zip(expected, frame.iterrows()):
-        for path, norm in norms.items():
-            np.testing.assert_allclose(row[f"grad_norm/{path}"], norm, rtol=1e-4)
+        assert_row_holds(row, norms)
 
 
 def test_reading_the_run_between_an_update_and_run_step_loses_nothing(digits):
@@ -317,8 +321,7 @@ def test_reading_the_run_between_an_update_and_run_step_loses_nothing(digits):
         run.step(loss=loss)
     row = run.batches().iloc[1]
     assert row["updated"] == 1
-    for path, norm in norms.items():
-        np.testing.assert_allclose(row[f"grad_norm/{path}"], norm, rtol=1e-4)
+    assert_row_holds(row, norms)
 
 
 def test_a_later_block_may_keep_more_steps_than_the_first(digits):
@@ -563,8 +566,7 @@ def test_a_ring_past_the_kept_row_starts_still_writes_each_step_in_its_own_row(d
     frame = run.batches()
     assert len(frame) == 8 and (frame["updated"] == 1).all()
     for norms, (_, row) in zip(expected, frame.iterrows()):
-        for path, norm in norms.items():
-            np.testing.assert_allclose(row[f"grad_norm/{path}"], norm, rtol=1e-4)
+        assert_row_holds(row, norms)
 
 
 def test_a_step_closed_while_another_thread_reads_the_run_is_kept(digits):
