@@ -9,7 +9,8 @@ function (the order within a pair drawn at random), and each pair gives one
 ratio; the table shows the median of those ratios with its quartiles. It also
 counts the kernels each configuration adds to the traced `train_step` (Const
 and Placeholder nodes left out; the branch functions of conds counted, since
-a graph runs the nodes of a branch not taken as dead ones).
+a graph runs the nodes of a branch not taken as dead ones, and a cond's
+Switches, one per tensor its branches read).
 
 Usage:
     python benchmarks/step_cost.py                      # MLP, CNN, 50-variable MLP; spe 1 and 32
@@ -77,6 +78,8 @@ def kernels(model, batch):
     def walk(graph):
         for op in graph.get_operations():
             counts[op.type] += 1
+            if op.type in ("If", "StatelessIf"):
+                counts["Switch"] += len(op.inputs) - 1  # run as one Switch per input
         for name, function in getattr(graph, "_functions", {}).items():
             if name not in seen and hasattr(function, "graph"):
                 seen.add(name)

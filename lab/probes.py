@@ -35,7 +35,7 @@ import tensorflow as tf
 from lab import schema
 from lab.buffer import StepBuffer
 from lab.compat import SCALES_LOSS_BY_REPLICAS as KERAS_SCALES_LOSS
-from lab.compat import in_xla_trace, isolated, unscale_loss_for_distribution
+from lab.compat import in_xla_trace, isolated, rarely, unscale_loss_for_distribution
 from lab.hooks import hooks_for
 
 XLA_NOTE = (
@@ -63,12 +63,13 @@ def scaled_norm(tensor):
 def norms_of(tensors):
     """The norms of several tensors (a 1-D float32 tensor), as `scaled_norm`
     gives them but cheaper: plain sums of squares, and only when one of them
-    overflows, the scaled computation (one `tf.cond` for all)."""
+    overflows, the scaled computation (one check for all, `compat.rarely`:
+    one Switch in a graph, however many tensors)."""
     tensors = [tf.cast(t, tf.float32) for t in tensors]
     # l2_loss is sum(x * x) / 2 in one kernel, with no intermediate tensor.
     squares = 2.0 * tf.stack([tf.nn.l2_loss(t) for t in tensors])
-    return tf.cond(tf.reduce_all(tf.math.is_finite(squares)), lambda: tf.sqrt(squares),
-                   lambda: _scaled_norms(tensors))
+    overflowed = tf.logical_not(tf.reduce_all(tf.math.is_finite(squares)))
+    return rarely(overflowed, _scaled_norms, tensors, otherwise=tf.sqrt(squares))
 
 
 # The most elements `_scaled_norms` concatenates at once (64 MiB of float32).
@@ -78,11 +79,11 @@ _CHUNK_ELEMENTS = 2**24
 def _scaled_norms(tensors):
     """`scaled_norm` of each tensor, in a dozen ops per chunk of tensors.
 
-    This is the rare branch of `norms_of`, but a graph runs every node of the
-    branch not taken as dead; a per-tensor computation here cost more than
-    the norms themselves (60 us a step for 50 variables on a CPU). Its
-    concatenation and segment ids are as large as the tensors together, so
-    they go in chunks of at most `_CHUNK_ELEMENTS` (a tensor larger than
+    This is the rare branch of `norms_of`. Under XLA it is compiled with
+    the step, so it is kept small: a per-tensor computation here cost 60 us
+    a step for 50 variables on a CPU while a graph ran it as dead nodes.
+    Its concatenation and segment ids are as large as the tensors together,
+    so they go in chunks of at most `_CHUNK_ELEMENTS` (a tensor larger than
     that is a chunk of its own): a large model's gradients, weights and
     updates are never copied at once (and under XLA, whose memory plan for
     the step may count the branch's buffers whether or not it runs, that

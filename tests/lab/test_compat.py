@@ -9,6 +9,7 @@ import importlib
 
 import keras
 import numpy as np
+import pytest
 
 from lab import compat
 
@@ -75,3 +76,49 @@ def test_the_calling_callback_list_is_found_from_set_model():
     tiny().fit(x, y, verbose=0, callbacks=[Finder()])
     assert isinstance(found[0], keras.callbacks.CallbackList)
     assert compat.calling_callback_list() is None  # called from anywhere else
+
+
+@pytest.mark.parametrize("where", ["eager", "graph", "loop", "branch", "xla"])
+def test_rarely_runs_its_branch_only_where_the_condition_holds(where):
+    # The branch reads element `index` of a tensor, out of range (an error
+    # when it runs) where the condition does not hold: in a graph the side
+    # not taken must not run (its one Switch makes the branch dead), also
+    # inside a loop and a cond; both sides give their values.
+    import tensorflow as tf
+
+    def branch(inputs):
+        values, index = inputs
+        return tf.stack([tf.gather(values, index), tf.reduce_sum(values)])
+
+    def once(flag):
+        values = tf.constant([3.0, 4.0])
+        index = tf.where(flag, 1, 100)
+        return compat.rarely(flag, branch, [values, index], otherwise=tf.constant([-1.0, -1.0]))
+
+    def run(flag):
+        if where == "loop":
+            return tf.while_loop(lambda i, _: i < 3, lambda i, _: (i + 1, once(flag)),
+                                 (tf.constant(0), tf.zeros([2])))[1]
+        if where == "branch":
+            return tf.cond(tf.constant(True), lambda: once(flag), lambda: tf.zeros([2]))
+        return once(flag)
+
+    call = run if where == "eager" else tf.function(run, jit_compile=where == "xla")
+    assert call(tf.constant(False)).numpy().tolist() == [-1.0, -1.0]
+    assert call(tf.constant(True)).numpy().tolist() == [4.0, 7.0]
+    assert call(tf.constant(False)).numpy().tolist() == [-1.0, -1.0]
+
+
+def test_rarely_refuses_a_branch_with_side_effects():
+    # A branch not taken is dead, and so would be every op ordered after
+    # its side effects: such a branch needs tf.cond.
+    import tensorflow as tf
+
+    count = tf.Variable(0)
+
+    @tf.function
+    def step(flag):
+        return compat.rarely(flag, lambda inputs: count.assign_add(1), [], otherwise=tf.constant(0))
+
+    with pytest.raises(ValueError, match=r"rarely\(\) takes a branch without side effects.*tf.cond"):
+        step(tf.constant(False))

@@ -1,5 +1,6 @@
 """Gradient and weight probes: the gradients the optimizer applied, for any step."""
 
+import collections
 import warnings
 
 import keras
@@ -329,19 +330,24 @@ def _dense_stack(layers):
     return model
 
 
-def _step_kernels(model, probe_args):
-    """Kernels in `train_step` traced with a probe (None: without), branch
-    functions included (a graph runs a branch not taken as dead nodes)."""
+def _step_ops(model, probe_args):
+    """Nodes of `train_step` traced with a probe (None: without), by op
+    type, branch functions included (a graph runs a branch not taken as
+    dead nodes)."""
     probe = lab.probes.Probe(model, **probe_args) if probe_args is not None else None
     if probe is not None:
         probe.install()
     try:
         specs = (tf.TensorSpec([4, 8], tf.float32), tf.TensorSpec([4], tf.int32))
         graph = tf.function(lambda data: model.train_step(data)).get_concrete_function(specs).graph
-        counts, seen, graphs = 0, set(), [graph]
+        counts, seen, graphs = collections.Counter(), set(), [graph]
         while graphs:
             graph = graphs.pop()
-            counts += sum(op.type not in ("Const", "Placeholder", "NoOp") for op in graph.get_operations())
+            for op in graph.get_operations():
+                counts[op.type] += 1
+                if op.type in ("If", "StatelessIf"):
+                    # A graph runs it as one Switch per input the branches read.
+                    counts["Switch"] += len(op.inputs) - 1
             for name, function in getattr(graph, "_functions", {}).items():
                 if name not in seen and hasattr(function, "graph"):
                     seen.add(name)
@@ -350,6 +356,22 @@ def _step_kernels(model, probe_args):
     finally:
         if probe is not None:
             probe.uninstall()
+
+
+def _step_kernels(model, probe_args):
+    """Kernels in `train_step` traced with a probe (None: without)."""
+    ops = _step_ops(model, probe_args)
+    return sum(n for kind, n in ops.items() if kind not in ("Const", "Placeholder", "NoOp", "Switch")) + ops["Switch"]
+
+
+def test_the_overflow_check_of_an_update_has_one_switch_however_many_variables():
+    # A graph runs a tf.cond as a Switch for every tensor its branch reads:
+    # 150 Switches for the gradients, weights and updates of 50 variables,
+    # which cost more than their norms. The norms' overflow check passes one.
+    small, deep = _dense_stack(1), _dense_stack(25)
+    args = {"gradients": True, "weights": True}
+    added = [_step_ops(m, args)["Switch"] - _step_ops(m, None)["Switch"] for m in (small, deep)]
+    assert added[0] == added[1] == 1
 
 
 def test_what_a_probe_adds_to_a_step_grows_by_a_few_kernels_per_variable():
