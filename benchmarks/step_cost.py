@@ -10,7 +10,8 @@ ratio; the table shows the median of those ratios with its quartiles. It also
 counts the kernels each configuration adds to the traced `train_step` (Const
 and Placeholder nodes left out; the branch functions of conds counted, since
 a graph runs the nodes of a branch not taken as dead ones, and a cond's
-Switches, one per tensor its branches read).
+Switches, one per tensor its branches read; not the nodes of a function
+that is called as one node, `lab.compat.rarely`'s branch).
 
 Usage:
     python benchmarks/step_cost.py                      # MLP, CNN, 50-variable MLP; spe 1 and 32
@@ -81,12 +82,19 @@ def kernels(model, batch):
             if op.type in ("If", "StatelessIf"):
                 counts["Switch"] += len(op.inputs) - 1  # run as one Switch per input
         for name, function in getattr(graph, "_functions", {}).items():
-            if name not in seen and hasattr(function, "graph"):
+            if name not in seen and hasattr(function, "graph") and not _called_alone(function):
                 seen.add(name)
                 walk(function.graph)
 
     walk(traced.graph)
     return sum(v for k, v in counts.items() if k not in SKIPPED_NODES)
+
+
+def _called_alone(function):
+    """A `_noinline` function (`lab.compat.rarely`'s branch) runs as one call
+    node: its own nodes run only when the call does."""
+    definition = getattr(function, "definition", None)
+    return definition is not None and definition.attr["_noinline"].b
 
 
 def measure(overhead, key, steps_per_execution, pairs, calls):

@@ -139,34 +139,35 @@ def isolated(tensors):
     return tensors
 
 
-def rarely(condition, branch, inputs, otherwise):
-    """`branch(inputs)` where the scalar bool `condition` holds, else the
-    tensor `otherwise`: a `tf.cond` for a branch that rarely runs, over
-    many inputs.
+def rarely(usual, condition, branch, inputs):
+    """`usual()` where the scalar bool `condition` holds, else
+    `branch(inputs)`: a `tf.cond` for a branch that rarely runs, over many
+    inputs.
 
     A graph runs a `tf.cond` as Switch and Merge nodes, one Switch for each
     tensor the branch reads. With every norm of a 50-variable update in one
     overflow check (150 tensors), those Switches cost more than the norms.
     Here one Switch decides: its output on the branch's side is the pivot
-    every op of the branch depends on (a node that depends on a dead one is
-    dead, and does not run: TF1's cond, by hand), and the branch is one
-    function call, so the side not taken is a single dead node. Eager
-    execution and XLA, whose conds cost no Switches, take `tf.cond`.
+    the branch depends on (a node that depends on a dead one is dead, and
+    does not run: TF1's cond, by hand), and the branch is one function
+    call, so the side not taken is a single dead node. Eager execution and
+    XLA, whose conds cost no Switches, take `tf.cond` as it is (under XLA,
+    any other program could fuse the step's own ops differently).
 
     `branch` must have no side effects: after a dead one, every op that
     must run after it would be dead too (ValueError).
     """
     if tf.executing_eagerly() or in_xla_trace():
-        return tf.cond(condition, lambda: branch(list(inputs)), lambda: otherwise)
-    kept, taken = tf.raw_ops.Switch(data=otherwise, pred=condition)
-    pivot = tf.identity(taken)
+        return tf.cond(condition, usual, lambda: branch(list(inputs)))
+    inputs = list(inputs)
     called = tf.function(lambda *values: branch(list(values)), autograph=False, reduce_retracing=False,
                          experimental_attributes={"_noinline": True})
-    inputs = list(inputs)
     traced = called.get_concrete_function(*inputs)
     stateful = sorted({op.type for op in traced.graph.get_operations() if op.op_def.is_stateful})
     if stateful:
         raise ValueError(f"rarely() takes a branch without side effects; this one has {stateful}. Use tf.cond.")
+    taken, kept = tf.raw_ops.Switch(data=usual(), pred=condition)
+    pivot = tf.identity(taken)
     with tf.control_dependencies([pivot]):
         computed = called(*inputs)
     return tf.raw_ops.Merge(inputs=[computed, kept])[0]

@@ -68,8 +68,7 @@ def norms_of(tensors):
     tensors = [tf.cast(t, tf.float32) for t in tensors]
     # l2_loss is sum(x * x) / 2 in one kernel, with no intermediate tensor.
     squares = 2.0 * tf.stack([tf.nn.l2_loss(t) for t in tensors])
-    overflowed = tf.logical_not(tf.reduce_all(tf.math.is_finite(squares)))
-    return rarely(overflowed, _scaled_norms, tensors, otherwise=tf.sqrt(squares))
+    return rarely(lambda: tf.sqrt(squares), tf.reduce_all(tf.math.is_finite(squares)), _scaled_norms, tensors)
 
 
 # The most elements `_scaled_norms` concatenates at once (64 MiB of float32).

@@ -93,7 +93,7 @@ def test_rarely_runs_its_branch_only_where_the_condition_holds(where):
     def once(flag):
         values = tf.constant([3.0, 4.0])
         index = tf.where(flag, 1, 100)
-        return compat.rarely(flag, branch, [values, index], otherwise=tf.constant([-1.0, -1.0]))
+        return compat.rarely(lambda: tf.constant([-1.0, -1.0]), tf.logical_not(flag), branch, [values, index])
 
     def run(flag):
         if where == "loop":
@@ -118,7 +118,7 @@ def test_rarely_refuses_a_branch_with_side_effects():
 
     @tf.function
     def step(flag):
-        return compat.rarely(flag, lambda inputs: count.assign_add(1), [], otherwise=tf.constant(0))
+        return compat.rarely(lambda: tf.constant(0), flag, lambda inputs: count.assign_add(1), [])
 
     with pytest.raises(ValueError, match=r"rarely\(\) takes a branch without side effects.*tf.cond"):
         step(tf.constant(False))

@@ -333,7 +333,7 @@ def _dense_stack(layers):
 def _step_ops(model, probe_args):
     """Nodes of `train_step` traced with a probe (None: without), by op
     type, branch functions included (a graph runs a branch not taken as
-    dead nodes)."""
+    dead nodes), and a cond's Switches."""
     probe = lab.probes.Probe(model, **probe_args) if probe_args is not None else None
     if probe is not None:
         probe.install()
@@ -349,7 +349,8 @@ def _step_ops(model, probe_args):
                     # A graph runs it as one Switch per input the branches read.
                     counts["Switch"] += len(op.inputs) - 1
             for name, function in getattr(graph, "_functions", {}).items():
-                if name not in seen and hasattr(function, "graph"):
+                # A function called as one node (compat.rarely's branch) runs its own only when called.
+                if name not in seen and hasattr(function, "graph") and not function.definition.attr["_noinline"].b:
                     seen.add(name)
                     graphs.append(function.graph)
         return counts
