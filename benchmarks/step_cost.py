@@ -13,10 +13,19 @@ a graph runs the nodes of a branch not taken as dead ones, and a cond's
 Switches, one per tensor its branches read; not the nodes of a function
 that is called as one node, `lab.compat.rarely`'s branch).
 
+`--overflow-check` measures one part of it instead: what the norms'
+overflow check costs per update, `lab.probes.norms_of` against the same
+sums of squares with no check (the floor) and with the check as a plain
+`tf.cond` (a Switch per tensor), for 6, 18 and 150 tensors (a 6-variable
+update's gradients; with weights and updates; a 50-variable one's). Each
+form runs 20 chained calls in one `tf.function`; the forms are timed in
+turn, in a shuffled order, and the fastest tenth of each is compared.
+
 Usage:
     python benchmarks/step_cost.py                      # MLP, CNN, 50-variable MLP; spe 1 and 32
     python benchmarks/step_cost.py --threads 1          # one TF thread: less scheduling noise
     python benchmarks/step_cost.py --models deep --pairs 60
+    python benchmarks/step_cost.py --threads 1 --overflow-check
 """
 
 import argparse
@@ -134,16 +143,82 @@ def measure(overhead, key, steps_per_execution, pairs, calls):
     return result
 
 
+def _checked_by_cond(tensors):
+    """`norms_of` with its overflow check as a plain `tf.cond` (what it was)."""
+    import tensorflow as tf
+
+    from lab.probes import _scaled_norms
+
+    squares = 2.0 * tf.stack([tf.nn.l2_loss(t) for t in tensors])
+    return tf.cond(tf.reduce_all(tf.math.is_finite(squares)), lambda: tf.sqrt(squares),
+                   lambda: _scaled_norms(tensors))
+
+
+def _unchecked(tensors):
+    import tensorflow as tf
+
+    return tf.sqrt(2.0 * tf.stack([tf.nn.l2_loss(t) for t in tensors]))
+
+
+def overflow_check(rounds, calls=20, elements=1000):
+    """Microseconds per call of each form of the norms over the unchecked one."""
+    import tensorflow as tf
+
+    from lab.probes import norms_of
+
+    forms = {"`norms_of` (one Switch)": norms_of, "as a `tf.cond`": _checked_by_cond, "no check": _unchecked}
+    results = {}
+    for count in (6, 18, 150):
+        tensors = [tf.random.stateless_normal([elements], seed=[i, 0]) for i in range(count)]
+        functions = {}
+        for name, form in forms.items():
+            def chained(*tensors, form=form):
+                total = tf.zeros([len(tensors)])
+                for _ in tf.range(calls):
+                    total += form(list(tensors))
+                return total
+
+            functions[name] = tf.function(chained)
+            functions[name](*tensors)
+        times = {name: [] for name in forms}
+        draw, order = random.Random(count), list(forms)
+        for _ in range(rounds):
+            draw.shuffle(order)
+            for name in order:
+                start = time.perf_counter()
+                functions[name](*tensors)
+                times[name].append((time.perf_counter() - start) / calls)
+        fastest = {name: sorted(values)[len(values) // 10] for name, values in times.items()}
+        results[count] = {name: 1e6 * (fastest[name] - fastest["no check"]) for name in forms if name != "no check"}
+        results[count]["no check, us per call"] = 1e6 * fastest["no check"]
+    return results
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="mlp,cnn,deep", help="comma-separated, from overhead.py's models")
     parser.add_argument("--pairs", type=int, default=40, help="timed pairs per configuration (40)")
     parser.add_argument("--calls", type=int, default=96, help="steps per timed part (96)")
     parser.add_argument("--threads", type=int, help="TensorFlow intra- and inter-op threads (default: TF's)")
+    parser.add_argument("--overflow-check", action="store_true",
+                        help="only what the norms' overflow check costs per update (see above)")
     args = parser.parse_args(argv)
     import overhead
 
     overhead.use_threads(args.threads)
+    if args.overflow_check:
+        print(f"load average at start: {overhead.loadavg()} on {os.cpu_count()} CPUs; "
+              f"TF threads: {args.threads or 'default'}")
+        results = overflow_check(max(10, args.pairs))
+        print(f"\nThe norms' overflow check, us per update over no check (fastest tenth of {max(10, args.pairs)} "
+              f"runs of 20 calls; 1,000 elements a tensor)\n")
+        print("| tensors | no check, us per call | " + " | ".join(k for k in results[6] if "per call" not in k) + " |")
+        print("|---|---|---|---|")
+        for count, row in results.items():
+            cells = " | ".join(f"{v:+.1f}" for k, v in row.items() if "per call" not in k)
+            print(f"| {count} | {row['no check, us per call']:.1f} | {cells} |")
+        print(f"\n(load average after: {overhead.loadavg()})", flush=True)
+        return
 
     keys = args.models.split(",")
     unknown = [k for k in keys if k not in overhead.MODELS]

@@ -64,3 +64,14 @@ def test_every_target_of_the_report_gets_a_row(overhead):
         + [("MLP, spe=32", name, "not met") for name in names]
         + [("hand-written tf.function loop", "`lab.watch()`", "met")])
     assert [limit for _, _, limit, *_ in rows[:3]] == [1.03, 1.05, 1.08]
+
+
+def test_the_overflow_check_figures_come_for_each_form_and_count():
+    spec = importlib.util.spec_from_file_location("step_cost", ROOT / "benchmarks" / "step_cost.py")
+    step_cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(step_cost)
+    results = step_cost.overflow_check(rounds=2, calls=1, elements=10)
+    assert list(results) == [6, 18, 150]
+    for row in results.values():
+        assert set(row) == {"`norms_of` (one Switch)", "as a `tf.cond`", "no check, us per call"}
+        assert all(np.isfinite(v) for v in row.values()) and row["no check, us per call"] > 0
