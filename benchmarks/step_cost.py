@@ -26,6 +26,7 @@ Usage:
     python benchmarks/step_cost.py --threads 1          # one TF thread: less scheduling noise
     python benchmarks/step_cost.py --models deep --pairs 60
     python benchmarks/step_cost.py --threads 1 --overflow-check
+    python benchmarks/step_cost.py --threads 1 --cpu 1   # pinned to CPU 1: far steadier on a shared machine
 """
 
 import argparse
@@ -200,15 +201,19 @@ def main(argv=None):
     parser.add_argument("--pairs", type=int, default=40, help="timed pairs per configuration (40)")
     parser.add_argument("--calls", type=int, default=96, help="steps per timed part (96)")
     parser.add_argument("--threads", type=int, help="TensorFlow intra- and inter-op threads (default: TF's)")
+    parser.add_argument("--cpu", type=int, help="run on this CPU only (its threads too); default: any")
     parser.add_argument("--overflow-check", action="store_true",
                         help="only what the norms' overflow check costs per update (see above)")
     args = parser.parse_args(argv)
+    if args.cpu is not None:
+        # Before TensorFlow starts its thread pools: threads inherit the mask.
+        os.sched_setaffinity(0, {args.cpu})
     import overhead
 
     overhead.use_threads(args.threads)
     if args.overflow_check:
         print(f"load average at start: {overhead.loadavg()} on {os.cpu_count()} CPUs; "
-              f"TF threads: {args.threads or 'default'}")
+              f"TF threads: {args.threads or 'default'}; pinned to CPU {args.cpu}")
         results = overflow_check(max(10, args.pairs))
         print(f"\nThe norms' overflow check, us per update over no check (fastest tenth of {max(10, args.pairs)} "
               f"runs of 20 calls; 1,000 elements a tensor)\n")
@@ -225,7 +230,7 @@ def main(argv=None):
     if unknown:
         parser.error(f"unknown model(s) {unknown}; choose from {list(overhead.MODELS)}")
     print(f"load average at start: {overhead.loadavg()} on {os.cpu_count()} CPUs; "
-          f"TF threads: {args.threads or 'default'}")
+          f"TF threads: {args.threads or 'default'}; pinned to CPU {args.cpu}")
     for key in keys:
         results = {spe: measure(overhead, key, spe, args.pairs, args.calls) for spe in overhead.SPES}
         head = " | ".join(f"spe={spe} ({r['bare_us_per_step']:.0f} us/step)" for spe, r in results.items())
