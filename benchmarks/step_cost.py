@@ -30,7 +30,6 @@ Usage:
 """
 
 import argparse
-import collections
 import os
 import random
 import statistics
@@ -81,30 +80,13 @@ def kernels(model, batch):
     """Nodes of `train_step` traced on one batch, by op type (branch functions included)."""
     import tensorflow as tf
 
+    from lab.compat import graph_nodes
+
     x, y = batch
     traced = tf.function(lambda data: model.train_step(data)).get_concrete_function(
         (tf.TensorSpec(x.shape, tf.as_dtype(x.dtype)), tf.TensorSpec(y.shape, tf.as_dtype(y.dtype))))
-    counts, seen = collections.Counter(), set()
-
-    def walk(graph):
-        for op in graph.get_operations():
-            counts[op.type] += 1
-            if op.type in ("If", "StatelessIf"):
-                counts["Switch"] += len(op.inputs) - 1  # run as one Switch per input
-        for name, function in getattr(graph, "_functions", {}).items():
-            if name not in seen and hasattr(function, "graph") and not _called_alone(function):
-                seen.add(name)
-                walk(function.graph)
-
-    walk(traced.graph)
+    counts = graph_nodes(traced.graph)
     return sum(v for k, v in counts.items() if k not in SKIPPED_NODES)
-
-
-def _called_alone(function):
-    """A `_noinline` function (`lab.compat.rarely`'s branch) runs as one call
-    node: its own nodes run only when the call does."""
-    definition = getattr(function, "definition", None)
-    return definition is not None and definition.attr["_noinline"].b
 
 
 def measure(overhead, key, steps_per_execution, pairs, calls):

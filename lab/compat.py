@@ -6,6 +6,7 @@ so no other module reads Keras' source or guesses from behaviour. The tests
 of this module run at both ends of the supported range (`make test-oldest`).
 """
 
+import collections
 import inspect
 import re
 import sys
@@ -171,3 +172,23 @@ def rarely(usual, condition, branch, inputs):
     with tf.control_dependencies([pivot]):
         computed = called(*inputs)
     return tf.raw_ops.Merge(inputs=[computed, kept])[0]
+
+
+def graph_nodes(graph):
+    """The nodes a graph runs, by op type (a collections.Counter), with the
+    functions it calls: a cond's branches (a graph runs the nodes of the one
+    not taken as dead ones) and the cond's Switches, one per input of the If,
+    but not the body of a function called as one node (`rarely`'s branch),
+    which runs only when its call does."""
+    counts, seen, graphs = collections.Counter(), set(), [graph]
+    while graphs:
+        graph = graphs.pop()
+        for op in graph.get_operations():
+            counts[op.type] += 1
+            if op.type in ("If", "StatelessIf"):
+                counts["Switch"] += len(op.inputs) - 1
+        for name, function in getattr(graph, "_functions", {}).items():
+            if name not in seen and hasattr(function, "graph") and not function.definition.attr["_noinline"].b:
+                seen.add(name)
+                graphs.append(function.graph)
+    return counts

@@ -1,6 +1,5 @@
 """Gradient and weight probes: the gradients the optimizer applied, for any step."""
 
-import collections
 import warnings
 
 import keras
@@ -340,20 +339,7 @@ def _step_ops(model, probe_args):
     try:
         specs = (tf.TensorSpec([4, 8], tf.float32), tf.TensorSpec([4], tf.int32))
         graph = tf.function(lambda data: model.train_step(data)).get_concrete_function(specs).graph
-        counts, seen, graphs = collections.Counter(), set(), [graph]
-        while graphs:
-            graph = graphs.pop()
-            for op in graph.get_operations():
-                counts[op.type] += 1
-                if op.type in ("If", "StatelessIf"):
-                    # A graph runs it as one Switch per input the branches read.
-                    counts["Switch"] += len(op.inputs) - 1
-            for name, function in getattr(graph, "_functions", {}).items():
-                # A function called as one node (compat.rarely's branch) runs its own only when called.
-                if name not in seen and hasattr(function, "graph") and not function.definition.attr["_noinline"].b:
-                    seen.add(name)
-                    graphs.append(function.graph)
-        return counts
+        return lab.compat.graph_nodes(graph)
     finally:
         if probe is not None:
             probe.uninstall()
@@ -362,7 +348,7 @@ def _step_ops(model, probe_args):
 def _step_kernels(model, probe_args):
     """Kernels in `train_step` traced with a probe (None: without)."""
     ops = _step_ops(model, probe_args)
-    return sum(n for kind, n in ops.items() if kind not in ("Const", "Placeholder", "NoOp", "Switch")) + ops["Switch"]
+    return sum(n for kind, n in ops.items() if kind not in ("Const", "Placeholder", "NoOp"))
 
 
 def test_the_overflow_check_of_an_update_has_one_switch_however_many_variables():
