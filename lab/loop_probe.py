@@ -206,6 +206,9 @@ class LoopProbe(Probe):
         capacity: int, steps kept on the device between reads.
     """
 
+    # The loop's values go into slots by name, plain (see `Probe.FINISHES_ON_HOST`).
+    FINISHES_ON_HOST = False
+
     def __init__(self, model, optimizers, gradients=True, weights=False, breakpoints=(), capacity=1024):
         super().__init__(model, gradients=gradients, weights=weights, breakpoints=breakpoints,
                          capacity=capacity)

@@ -71,6 +71,37 @@ def norms_of(tensors):
     return rarely(lambda: tf.sqrt(squares), tf.reduce_all(tf.math.is_finite(squares)), _scaled_norms, tensors)
 
 
+# A half sum of squares at or under this doubles to a finite float32 (the
+# largest float32 over 2, exactly); over it, or NaN, `norms_of` would overflow.
+_HALF_MAX = np.float32(np.finfo(np.float32).max / 2)
+
+
+def encoded_norms_of(tensors):
+    """The norms of several tensors, as `norms_of` gives them, left for the
+    host to finish (`decode_norms`): two kernels fewer in the step.
+
+    Each entry is the tensor's half sum of squares (`tf.nn.l2_loss`) where
+    all of them double to a finite float32 (the usual case), else the
+    tensor's scaled norm negated (`norms_of`'s overflow branch): the sign
+    says which. `decode_norms` then gives `norms_of`'s values bit for bit
+    (the doubling is exact, and a float32 square root is correctly rounded
+    on the device and on the host alike)."""
+    tensors = [tf.cast(t, tf.float32) for t in tensors]
+    halves = tf.stack([tf.nn.l2_loss(t) for t in tensors])
+    return rarely(lambda: halves, tf.reduce_all(halves <= _HALF_MAX),
+                  lambda ts: tf.negative(_scaled_norms(ts)), tensors)
+
+
+def decode_norms(encoded):
+    """Norms from `encoded_norms_of`'s values: a numpy array (on the host)
+    or a tensor (inside a step, where values must be combined). NaN stays
+    NaN; an overflow branch's -0.0 is the norm 0."""
+    if isinstance(encoded, np.ndarray):
+        encoded = encoded.astype(np.float32, copy=False)
+        return np.where(encoded < 0, -encoded, np.sqrt(np.float32(2.0) * np.abs(encoded))).astype(np.float32)
+    return tf.where(encoded < 0, -encoded, tf.sqrt(2.0 * tf.abs(encoded)))
+
+
 # The most elements `_scaled_norms` concatenates at once (64 MiB of float32).
 _CHUNK_ELEMENTS = 2**24
 
@@ -222,7 +253,10 @@ def vector_of(values):
         starts.append(start)
         start += int(vector.shape[0])
     index = [which if kind == "s" else starts[which] + i for kind, which, i in positions]
-    return tf.gather(tf.concat(pieces, axis=0), tf.constant(index, tf.int32))
+    joined = tf.concat(pieces, axis=0)
+    if index == list(range(start)):
+        return joined  # every value in place: the row needs no gather
+    return tf.gather(joined, tf.constant(index, tf.int32))
 
 
 def _hypot(old, new):
@@ -409,6 +443,10 @@ class StepState:
         return self.graph is not None and tf.compat.v1.get_default_graph() is not self.graph
 
 
+ENCODED = "_encoded/"  # a row value `read()` finishes: see `encoded_norms_of`
+_UPDATE_NORM = "_update_norm/"  # the norm of a variable's update, for `update_ratio/` on the host
+
+
 class Probe:
     """Hooks on one model that write each training step's values to a StepBuffer.
 
@@ -421,6 +459,9 @@ class Probe:
             update and holds every later one until `release()`.
         capacity: int, rows of the device buffer (at least 4 executions).
     """
+
+    # Norms go into the row encoded, finished by `read()` (`encoded_norms_of`).
+    FINISHES_ON_HOST = True
 
     def __init__(self, model, gradients=False, weights=False, breakpoints=(), capacity=1024):
         self.model = model
@@ -848,6 +889,9 @@ class Probe:
             tensors = isolated(tensors)
         if not tensors:
             return
+        if self._finishes_on_host(state):
+            self._emit_encoded_update(state, keys, present, variables, before, encoded_norms_of(tensors))
+            return
         norms = norms_of(tensors)
         if present:
             # Several applies of one optimizer in a step: the norm covers them all.
@@ -860,6 +904,65 @@ class Probe:
             if before is not None:
                 self._emit_vector(state, [f"update_ratio/{key}" for key in keys],
                                   tf.math.divide_no_nan(norms[start + count:], weight_norms))
+
+    # ---- values the host finishes ------------------------------------------
+
+    def _finishes_on_host(self, state):
+        """Whether this step's norms go into the row encoded (`encoded_norms_of`),
+        for `read()` to finish: in the step's own graph, outside XLA (whose
+        program is kept as it was: a changed one can fuse the step's own ops
+        differently)."""
+        return self.FINISHES_ON_HOST and not state.nested() and not in_xla_trace()
+
+    def _emit_encoded_update(self, state, keys, present, variables, before, encoded):
+        """Puts an update's norms as they came from `encoded_norms_of`: one
+        vector, whole, in the row (no slice, no square root, no divide in
+        the step). A second apply of the optimizer in the step decodes what
+        the first put, on the device, to combine the two."""
+        names = [f"grad_norm/{keys[i]}" for i in present]
+        if self.weights and variables:
+            names += [f"weight_norm/{key}" for key in keys]
+            if before is not None:
+                names += [f"{_UPDATE_NORM}{key}" for key in keys]
+        count = len(present)
+        earlier = [state.values.pop(ENCODED + name, None) for name in names[:count]]
+        if any(value is not None for value in earlier) or any(name in state.values for name in names[:count]):
+            # The optimizer applied before in this step: its norms, decoded
+            # (one vector when they are one), combine with these.
+            first = earlier[0]
+            if all(isinstance(v, Part) and v.vector is first.vector and v.index == i for i, v in enumerate(earlier)):
+                decoded = decode_norms(first.vector[:count])
+                earlier = [Part(decoded, i) for i in range(count)]
+            else:
+                earlier = [None if v is None else decode_norms(scalar(v)) for v in earlier]
+            for name, value in zip(names, earlier):
+                if value is not None:
+                    state.values[name] = value
+            self._emit_vector(state, names[:count], decode_norms(encoded[:count]), combine=_hypot)
+            start = count
+        else:
+            start = 0
+        for i in range(start, len(names)):
+            state.values.pop(names[i], None)
+            state.values[ENCODED + names[i]] = Part(encoded, i)
+
+    def _finish(self, rows):
+        """Turns the row's encoded norms into norms and update ratios (what
+        the step would have computed itself, bit for bit), on the host."""
+        for name in [n for n in rows if n.startswith(ENCODED)]:
+            plain = name[len(ENCODED):]
+            norms = decode_norms(rows.pop(name))
+            if plain in rows:  # written plain where this trace combined applies
+                norms = np.where(np.isnan(rows[plain]), norms, rows[plain])
+            rows[plain] = norms
+        for name in [n for n in rows if n.startswith(_UPDATE_NORM)]:
+            key = name[len(_UPDATE_NORM):]
+            update, weight = rows.pop(name), rows.get(f"weight_norm/{key}")
+            if weight is not None:
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    ratio = np.where(weight == 0, np.float32(0.0), update / weight).astype(np.float32)
+                rows[f"update_ratio/{key}"] = ratio
+        return rows
 
     def _metric_totals(self):
         totals = {}
@@ -1000,8 +1103,12 @@ class Probe:
         so a variable with no gradient on some step reads as missing (NaN)."""
         columns = list(values)
         if self.gradients:
-            columns += [f"grad_norm/{k}" for k in self._variable_keys.values()]
-        return list(dict.fromkeys(columns))
+            # Encoded like the step's own where the step encodes any (the host
+            # finishes a missing one as NaN either way).
+            prefix = ENCODED if any(name.startswith(ENCODED) for name in values) else ""
+            columns += [f"{prefix}grad_norm/{k}" for k in self._variable_keys.values()
+                        if f"grad_norm/{k}" not in values and f"{ENCODED}grad_norm/{k}" not in values]
+        return _row_order(list(dict.fromkeys(columns)), values)
 
     def _write(self, values):
         if self.buffer is None:
@@ -1032,12 +1139,26 @@ class Probe:
         if self.buffer is None:
             return {}
         block = self.buffer.read_new()
-        rows = {name: block[:, i] for i, name in enumerate(self.columns)}
+        rows = self._finish({name: block[:, i] for i, name in enumerate(self.columns)})
         if self.gradients and "grad_norm" not in rows and "_updates" in rows:
             total = total_grad_norm(rows, rows["_updates"])
             if total is not None:
                 rows["grad_norm"] = total
         return rows
+
+
+def _row_order(columns, values):
+    """`columns` with the step's scalars first and then each vector of
+    `Part`s in its own order, so that `vector_of` writes the row with one
+    stack and one concat (no gather)."""
+    scalars = [c for c in columns if not isinstance(values.get(c), Part)]
+    parts = sorted((c for c in columns if isinstance(values.get(c), Part)),
+                   key=lambda c: (_first_seen(values, values[c].vector), values[c].index))
+    return scalars + parts
+
+
+def _first_seen(values, vector):
+    return next(i for i, value in enumerate(values.values()) if isinstance(value, Part) and value.vector is vector)
 
 
 class _NullScope:

@@ -377,3 +377,68 @@ def test_what_a_probe_adds_to_a_step_grows_by_a_few_kernels_per_variable():
     # The weight and update norms share the gradients' one overflow check (a
     # cond of its own cost about 50 kernels more, branch included).
     assert added["weights"][0] - added["gradients"][0] <= 9 * len(small.trainable_variables) + 15
+
+
+def test_the_step_leaves_square_roots_and_update_ratios_to_the_host():
+    # The step writes each norm as its half sum of squares (l2_loss) into the
+    # row; the doubling, the square root and the update ratios are the
+    # host's, and the row goes in with no slice of the norms and no gather.
+    model = _dense_stack(1)
+    added = _step_ops(model, {"gradients": True, "weights": True})
+    added.subtract(_step_ops(model, None))
+    for kind in ("Sqrt", "Mul", "DivNoNan", "RealDiv", "GatherV2"):
+        assert added[kind] == 0, (kind, dict(added))
+    assert added["StridedSlice"] <= 1  # the batch size
+
+
+class CriticSteps(keras.Sequential):
+    """A critic loop in miniature: one optimizer applied three times per step."""
+
+    def train_step(self, data):
+        x, y = data
+        for _ in range(3):
+            with tf.GradientTape() as tape:
+                loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+            grads = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply(grads, self.trainable_variables)
+        for metric in self.metrics:
+            metric.update_state(loss)
+        return {"loss": loss}
+
+
+def _model_for(kind):
+    keras.utils.set_random_seed(5)
+    layers = [keras.Input((64,)), keras.layers.Dense(12, activation="tanh", name="hidden"),
+              keras.layers.Dense(10, name="out")]
+    model = (CriticSteps if kind == "critic" else keras.Sequential)(layers, name="net")
+    if kind == "overflowing":
+        # Gradients near 1e22: their sums of squares overflow float32, so the
+        # norms come from the scaled branch, which the host decodes too.
+        loss = lambda y, p: 1e22 * LOSS(y, p)  # noqa: E731
+        model.compile(keras.optimizers.SGD(1e-25), loss, steps_per_execution=4)
+    else:
+        model.compile("adam", LOSS, metrics=None if kind == "critic" else ["accuracy"],
+                      steps_per_execution=4 if kind == "spe4" else 1)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["plain", "spe4", "critic", "overflowing"])
+def test_rows_the_host_finishes_equal_what_the_step_computed_bit_for_bit(digits, kind, monkeypatch):
+    x, y = digits
+    runs = []
+    for on_host in (True, False):
+        monkeypatch.setattr(lab.probes.Probe, "FINISHES_ON_HOST", on_host)
+        model = _model_for(kind)
+        rec = lab.Recorder(gradients=True, weights=True)
+        model.fit(x, y, batch_size=BATCH, epochs=2, callbacks=[rec], verbose=0, shuffle=False)
+        runs.append(rec.run.batches())
+    finished, computed = runs
+    assert list(finished.columns) == list(computed.columns)
+    assert len(finished) == 8
+    norms = [c for c in finished.columns if c.startswith(("grad_norm", "weight_norm/", "update_ratio/"))]
+    assert len(norms) == 1 + 3 * 4
+    for column in norms:
+        assert np.isfinite(finished[column]).all(), column
+        np.testing.assert_array_equal(finished[column].to_numpy(), computed[column].to_numpy(), err_msg=column)
+    if kind == "overflowing":
+        assert (finished["grad_norm/net/hidden/kernel"] > 1e19).all()
