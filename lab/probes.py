@@ -418,6 +418,27 @@ def _scalar_tensor(value):
     return None
 
 
+class MeanParts:
+    """A mean metric's total and count after and before the step, for the
+    host to turn into the batch's own value (`Probe._finish`)."""
+
+    FIRST = "_mean_total/"
+    PREFIXES = (FIRST, "_mean_count/", "_mean_total_before/", "_mean_count_before/")
+
+    def __init__(self, *tensors):
+        self.tensors = tensors
+
+    def float32(self):
+        return all(t.dtype == tf.float32 for t in self.tensors)
+
+    @classmethod
+    def names(cls, key):
+        return [(prefix + key, None) for prefix in cls.PREFIXES]
+
+    def columns(self, key):
+        return [(prefix + key, tensor) for prefix, tensor in zip(self.PREFIXES, self.tensors)]
+
+
 class StepState:
     """What one call of train_step produced, collected while it runs (or traces).
 
@@ -955,6 +976,12 @@ class Probe:
             if plain in rows:  # written plain where this trace combined applies
                 norms = np.where(np.isnan(rows[plain]), norms, rows[plain])
             rows[plain] = norms
+        for name in [n for n in rows if n.startswith(MeanParts.FIRST)]:
+            key = name[len(MeanParts.FIRST):]
+            total, count, total_before, count_before = (rows.pop(n) for n, _ in MeanParts.names(key))
+            total, count = total - total_before, count - count_before
+            with np.errstate(divide="ignore", invalid="ignore"):
+                rows[key] = np.where(count > 0, total / np.where(count > 0, count, 1), np.nan).astype(np.float32)
         for name in [n for n in rows if n.startswith(_UPDATE_NORM)]:
             key = name[len(_UPDATE_NORM):]
             update, weight = rows.pop(name), rows.get(f"weight_norm/{key}")
@@ -978,8 +1005,15 @@ class Probe:
         """The loss tracker when its batch value needs no reading (Keras' own step), else None."""
         return leaf_metrics(self.model).get("loss") if _keras_defines(type(self.model), "train_step") else None
 
-    def _metric_delta(self, metric, before):
+    def _metric_delta(self, metric, before, state):
+        """The batch's own value of a mean metric: the change of its total
+        over the change of its count. In the step's own graph, outside XLA
+        and on one replica, the four values go into the row as they are
+        (`MeanParts`) and `read()` divides, bit for bit as the step would."""
         total, count, total_before, count_before = isolated([metric.total.value, metric.count.value, *before])
+        parts = MeanParts(total, count, total_before, count_before)
+        if self._finishes_on_host(state) and _replica_context() is None and parts.float32():
+            return parts
         total = _all_reduce(tf.cast(total - total_before, tf.float32), "SUM")
         count = _all_reduce(tf.cast(count - count_before, tf.float32), "SUM")
         # A metric the step did not update has no value for this batch (not 0).
@@ -1001,7 +1035,7 @@ class Probe:
         tracker = by_name.get("loss")
         tracker_loss = None
         if tracker is not None and id(tracker) in totals:
-            tracker_loss = self._metric_delta(tracker, totals[id(tracker)])
+            tracker_loss = self._metric_delta(tracker, totals[id(tracker)], state)
         logged = dict(_flat_logs(logs))
         if state.loss is not None:
             loss = tf.cast(unscale_loss_for_distribution(isolated([state.loss])[0]), tf.float32)
@@ -1015,7 +1049,7 @@ class Probe:
                 continue
             metric = self._logged_metric(state, key, value, by_name)
             if metric is not None and id(metric) in totals:
-                values[key] = self._metric_delta(metric, totals[id(metric)])
+                values[key] = self._metric_delta(metric, totals[id(metric)], state)
                 continue
             tensor = _scalar_tensor(value)
             if tensor is None:
@@ -1024,6 +1058,9 @@ class Probe:
                 # Not a mean: its batch value cannot be read off its state.
                 self.running_columns.add(key)
             values[key] = _all_reduce(tf.cast(isolated([tensor])[0], tf.float32), "MEAN")
+        for key in [k for k, v in values.items() if isinstance(v, MeanParts)]:
+            for name, part in values.pop(key).columns(key):
+                values[name] = part
         produced = dict(state.values)
         for key, (slot, reset, combine) in state.slotted.items():
             read = tf.identity(slot.read_value())

@@ -391,6 +391,23 @@ def test_the_step_leaves_square_roots_and_update_ratios_to_the_host():
     assert added["StridedSlice"] <= 1  # the batch size
 
 
+def test_a_mean_metrics_batch_value_is_divided_on_the_host():
+    # The step puts the metric's total and count, after and before, into the
+    # row as they are: no subtraction, comparison or division per metric.
+    keras.utils.set_random_seed(0)
+    plain, measured = _dense_stack(1), _dense_stack(1)
+    measured.compile("adam", LOSS, metrics=["accuracy", keras.metrics.SparseCategoricalCrossentropy(from_logits=True)])
+    extra = {}
+    for model in (plain, measured):
+        added = _step_ops(model, {})
+        added.subtract(_step_ops(model, None))
+        extra[model] = added
+    more = extra[measured] - extra[plain]
+    for kind in ("Sub", "Greater", "DivNoNan", "RealDiv", "SelectV2", "Select"):
+        assert more[kind] == 0, (kind, dict(more))
+    assert more["ReadVariableOp"] == 2 * 4  # each metric's total and count, before and after: reads only
+
+
 class CriticSteps(keras.Sequential):
     """A critic loop in miniature: one optimizer applied three times per step."""
 
@@ -437,7 +454,8 @@ def test_rows_the_host_finishes_equal_what_the_step_computed_bit_for_bit(digits,
     assert len(finished) == 8
     norms = [c for c in finished.columns if c.startswith(("grad_norm", "weight_norm/", "update_ratio/"))]
     assert len(norms) == 1 + 3 * 4
-    for column in norms:
+    means = ["loss", "accuracy"] if "accuracy" in finished else ["loss"]
+    for column in norms + means:
         assert np.isfinite(finished[column]).all(), column
         np.testing.assert_array_equal(finished[column].to_numpy(), computed[column].to_numpy(), err_msg=column)
     if kind == "overflowing":
