@@ -36,6 +36,7 @@ Usage:
     python benchmarks/overhead.py --models mlp --rounds 5 --no-watch
     python benchmarks/overhead.py --watch-only --rounds 15  # lab.watch's figures alone
     python benchmarks/overhead.py --threads 1           # one TF thread: less scheduling noise
+    python benchmarks/overhead.py --threads 1 --cpu 1   # the whole process on CPU 1: far steadier fits
 """
 
 import argparse
@@ -220,6 +221,17 @@ def measure(build, flat, steps_per_execution, rounds, batches, epochs, tmp, seed
     }
 
 
+def pin(cpu):
+    """Runs this process on one CPU: every thread it has (TensorFlow's
+    pools start later, and inherit the mask). On a shared 2-core machine a
+    pinned run's fits vary far less; it is a second measurement, not the
+    fit a user runs (their fit may use every core)."""
+    if cpu is None:
+        return
+    for task in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(task), {cpu})
+
+
 def use_threads(count):
     """TensorFlow's intra- and inter-op threads, before any op runs (None: TF's default)."""
     if count:
@@ -305,7 +317,9 @@ def main(argv=None):
     parser.add_argument("--no-watch", action="store_true", help="skip the lab.watch loop benchmark")
     parser.add_argument("--watch-only", action="store_true", help="only the lab.watch loop benchmark (no fit())")
     parser.add_argument("--threads", type=int, help="TensorFlow intra- and inter-op threads (default: TF's)")
+    parser.add_argument("--cpu", type=int, help="run on this CPU only, every thread (default: any); see pin()")
     args = parser.parse_args(argv)
+    pin(args.cpu)
     use_threads(args.threads)
     rounds = args.rounds or (3 if args.quick else 7)
     batches, epochs = (64, 2) if args.quick else (208, 3)
@@ -322,11 +336,11 @@ def main(argv=None):
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "tensorflow": tf.__version__, "keras": keras.__version__},
-        "batch_size": BATCH_SIZE, "rounds": rounds, "threads": args.threads, "loadavg": {"start": loadavg()},
+        "batch_size": BATCH_SIZE, "rounds": rounds, "threads": args.threads, "cpu": args.cpu, "loadavg": {"start": loadavg()},
         "models": {},
     }
     print(f"load average at start (1, 5, 15 min): {report['loadavg']['start']} on {os.cpu_count()} CPUs; "
-          f"TF threads: {args.threads or 'default'}")
+          f"TF threads: {args.threads or 'default'}; pinned to CPU {args.cpu}")
     if not has_livelossplot():
         print("(livelossplot is not installed: its row is left out)")
     tmp = tempfile.mkdtemp(prefix="lab-overhead-")

@@ -1,6 +1,9 @@
 """benchmarks/overhead.py: how its figures are held against the targets."""
 
 import importlib.util
+import os
+import subprocess
+import sys
 import pathlib
 
 import numpy as np
@@ -75,3 +78,24 @@ def test_the_overflow_check_figures_come_for_each_form_and_count():
     for row in results.values():
         assert set(row) == {"`norms_of` (one Switch)", "as a `tf.cond`", "no check, us per call"}
         assert all(np.isfinite(v) for v in row.values()) and row["no check, us per call"] > 0
+
+
+def test_pin_puts_every_thread_of_the_process_on_one_cpu():
+    # Threads started before the pin (an import's) are moved too, and later
+    # ones (TensorFlow's pools) inherit the mask.
+    script = (
+        "import os, sys, threading, time\n"
+        f"sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
+        "import overhead\n"
+        "stop = threading.Event()\n"
+        "early = threading.Thread(target=stop.wait); early.start()\n"
+        "overhead.pin(0)\n"
+        "late = threading.Thread(target=stop.wait); late.start()\n"
+        "masks = {t: sorted(os.sched_getaffinity(int(t))) for t in os.listdir('/proc/self/task')}\n"
+        "stop.set(); print(len(masks), set(map(tuple, masks.values())))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    count, masks = out.stdout.strip().splitlines()[-1].split(" ", 1)
+    assert int(count) >= 3 and masks == "{(0,)}"
