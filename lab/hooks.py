@@ -186,9 +186,8 @@ class Hooks:
             stack = self._stacks.get(key)
             if stack is None or stack.target() is not target:
                 stack = self._stacks[key] = _Stack(target, name)
-            elif stack.composed is not None and _current(target, name) is not stack.composed:
-                # Someone else replaced it meanwhile (Keras rebuilt the train function).
-                stack.base = _current(target, name)
+            else:
+                _adopt_replacement(stack, target)
             self._sequence += 1
             stack.wrappers.append((ROLES.index(role), self._sequence, owner, factory))
             stack.wrappers.sort(key=lambda w: (w[0], w[1]))
@@ -204,6 +203,9 @@ class Hooks:
             if stack is None:
                 return
             stack.wrappers = [w for w in stack.wrappers if w[2] is not owner]
+            target = stack.target()
+            if target is not None:
+                _adopt_replacement(stack, target)
             self._compose(stack)
 
     def wrap_train_function(self, owner, factory, role):
@@ -298,6 +300,9 @@ class Hooks:
                 if any(w[2] is owner for w in stack.wrappers):
                     try:
                         stack.wrappers = [w for w in stack.wrappers if w[2] is not owner]
+                        target = stack.target()
+                        if target is not None and stack.wrappers:
+                            _adopt_replacement(stack, target)
                         self._compose(stack)
                     except Exception as error:  # noqa: BLE001 - the rest must come off too
                         errors.append(error)
@@ -330,6 +335,15 @@ class Hooks:
             self._compose(stack)
         else:
             model.train_function = None
+
+
+def _adopt_replacement(stack, target):
+    """Takes what replaced the composed function meanwhile as the new base
+    (Keras rebuilt the train function: a mode switch, `compile()`), so that
+    composing again wraps it rather than putting the old one back: a switch
+    to XLA that a wrapper's change undid ran the old graph function."""
+    if stack.composed is not None and _current(target, stack.name) is not stack.composed:
+        stack.base = _current(target, stack.name)
 
 
 def _current(target, name):

@@ -431,6 +431,14 @@ class MeanParts:
     def float32(self):
         return all(t.dtype == tf.float32 for t in self.tensors)
 
+    def on_device(self):
+        """The batch's value computed in the step (summed over replicas)."""
+        total, count, total_before, count_before = self.tensors
+        total = _all_reduce(tf.cast(total - total_before, tf.float32), "SUM")
+        count = _all_reduce(tf.cast(count - count_before, tf.float32), "SUM")
+        # A metric the step did not update has no value for this batch (not 0).
+        return tf.where(count > 0, tf.math.divide_no_nan(total, count), np.float32(np.nan))
+
     @classmethod
     def names(cls, key):
         return [(prefix + key, None) for prefix in cls.PREFIXES]
@@ -499,6 +507,7 @@ class Probe:
         self._optimizer_names = []
         self._slots = {}
         self._hold = None
+        self._reconciled_from = set()  # what the last trace's row took in another form
         self.running_columns = set()  # logged values that are Keras' running ones
         self.record_errors = []  # why steps could not be recorded (the lab's own failures)
         self.traced_in_xla = False  # a step with these hooks was compiled by XLA (see XLA_NOTE)
@@ -923,8 +932,11 @@ class Probe:
             weight_norms = norms[start:start + count] if len(tensors) > count else norms
             self._emit_vector(state, [f"weight_norm/{key}" for key in keys], weight_norms)
             if before is not None:
-                self._emit_vector(state, [f"update_ratio/{key}" for key in keys],
-                                  tf.math.divide_no_nan(norms[start + count:], weight_norms))
+                if self.FINISHES_ON_HOST:  # the host divides (`_finish`), whatever the trace
+                    self._emit_vector(state, [f"{_UPDATE_NORM}{key}" for key in keys], norms[start + count:])
+                else:
+                    self._emit_vector(state, [f"update_ratio/{key}" for key in keys],
+                                      tf.math.divide_no_nan(norms[start + count:], weight_norms))
 
     # ---- values the host finishes ------------------------------------------
 
@@ -1014,10 +1026,7 @@ class Probe:
         parts = MeanParts(total, count, total_before, count_before)
         if self._finishes_on_host(state) and _replica_context() is None and parts.float32():
             return parts
-        total = _all_reduce(tf.cast(total - total_before, tf.float32), "SUM")
-        count = _all_reduce(tf.cast(count - count_before, tf.float32), "SUM")
-        # A metric the step did not update has no value for this batch (not 0).
-        return tf.where(count > 0, tf.math.divide_no_nan(total, count), np.float32(np.nan))
+        return parts.on_device()
 
     def _logged_metric(self, state, key, value, by_name):
         """The metric whose `result()` the step returned under `key`: found
@@ -1156,7 +1165,8 @@ class Probe:
             with self._lock:
                 if self.buffer is None:
                     self.columns, self.buffer = columns, buffer
-        unknown = [name for name in values if name not in self.columns]
+        values, used = self._reconciled(values), set(values)
+        unknown = [name for name in used if name not in self.columns and name not in self._reconciled_from]
         if unknown:
             warnings.warn(
                 f"The training step produced new values {unknown} after recording "
@@ -1166,6 +1176,40 @@ class Probe:
             )
         nan = tf.constant(np.nan, tf.float32)
         self.buffer.write(vector_of([values.get(c, nan) for c in self.columns]))
+
+    def _reconciled(self, values):
+        """`values` in the form of the row's columns, which the first trace
+        fixed: a later trace (under XLA after a mode switch, or one that
+        found a metric's totals the first did not) may give a norm plain
+        where the row holds it encoded, or the other way, and a mean
+        metric's value where the row holds its total and count, or the
+        other way. Each converts exactly: a plain norm n is encoded as -n
+        (`decode_norms` gives n back), a value v as total v over count 1."""
+        self._reconciled_from = set()
+        missing = [c for c in self.columns if c not in values]
+        if not missing:
+            return values
+        values = dict(values)
+        for column in missing:
+            if column.startswith(ENCODED) and column[len(ENCODED):] in values:
+                source = column[len(ENCODED):]
+                values[column] = tf.negative(tf.cast(scalar(values[source]), tf.float32))
+            elif ENCODED + column in values:
+                source = ENCODED + column
+                values[column] = decode_norms(tf.cast(scalar(values[source]), tf.float32))
+            elif column.startswith(MeanParts.FIRST) and column[len(MeanParts.FIRST):] in values:
+                source = column[len(MeanParts.FIRST):]
+                value = tf.cast(scalar(values[source]), tf.float32)
+                for (name, _), part in zip(MeanParts.names(source), (value, 1.0, 0.0, 0.0)):
+                    values[name] = tf.constant(part, tf.float32) if isinstance(part, float) else part
+            elif MeanParts.FIRST + column in values:
+                source = MeanParts.FIRST + column
+                values[column] = MeanParts(*(values[name] for name, _ in MeanParts.names(column))).on_device()
+                self._reconciled_from.update(name for name, _ in MeanParts.names(column))
+            else:
+                continue
+            self._reconciled_from.add(source)
+        return values
 
     def ensure_capacity(self, steps_per_execution):
         """Raises the ring's size so one execution never overwrites unread rows."""

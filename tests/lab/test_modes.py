@@ -115,6 +115,37 @@ def test_switch_inside_fit_continues_the_same_trajectory(data, deterministic):
     assert modes.current_mode(model) == "graph"
 
 
+class TraceRecordingModel(keras.Sequential):
+    """Notes, for each time train_step runs as Python, whether eager or XLA traced it."""
+
+    seen = []
+
+    def train_step(self, data):
+        TraceRecordingModel.seen.append("eager" if tf.executing_eagerly()
+                                        else "xla" if lab.compat.in_xla_trace() else "graph")
+        return super().train_step(data)
+
+
+@pytest.mark.parametrize("watcher", ["recorder", "recorder_with_gradients"])
+@pytest.mark.parametrize("mode", ["eager", "xla"])
+def test_a_switch_inside_a_watched_fit_runs_the_new_mode(data, mode, watcher):
+    # The lab's own wrappers on the train function come and go at a switch
+    # (its first-step check); the function Keras rebuilt for the new mode
+    # must be the one that runs, not the old one put back.
+    x, y = data
+    model = make_model(TraceRecordingModel)
+    TraceRecordingModel.seen = []
+    recorder = lab.Recorder(gradients=watcher == "recorder_with_gradients")
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+              callbacks=[recorder, lab.ModeSwitcher({3: mode})])
+    assert list(recorder.run.batches()["mode"]) == ["graph"] * 3 + [mode] * 7
+    if mode == "eager":
+        assert TraceRecordingModel.seen.count("eager") == 7  # Python on every step after the switch
+    else:
+        assert "xla" in TraceRecordingModel.seen  # the step was compiled by XLA
+        assert recorder.run.metadata.get("traced_in_xla")
+
+
 def test_changing_steps_per_execution_skips_no_optimizer_step(data):
     x, y = data
     model = make_model()

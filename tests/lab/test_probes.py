@@ -460,3 +460,63 @@ def test_rows_the_host_finishes_equal_what_the_step_computed_bit_for_bit(digits,
         np.testing.assert_array_equal(finished[column].to_numpy(), computed[column].to_numpy(), err_msg=column)
     if kind == "overflowing":
         assert (finished["grad_norm/net/hidden/kernel"] > 1e19).all()
+
+
+class TwoLosses(keras.Model):
+    """A custom step whose per-output loss trackers (fed by compute_loss)
+    exist only after the first trace: a later trace reads their totals where
+    the first took their logged values."""
+
+    def train_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss, sample_weight=tf.shape(x)[0])
+        return self.get_metrics_result()
+
+
+def test_values_a_later_trace_gives_in_another_form_are_recorded(digits):
+    x, y = digits
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((64,))
+    trunk = keras.layers.Dense(16, activation="relu")(inputs)
+    model = TwoLosses(inputs, {"digit": keras.layers.Dense(10, name="digit")(trunk),
+                               "parity": keras.layers.Dense(1, name="parity")(trunk)})
+    model.compile("adam", loss={"digit": LOSS, "parity": keras.losses.BinaryCrossentropy(from_logits=True)},
+                  loss_weights={"digit": 1.0, "parity": 10.0})
+    targets = {"digit": y, "parity": (y % 2).astype("float32")[:, None]}
+    rec = lab.Recorder(gradients=True, weights=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        model.fit(x[:120], {k: v[:120] for k, v in targets.items()}, batch_size=BATCH, epochs=1, verbose=0,
+                  callbacks=[rec])  # 3 full batches and one of 24: a second trace
+    rows = rec.run.batches()
+    assert len(rows) == 4
+    np.testing.assert_allclose(rows["loss"], rows["digit_loss"] + 10 * rows["parity_loss"], rtol=1e-4)
+
+
+def test_a_switch_to_xla_inside_fit_keeps_every_column(digits):
+    # The first (graph) trace fixes the row's columns with norms and metric
+    # totals for the host to finish; the XLA trace computes them itself, and
+    # its values go into those columns all the same.
+    x, y = digits
+    model = make_mlp(4)
+    model.compile("adam", LOSS, metrics=["accuracy"])
+    rec = lab.Recorder(gradients=True, weights=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                  callbacks=[rec, lab.ModeSwitcher({2: "xla", 6: "graph"})])
+    rows = rec.run.batches()
+    assert list(rows["mode"]) == ["graph"] * 2 + ["xla"] * 4 + ["graph"] * 2
+    values = [c for c in rows.columns if c.startswith(("grad_norm", "weight_norm/", "update_ratio/"))]
+    assert len(values) == 1 + 3 * 4
+    for column in values + ["loss", "accuracy"]:
+        assert np.isfinite(rows[column]).all(), column
+    ratios = rows[[c for c in values if c.startswith("update_ratio/")]].to_numpy()
+    assert ((ratios > 0) & (ratios <= 1)).all()  # a bias from 0: its first update is all of it
+    assert ((rows["accuracy"] * BATCH).round(3) % 1 == 0).all()  # each batch's own share of 32
