@@ -23,6 +23,11 @@ squares overflows float32 still has a finite norm. When one optimizer
 applies several times in one step (a critic loop), a variable's
 `grad_norm/<key>` covers all of them (the root of the sum of their squares),
 and `applies/<optimizer>` says how many there were.
+
+What the host can finish, the host finishes (`Probe._finish`, at `read()`):
+the step writes norms as half sums of squares (`encoded_norms_of`) and a
+mean metric's totals and counts (`MeanParts`); the host takes the roots,
+the update ratios and the batch values, bit for bit as the step would.
 """
 
 import threading
