@@ -446,7 +446,7 @@ class MeanParts:
 
     @classmethod
     def names(cls, key):
-        return [(prefix + key, None) for prefix in cls.PREFIXES]
+        return [prefix + key for prefix in cls.PREFIXES]
 
     def columns(self, key):
         return [(prefix + key, tensor) for prefix, tensor in zip(self.PREFIXES, self.tensors)]
@@ -512,7 +512,6 @@ class Probe:
         self._optimizer_names = []
         self._slots = {}
         self._hold = None
-        self._reconciled_from = set()  # what the last trace's row took in another form
         self.running_columns = set()  # logged values that are Keras' running ones
         self.record_errors = []  # why steps could not be recorded (the lab's own failures)
         self.traced_in_xla = False  # a step with these hooks was compiled by XLA (see XLA_NOTE)
@@ -995,7 +994,7 @@ class Probe:
             rows[plain] = norms
         for name in [n for n in rows if n.startswith(MeanParts.FIRST)]:
             key = name[len(MeanParts.FIRST):]
-            total, count, total_before, count_before = (rows.pop(n) for n, _ in MeanParts.names(key))
+            total, count, total_before, count_before = (rows.pop(n) for n in MeanParts.names(key))
             total, count = total - total_before, count - count_before
             with np.errstate(divide="ignore", invalid="ignore"):
                 rows[key] = np.where(count > 0, total / np.where(count > 0, count, 1), np.nan).astype(np.float32)
@@ -1170,8 +1169,9 @@ class Probe:
             with self._lock:
                 if self.buffer is None:
                     self.columns, self.buffer = columns, buffer
-        values, used = self._reconciled(values), set(values)
-        unknown = [name for name in used if name not in self.columns and name not in self._reconciled_from]
+        unknown = [name for name in values if name not in self.columns]
+        values, converted = self._reconciled(values)
+        unknown = [name for name in unknown if name not in converted]
         if unknown:
             warnings.warn(
                 f"The training step produced new values {unknown} after recording "
@@ -1189,11 +1189,12 @@ class Probe:
         where the row holds it encoded, or the other way, and a mean
         metric's value where the row holds its total and count, or the
         other way. Each converts exactly: a plain norm n is encoded as -n
-        (`decode_norms` gives n back), a value v as total v over count 1."""
-        self._reconciled_from = set()
+        (`decode_norms` gives n back), a value v as total v over count 1.
+        Returns the values and the names that went in converted."""
+        converted = set()
         missing = [c for c in self.columns if c not in values]
         if not missing:
-            return values
+            return values, converted
         values = dict(values)
         for column in missing:
             if column.startswith(ENCODED) and column[len(ENCODED):] in values:
@@ -1205,16 +1206,16 @@ class Probe:
             elif column.startswith(MeanParts.FIRST) and column[len(MeanParts.FIRST):] in values:
                 source = column[len(MeanParts.FIRST):]
                 value = tf.cast(scalar(values[source]), tf.float32)
-                for (name, _), part in zip(MeanParts.names(source), (value, 1.0, 0.0, 0.0)):
+                for name, part in zip(MeanParts.names(source), (value, 1.0, 0.0, 0.0)):
                     values[name] = tf.constant(part, tf.float32) if isinstance(part, float) else part
             elif MeanParts.FIRST + column in values:
                 source = MeanParts.FIRST + column
-                values[column] = MeanParts(*(values[name] for name, _ in MeanParts.names(column))).on_device()
-                self._reconciled_from.update(name for name, _ in MeanParts.names(column))
+                values[column] = MeanParts(*(values[name] for name in MeanParts.names(column))).on_device()
+                converted.update(MeanParts.names(column))
             else:
                 continue
-            self._reconciled_from.add(source)
-        return values
+            converted.add(source)
+        return values, converted
 
     def ensure_capacity(self, steps_per_execution):
         """Raises the ring's size so one execution never overwrites unread rows."""
