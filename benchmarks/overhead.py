@@ -11,7 +11,10 @@ counts every thread of this process, TensorFlow's pools included). The JSON
 also holds the median of the per-round ratios. The machines are shared and noisy:
 absolute times from different runs are not comparable, and the load averages
 are printed with the table. Tracing is excluded: each configuration first runs a warm-up fit with
-the same callbacks on the same model.
+the same callbacks on the same model. A second table gives the share of each
+fit spent inside the callbacks' own hooks (`timed`): measured in the same
+process, it is steady where whole fits are not, and what a configuration
+costs beyond it is in the graph (`benchmarks/step_cost.py`).
 
 Rows: a per-batch `float(logs)` callback, TensorBoard(update_freq="batch"),
 TensorBoard with histogram_freq=1, livelossplot (only if it is installed),
@@ -164,6 +167,36 @@ def configs(tmp):
     return found
 
 
+HOOKS = ("on_train_begin", "on_epoch_begin", "on_train_batch_begin", "on_train_batch_end", "on_epoch_end",
+         "on_train_end")
+
+
+def timed(callbacks):
+    """Times the fit() hooks of `callbacks` in place; returns a list whose
+    one item adds up the seconds spent inside them.
+
+    That is the callbacks' own share of a fit, measured in the same process
+    and far steadier than the fit's wall time: what remains of a
+    configuration's overhead is in the graph (`benchmarks/step_cost.py`). A
+    hook is wrapped on the instance, so Keras calls it as before; the
+    wrapper's own cost (two clock reads) is part of the figure.
+    """
+    spent = [0.0]
+    for callback in callbacks:
+        for name in HOOKS:
+            hook = getattr(callback, name)
+
+            def timed_hook(*args, _hook=hook, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return _hook(*args, **kwargs)
+                finally:
+                    spent[0] += time.perf_counter() - start
+
+            setattr(callback, name, timed_hook)
+    return spent
+
+
 def data(flat, batches):
     (x, y), _ = lab.datasets.digits(flat=flat)
     samples = batches * BATCH_SIZE
@@ -175,19 +208,21 @@ def measure(build, flat, steps_per_execution, rounds, batches, epochs, tmp, seed
     """Median and fastest ratios to bare fit, per configuration, at one steps_per_execution."""
     x, y = data(flat, batches)
     found = configs(tmp)
-    models, callbacks = {}, {}
+    models, callbacks, spent = {}, {}, {}
     for name, make in found.items():
         keras.utils.set_random_seed(0)
         model = build()
         model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       steps_per_execution=steps_per_execution)
         callbacks[name] = make()
+        spent[name] = timed(callbacks[name])
         # Warm-up with the same callbacks: traces the (hooked) train function.
         model.fit(x, y, batch_size=BATCH_SIZE, epochs=1, verbose=0, callbacks=callbacks[name])
         models[name] = model
     seconds = {name: [] for name in found}
     cpu_seconds = {name: [] for name in found}
     ratios = {name: [] for name in found}
+    hook_shares = {name: [] for name in found}
     cpu_ratios = {name: [] for name in found}
     order = list(found)
     shuffle = random.Random(seed + steps_per_execution).shuffle
@@ -195,9 +230,11 @@ def measure(build, flat, steps_per_execution, rounds, batches, epochs, tmp, seed
         shuffle(order)  # no configuration always runs first, or right after another
         times, cpu = {}, {}
         for name in order:
+            spent[name][0] = 0.0
             start, start_cpu = time.perf_counter(), time.process_time()
             models[name].fit(x, y, batch_size=BATCH_SIZE, epochs=epochs, verbose=0, callbacks=callbacks[name])
             times[name] = time.perf_counter() - start
+            hook_shares[name].append(spent[name][0] / times[name])
             cpu[name] = time.process_time() - start_cpu
             seconds[name].append(times[name])
             cpu_seconds[name].append(cpu[name])
@@ -215,6 +252,8 @@ def measure(build, flat, steps_per_execution, rounds, batches, epochs, tmp, seed
                            "cpu_median_ratio": (statistics.median(cpu_seconds[name])
                                                 / statistics.median(cpu_seconds["bare fit"])),
                            "round_median_ratio": statistics.median(ratios[name]),
+                           "hook_share_median": statistics.median(hook_shares[name]),
+                           "hook_shares": hook_shares[name],
                            "ratios": ratios[name], "cpu_ratios": cpu_ratios[name], "seconds": seconds[name],
                            "cpu_seconds": cpu_seconds[name]}
                     for name in found},
@@ -304,6 +343,11 @@ def table(label, results, rounds):
         cells = " | ".join(f"{results[spe]['configs'][name]['median_ratio']:.2f} "
                            f"({results[spe]['configs'][name]['fastest_ratio']:.2f}; "
                            f"cpu {results[spe]['configs'][name]['cpu_median_ratio']:.2f})" for spe in spes)
+        lines.append(f"| {name} | {cells} |")
+    lines += ["", "Inside the callbacks' hooks: median share of each fit's time (in-process, steady)", "",
+              "| | " + " | ".join(f"steps_per_execution={spe}" for spe in spes) + " |", "|---|" + "---|" * len(spes)]
+    for name in names:
+        cells = " | ".join(f"{100 * results[spe]['configs'][name]['hook_share_median']:.1f}%" for spe in spes)
         lines.append(f"| {name} | {cells} |")
     return "\n".join(lines)
 

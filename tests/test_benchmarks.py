@@ -99,3 +99,32 @@ def test_pin_puts_every_thread_of_the_process_on_one_cpu():
     assert out.returncode == 0, out.stderr[-2000:]
     count, masks = out.stdout.strip().splitlines()[-1].split(" ", 1)
     assert int(count) >= 3 and masks == "{(0,)}"
+
+
+def test_the_hook_share_adds_up_the_time_inside_a_callbacks_hooks_and_keeps_them_working(overhead):
+    import time
+
+    import keras
+
+    import lab
+
+    class Slow(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.batches = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.batches.append(batch)
+            time.sleep(0.02)
+
+    slow, recorder = Slow(), lab.Recorder()
+    spent = overhead.timed([slow, recorder])
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    x, y = np.zeros((40, 4), np.float32), np.zeros((40, 1), np.float32)
+    started = time.perf_counter()
+    model.fit(x, y, batch_size=10, epochs=1, verbose=0, callbacks=[slow, recorder])
+    seconds = time.perf_counter() - started
+    assert slow.batches == [0, 1, 2, 3]  # Keras still calls the wrapped hooks
+    assert len(recorder.run) == 4 and recorder.status == "finished"  # and the lab's work as before
+    assert 4 * 0.02 <= spent[0] < seconds

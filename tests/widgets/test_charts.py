@@ -115,3 +115,65 @@ def test_live_figure_refresh_is_one_update_with_binary_arrays(comm_log, make_run
     assert all(not isinstance(v, list) or not v or not isinstance(v[0], list) for v in style.get("z", []))
     assert live.figure.data[0].name == "loss"
     assert live.figure.layout.yaxis3.type == "log"
+
+
+def _received(message):
+    """The arrays and values of a plotly update message as the frontend decodes them."""
+    from ipywidgets.widgets.widget import _put_buffers
+
+    state = message["data"]["state"]
+    _put_buffers(state, message["data"]["buffer_paths"], message["buffers"])
+    update = state["_py2js_update"]
+
+    def decoded(value):
+        if isinstance(value, dict) and "buffer" in value:
+            return np.frombuffer(value["buffer"], value["dtype"])
+        return value
+
+    traces = {name: dict(zip(update["style_traces"], map(decoded, values)))
+              for name, values in update["style_data"].items()}
+    return traces, update["layout_data"]
+
+
+def test_a_refresh_sends_exactly_the_series_drawn_and_validates_no_array(comm_log, make_run, monkeypatch):
+    import _plotly_utils.basevalidators as validators
+
+    run = make_run(5_000)
+    live = charts.LiveFigure(gradients=True, weights=False)
+    state = series.ChartState(run)
+    first = state.update()
+    comm_log.clear()
+    live.update(first)  # adds the traces first seen here, and names the heatmap's layers
+    axis = charts._axis_name(live.figure, live.figure.data[live._traces[("heatmap", "heatmap")]])
+    assert list(live.figure.layout[axis].ticktext) == list(first.heatmap.layers) == ["m/dense", "m/out"]
+    _, layout = _received(comm_log.updates_to(live.figure)[-1])
+    assert layout[f"{axis}.ticktext"] == ["m/dense", "m/out"]  # in the same message as the data
+    run.add_event("nonfinite", "loss is nan", step=5_020)
+    validated = []
+    copy = validators.copy_to_readonly_numpy_array
+    monkeypatch.setattr(validators, "copy_to_readonly_numpy_array", lambda *a, **k: validated.append(1) or copy(*a, **k))
+    comm_log.clear()
+    run.append_batches({name: np.full(50, 0.5, np.float32) for name in run.columns
+                        if name not in ("step", "epoch", "batch")})
+    data = state.update()
+    live.update(data)
+    assert validated == []  # plotly's per-array validation is what made refreshes slow
+    [message] = comm_log.updates_to(live.figure)
+    traces, layout = _received(message)
+    drawn = [("loss", s) for s in data.loss] + [("metrics", s) for s in data.metrics] + \
+        [("gradients", s) for s in data.gradients]
+    for panel, line in drawn:
+        index = live._traces[(panel, line.name)]
+        np.testing.assert_array_equal(traces["x"][index], line.x)
+        np.testing.assert_array_equal(traces["y"][index], line.y)
+        assert traces["x"][index].dtype == np.float32  # a binary buffer, not JSON
+        np.testing.assert_array_equal(live.figure.data[index].y, line.y)  # the Python side agrees
+    events = live._traces[("loss", "events")]
+    assert traces["hovertext"][events] == ["nonfinite: loss is nan"]
+    heat = live._traces[("heatmap", "heatmap")]
+    np.testing.assert_array_equal(traces["z"][heat], data.heatmap.z)
+    assert traces["z"][events] == "_undefined_"  # a trace that does not take a property keeps its own
+    assert layout == {}  # the layers did not change: no new ticks
+    comm_log.clear()
+    live.update(data)
+    assert comm_log.updates_to(live.figure) == []  # nothing changed, nothing sent
