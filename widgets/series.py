@@ -143,8 +143,14 @@ class ChartState:
             run.subscribe(self._on_rows)
 
     def _on_rows(self, run, table, start, stop):
-        if table != "batches":
-            self._tables.pop(table, None)
+        # What is built from a table goes with it: "validation" from the
+        # epochs, "marked" (the events drawn) from the events.
+        if table == "epochs":
+            self._tables.pop("epochs", None)
+            self._tables.pop("validation", None)
+        elif table == "events":
+            self._tables.pop("events", None)
+            self._tables.pop("marked", None)
 
     def _table(self, table):
         if table not in self._tables:
@@ -208,26 +214,43 @@ class ChartState:
         panels = {"loss": [], "metrics": [], "gradients": [], "update_ratios": []}
         for (panel, name), (_, _, envelope) in self._lines.items():
             panels[panel].append(Series(name, *envelope.points(self.max_points)))
-        epochs = self._table("epochs")
-        if len(epochs):
-            epoch_steps = epochs["step"].to_numpy()
-            for name in [c for c in epochs.columns if c.startswith("val_")]:
-                series = Series(name, *downsample(epoch_steps, epochs[name].to_numpy(), self.max_points),
-                                markers=True)
-                panels["loss" if name == "val_loss" else "metrics"].append(series)
+        for panel, series in self._validation():
+            panels[panel].append(series)
         panels["loss"].append(self._events(stop))
         columns = self._bins.columns() if self._bin_layers else (np.zeros(0, np.float32),) * 3
         heat = Heatmap(*columns, self._bin_layers)
         return ChartData(panels["loss"], panels["metrics"], panels["gradients"], heat,
                          panels["update_ratios"], stop)
 
+    def _validation(self):
+        """(panel, Series) of each validation metric, rebuilt only when epoch rows change."""
+        if "validation" not in self._tables:
+            epochs = self._table("epochs")
+            found = []
+            if len(epochs):
+                epoch_steps = epochs["step"].to_numpy()
+                for name in [c for c in epochs.columns if c.startswith("val_")]:
+                    series = Series(name, *downsample(epoch_steps, epochs[name].to_numpy(), self.max_points),
+                                    markers=True)
+                    found.append(("loss" if name == "val_loss" else "metrics", series))
+            self._tables["validation"] = found
+        return self._tables["validation"]
+
     def _events(self, stop):
-        """Markers for events worth seeing on the loss chart, at the loss of their step."""
+        """Markers for events worth seeing on the loss chart, at the loss of their step.
+
+        Kept until the events change, once every marked step has its row
+        (an event is marked at the last finite loss at or before its step).
+        """
+        has_loss = "loss" in self.run.columns
+        kept = self._tables.get("marked")
+        if kept is not None and kept[1] in (None, stop) and kept[2] == has_loss:
+            return kept[0]
         events = self._table("events")
         events = events[events["kind"].isin(MARKED_EVENTS)].tail(MAX_EVENTS)
         x = events["step"].to_numpy().astype(np.float32)
         y = np.full(len(x), np.nan, np.float32)
-        if "loss" in self.run.columns:
+        if has_loss:
             for i, step in enumerate(x.astype(np.int64)):
                 # The loss of the event's step is often the non-finite value
                 # itself: mark the last finite loss at or before it.
@@ -237,7 +260,12 @@ class ChartState:
                 if len(finite):
                     y[i] = finite[-1]
         text = tuple(f"{kind}: {detail}" for kind, detail in zip(events["kind"], events["detail"]))
-        return Series("events", x, y, markers=True, text=text)
+        marked = Series("events", x, y, markers=True, text=text)
+        # It reads the rows up to the last marked step: once they are all
+        # there it cannot change, until they are it changes with each row.
+        complete = not len(x) or int(x.max()) < stop
+        self._tables["marked"] = (marked, None if complete else stop, has_loss)
+        return marked
 
 
 def chart_data(run, max_points=MAX_POINTS, heatmap_bins=HEATMAP_BINS):

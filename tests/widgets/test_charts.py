@@ -177,3 +177,23 @@ def test_a_refresh_sends_exactly_the_series_drawn_and_validates_no_array(comm_lo
     comm_log.clear()
     live.update(data)
     assert comm_log.updates_to(live.figure) == []  # nothing changed, nothing sent
+
+
+def test_event_markers_and_validation_points_follow_new_events_epochs_and_rows(make_run):
+    run = make_run(100)
+    state = series.ChartState(run)
+    assert state.update().loss[-1].x.tolist() == []
+    run.add_event("nonfinite", "loss is nan", step=120)  # its row has not arrived yet
+    marked = state.update().loss[-1]
+    assert marked.x.tolist() == [120.0] and marked.y[0] == run.column("loss")[99]
+    run.append_batches({name: np.full(30, 0.25, np.float32) for name in run.columns
+                        if name not in ("step", "epoch", "batch")})
+    assert state.update().loss[-1].y[0] == 0.25  # marked at its own step's loss once it is there
+    run.add_event("breakpoint", "step 50", step=50)
+    run.add_event("mode", "graph -> xla", step=60)  # not an event the chart marks
+    assert state.update().loss[-1].x.tolist() == [120.0, 50.0]
+    assert [s.name for s in state.update().loss] == ["loss", "events"]
+    run.append_epoch(0, {"loss": 0.5, "val_loss": 0.75, "val_accuracy": 0.5})
+    data = state.update()
+    assert [s.name for s in data.loss] == ["loss", "val_loss", "events"]
+    assert data.loss[1].y.tolist() == [0.75] and [s.name for s in data.metrics] == ["accuracy", "val_accuracy"]
