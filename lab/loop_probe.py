@@ -380,7 +380,7 @@ class LoopProbe(Probe):
                 # A gather of these slots alone: a read of the whole ring would
                 # make the scatter below copy it (XLA has no ResourceGatherNd).
                 old = self._slots.vector.sparse_read(indices[:, 0])
-                self._slots.vector.scatter_nd_update(indices, mode(old, values))
+                self._slots.vector.scatter_nd_update(indices, _combined(mode, old, values))
             elif mode:
                 self._slots.vector.scatter_nd_add(indices, values)
             else:
@@ -516,6 +516,16 @@ class LoopProbe(Probe):
             total = total_grad_norm(columns, updates)
             columns["grad_norm"] = total if total is not None else np.full(len(taken), np.nan, np.float32)
         return columns
+
+
+def _combined(combine, old, new):
+    """`combine(old, new)`, computed only where some slot already holds a
+    value: the first write of a row finds every slot unset (NaN), where a
+    combine gives `new` (NaN in `old`: none yet), and that is the usual step,
+    one apply of each optimizer. The check costs a few kernels
+    (`compat.rarely`), the combine about a dozen."""
+    fresh = tf.reduce_all(tf.math.is_nan(old))
+    return compat.rarely(lambda: new, fresh, lambda values: combine(*values), [old, new])
 
 
 def _describe(value):

@@ -604,3 +604,25 @@ def test_a_step_closed_while_another_thread_reads_the_run_is_kept(digits):
     frame = run.batches()
     assert frame["step"].tolist() == [0, 1] and (frame["updated"] == 1).all()
     assert (run.events()["kind"] != "warning").all()
+
+
+def test_the_usual_step_puts_its_norms_in_fresh_slots_without_combining_them(digits):
+    # One apply per step is the usual loop. Its norms find their slots unset
+    # and go in as they are: the combine that covers several applies (about
+    # a dozen kernels, the largest part of what watch() added to the step)
+    # runs only when a slot already holds a value (test_hooks covers that case).
+    def kernels(watched):
+        model, optimizer = make_mlp(), keras.optimizers.SGD(0.05)
+        step = make_step(model, optimizer, "graph")
+        x, y = batches(*digits, 1)[0]
+        if not watched:
+            return lab.compat.graph_nodes(step.get_concrete_function(x, y).graph)
+        with lab.watch(model, optimizer) as run:
+            run.step(loss=step(x, y))
+            return lab.compat.graph_nodes(step.get_concrete_function(x, y).graph)
+
+    bare, watched = kernels(False), kernels(True)
+    added = watched - bare
+    assert added["Maximum"] == 0 and added["Greater"] == 0 and added["IsFinite"] <= 1, added  # the combine's
+    # One Switch each: the norms' overflow check, and the check that the slots are unset.
+    assert added["All"] == 2 and added["Switch"] == 2
