@@ -21,6 +21,7 @@ from run to run only inside `<svg>` elements, which
 """
 
 import collections
+import dataclasses
 import html
 import numbers
 import threading
@@ -394,8 +395,8 @@ class Dashboard(keras.callbacks.Callback):
             data = self._series.update()
             status = self._header_html()
             if view.kind == "html":
-                if self._ghost is not None:
-                    data.loss.insert(1, self._ghost)
+                if self._ghost is not None:  # a new ChartData: the state hands the same one out again
+                    data = dataclasses.replace(data, loss=[data.loss[0], self._ghost, *data.loss[1:]])
                 if self.status in _TERMINAL:
                     status = self._static_status_html()
             view.send(data, status, final=final)

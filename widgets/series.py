@@ -144,7 +144,9 @@ class ChartState:
 
     def _on_rows(self, run, table, start, stop):
         # What is built from a table goes with it: "validation" from the
-        # epochs, "marked" (the events drawn) from the events.
+        # epochs, "marked" (the events drawn) from the events, and the
+        # last ChartData ("data") from any of them.
+        self._tables.pop("data", None)
         if table == "epochs":
             self._tables.pop("epochs", None)
             self._tables.pop("validation", None)
@@ -183,7 +185,11 @@ class ChartState:
         return restart
 
     def update(self):
-        """Reads the new rows and returns the `ChartData` to draw."""
+        """Reads the new rows and returns the `ChartData` to draw.
+
+        When no rows, epochs or events came since the last call it returns
+        the same `ChartData` again: a caller treats it as read-only.
+        """
         run = self.run
         stop = len(run)
         if stop < self._read:  # not the run this state followed: start over
@@ -195,6 +201,7 @@ class ChartState:
                 self._lines[key] = (group, combine, Envelope(2 * self.max_points))
             self._bins = StepBins(len(self._bin_layers), self.heatmap_bins)
             self._read = 0
+            self._tables.pop("data", None)
         start = self._read
         if stop > start:
             steps = read_rows(run, "step", start, stop).astype(np.float64)
@@ -208,7 +215,10 @@ class ChartState:
             if self._bin_layers:
                 self._bins.extend(steps, np.stack([layer_values[l] for l in self._bin_layers]))
             self._read = stop
-        return self._data(stop)
+        elif self._tables.get("data") is not None:
+            return self._tables["data"]  # no new rows, epochs or events: what the last call drew
+        data = self._tables["data"] = self._data(stop)
+        return data
 
     def _data(self, stop):
         panels = {"loss": [], "metrics": [], "gradients": [], "update_ratios": []}

@@ -303,6 +303,26 @@ def test_a_saved_run_shows_as_a_ghost_behind_the_live_loss(comm_log, digits, mak
     np.testing.assert_allclose(ghost.y, rec.run.column("loss"))
 
 
+
+def test_the_html_view_draws_the_ghost_once_however_often_it_refreshes(comm_log, digits, make_model, tmp_path):
+    # A refresh with nothing new gets the same chart data as the last one:
+    # the ghost line is added to a copy, never to that data.
+    import lab
+    import widgets
+
+    (x, y), _ = digits
+    rec = lab.Recorder()
+    make_model().fit(x, y, batch_size=32, callbacks=[rec], verbose=0)
+    rec.run.name = "baseline"
+    dash = widgets.Dashboard(gradients=False, ghost=rec.run, view="html")
+    make_model(seed=1).fit(x, y, batch_size=32, callbacks=[dash], verbose=0)
+    sent = []
+    dash.live_view.send = lambda data, status, final=False: sent.append([s.name for s in data.loss])
+    for _ in range(3):
+        dash.refresh(final=True)
+    assert sent == [["loss", "baseline (saved)", "events"]] * 3
+    assert dash._series.update() is dash._series.update()  # nothing new: nothing recomputed
+
 def test_prediction_progress_shows_in_the_header(comm_log, digits, make_model):
     import widgets
 
