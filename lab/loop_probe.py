@@ -379,7 +379,10 @@ class LoopProbe(Probe):
                 # Every norm that covers several applies, combined in one vector op.
                 # A gather of these slots alone: a read of the whole ring would
                 # make the scatter below copy it (XLA has no ResourceGatherNd).
-                old = self._slots.vector.sparse_read(indices[:, 0])
+                # Its indices as their own constant plus the offset: two graph
+                # nodes, where a slice of the scatter's takes four.
+                positions = tf.constant(where, tf.int32) + offset
+                old = self._slots.vector.sparse_read(positions)
                 self._slots.vector.scatter_nd_update(indices, _combined(mode, old, values))
             elif mode:
                 self._slots.vector.scatter_nd_add(indices, values)
