@@ -203,10 +203,7 @@ class Hooks:
             if stack is None:
                 return
             stack.wrappers = [w for w in stack.wrappers if w[2] is not owner]
-            target = stack.target()
-            if target is not None:
-                _adopt_replacement(stack, target)
-            self._compose(stack)
+            self._recompose(stack)
 
     def wrap_train_function(self, owner, factory, role):
         """Wraps the model's current train function (see `sync_train_function`)."""
@@ -248,6 +245,14 @@ class Hooks:
         if model.__dict__.get("train_function") is not stack.composed:
             return model.train_function
         return stack.base
+
+    def _recompose(self, stack):
+        """Composes `stack` again after its wrappers changed, over what
+        replaced the composed function meanwhile (`_adopt_replacement`)."""
+        target = stack.target()
+        if target is not None:
+            _adopt_replacement(stack, target)
+        self._compose(stack)
 
     def _compose(self, stack):
         target = stack.target()
@@ -300,10 +305,7 @@ class Hooks:
                 if any(w[2] is owner for w in stack.wrappers):
                     try:
                         stack.wrappers = [w for w in stack.wrappers if w[2] is not owner]
-                        target = stack.target()
-                        if target is not None and stack.wrappers:
-                            _adopt_replacement(stack, target)
-                        self._compose(stack)
+                        self._recompose(stack)
                     except Exception as error:  # noqa: BLE001 - the rest must come off too
                         errors.append(error)
             if id(owner) in self._tainted:

@@ -112,22 +112,22 @@ class LiveFigure:
             panels.append(("gradients", data.gradients))
         if "update_ratios" in self.rows:
             panels.append(("update_ratios", data.update_ratios))
-        for panel, items in panels:
-            for series in items:
-                self._trace(panel, series.name, series.markers)
-        heat = data.heatmap
         # Sent as one `plotly_update` built here rather than by assigning
         # traces inside `batch_update()`: plotly validates every assigned
         # array (about 0.1 ms each, most of a refresh with 50 layers), and
         # these are float32 arrays this module made (`_values`).
         edits, relayout = {}, {}
-        for key, series in [((panel, s.name), s) for panel, items in panels for s in items]:
-            # Only the series that changed since the last refresh are sent.
-            if self._changed(key, series.x, series.y):
-                edit = edits.setdefault(self._traces[key], {})
-                edit["x"], edit["y"] = _values(series.x), _values(series.y)
-                if series.name == "events":
-                    edit["hovertext"] = list(series.text)
+        for panel, items in panels:
+            for series in items:
+                self._trace(panel, series.name, series.markers)
+                key = (panel, series.name)
+                # Only the series that changed since the last refresh are sent.
+                if self._changed(key, series.x, series.y):
+                    edit = edits.setdefault(self._traces[key], {})
+                    edit["x"], edit["y"] = _values(series.x), _values(series.y)
+                    if series.name == "events":
+                        edit["hovertext"] = list(series.text)
+        heat = data.heatmap
         if "heatmap" in self.rows and self._changed(("heatmap", "heatmap"), heat.x, heat.z):
             index = self._traces[("heatmap", "heatmap")]
             edits[index] = dict(x=_values(heat.x), y=_values(heat.y), z=_values(heat.z))
