@@ -24,6 +24,9 @@ from tensorflow.compiler.tf2xla.ops.gen_xla_ops import (
 from tensorflow.python.ops.control_flow_util import (
     GraphOrParentsInXlaContext as _in_xla_context,
 )
+# The graphs of a tf.cond's branches and a tf.while_loop's body and condition
+# (TF 2.16 and 2.21).
+from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
 
 
 def _version(text):
@@ -143,20 +146,29 @@ def isolated(tensors):
 def rarely(usual, condition, branch, inputs):
     """`usual()` where the scalar bool `condition` holds, else
     `branch(inputs)`: a `tf.cond` for a branch that rarely runs, over many
-    inputs.
+    inputs, at the least cost to the graph around it.
 
-    A graph runs a `tf.cond` as Switch and Merge nodes, one Switch for each
-    tensor the branch reads. With every norm of a 50-variable update in one
-    overflow check (150 tensors), those Switches cost more than the norms.
-    Here one Switch decides: its output on the branch's side is the pivot
-    the branch depends on (a node that depends on a dead one is dead, and
-    does not run: TF1's cond, by hand), and the branch is one function
-    call, so the side not taken is a single dead node. Eager execution and
-    XLA, whose conds cost no Switches, take `tf.cond` as it is (under XLA,
-    any other program could fuse the step's own ops differently).
+    A graph runs a lowered `tf.cond` as Switch and Merge nodes (one Switch
+    for each tensor a branch reads), and one Switch anywhere in a function
+    makes TensorFlow's executor run *every* node of it with the propagator
+    that tracks frames and dead tensors: on a 300-node training step that
+    cost about 60 us a step on a CPU, more than the lab's own kernels. So
+    where the graph has no control flow of its own (the usual training
+    step, not inside a loop or a cond), this is one functional `If` node
+    that is not lowered (`functional_cond`): the step keeps the plain
+    executor and the `If` runs the chosen side as a function call, its
+    inputs passed as they are.
 
-    `branch` must have no side effects: after a dead one, every op that
-    must run after it would be dead too (ValueError).
+    Inside a `tf.while_loop` or a cond, whose Switches are already there,
+    one Switch decides: its output on the branch's side is the pivot the
+    branch depends on (a node that depends on a dead one is dead, and does
+    not run: TF1's cond, by hand), and the branch is one function call, so
+    the side not taken is a single dead node. Eager execution and XLA, whose
+    conds cost no Switches, take `tf.cond` as it is (under XLA, any other
+    program could fuse the step's own ops differently).
+
+    `branch` must have no side effects (ValueError): after a dead one,
+    every op that must run after it would be dead too.
     """
     if tf.executing_eagerly() or in_xla_trace():
         return tf.cond(condition, usual, lambda: branch(list(inputs)))
@@ -167,6 +179,8 @@ def rarely(usual, condition, branch, inputs):
     stateful = sorted({op.type for op in traced.graph.get_operations() if op.op_def.is_stateful})
     if stateful:
         raise ValueError(f"rarely() takes a branch without side effects; this one has {stateful}. Use tf.cond.")
+    if not in_control_flow():
+        return functional_cond(condition, usual, lambda: called(*inputs))
     taken, kept = tf.raw_ops.Switch(data=usual(), pred=condition)
     pivot = tf.identity(taken)
     with tf.control_dependencies([pivot]):
@@ -174,21 +188,56 @@ def rarely(usual, condition, branch, inputs):
     return tf.raw_ops.Merge(inputs=[computed, kept])[0]
 
 
+def in_control_flow(graph=None):
+    """Whether `graph` (default: the one being built) is the body of a
+    `tf.while_loop` or a branch of a `tf.cond`, or a function traced inside
+    one: where a graph runs Switch and Merge nodes anyway."""
+    graph = graph if graph is not None else tf.compat.v1.get_default_graph()
+    while graph is not None:
+        if isinstance(graph, ControlFlowFuncGraph):
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False
+
+
+def functional_cond(condition, true_fn, false_fn):
+    """`tf.cond(condition, true_fn, false_fn)`, kept one functional `If`
+    node in a graph (not lowered to Switch and Merge, see `rarely`); the
+    branches may have side effects, ordered like any stateful op. Eager
+    execution and XLA take `tf.cond` as it is."""
+    if tf.executing_eagerly() or in_xla_trace():
+        return tf.cond(condition, true_fn, false_fn)
+    graph = tf.compat.v1.get_default_graph()
+    before = len(graph.get_operations())
+    result = tf.cond(condition, true_fn, false_fn)
+    for op in graph.get_operations()[before:]:
+        if op.type in ("If", "StatelessIf") and "_lower_using_switch_merge" in op.node_def.attr:
+            op._set_attr("_lower_using_switch_merge", tf.compat.v1.AttrValue(b=False))
+    return result
+
+
 def graph_nodes(graph):
     """The nodes a graph runs, by op type (a collections.Counter), with the
     functions it calls: a cond's branches (a graph runs the nodes of the one
-    not taken as dead ones) and the cond's Switches, one per input of the If,
-    but not the body of a function called as one node (`rarely`'s branch),
-    which runs only when its call does."""
+    not taken as dead ones) and a lowered cond's Switches, one per input of
+    the If, but not the body of a function called as one node (`rarely`'s
+    branch), which runs only when its call does. An If that stays one node
+    (`functional_cond`) counts as an If, its branches' nodes with the rest."""
     counts, seen, graphs = collections.Counter(), set(), [graph]
     while graphs:
         graph = graphs.pop()
         for op in graph.get_operations():
             counts[op.type] += 1
-            if op.type in ("If", "StatelessIf"):
+            if op.type in ("If", "StatelessIf") and _lowered(op):
                 counts["Switch"] += len(op.inputs) - 1
         for name, function in getattr(graph, "_functions", {}).items():
             if name not in seen and hasattr(function, "graph") and not function.definition.attr["_noinline"].b:
                 seen.add(name)
                 graphs.append(function.graph)
     return counts
+
+
+def _lowered(op):
+    """Whether a graph runs the If `op` as Switch and Merge nodes."""
+    attr = op.node_def.attr.get("_lower_using_switch_merge")
+    return attr is not None and attr.b

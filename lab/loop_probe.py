@@ -26,6 +26,7 @@ from tensorflow.python.framework.func_graph import FuncGraph
 from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
 
 from lab import compat
+from lab.compat import in_xla_trace, isolated
 from lab.probes import Probe, StepState, _replica_context, total_grad_norm, variable_keys
 
 # Slots kept free for variables the model did not list when watching began
@@ -40,6 +41,14 @@ _RING_STEPS = 1024
 _KEPT_OFFSETS = 4 * _RING_STEPS
 # optimizer -> the loop probes that watch it (an optimizer may serve several models).
 _WATCHED_OPTIMIZERS = weakref.WeakKeyDictionary()
+# Slots of half sums of squares (`tf.nn.l2_loss`), which the host finishes into
+# `grad_norm/`, `weight_norm/` and `update_ratio/` columns.
+_GRAD_HALF = "_grad_half/"
+_WEIGHT_HALF = "_weight_half/"
+_UPDATE_HALF = "_update_half/"
+# A gradient's slot before any apply added to it: -0.0 plus any square (+0.0
+# included) is that square, so a slot still -0.0 had no gradient.
+_NONE_ADDED = np.float32(-0.0)
 # Traces of one tf.function after which the lab says why it keeps tracing.
 RETRACE_WARNING = 4
 
@@ -270,8 +279,10 @@ class LoopProbe(Probe):
         names += [("_updates", 0.0), ("_overflow", 0.0)]
         keys = list(self._variable_keys.values())
         # Every kind, whatever this block records: a later block may ask for them.
-        names += [(f"{kind}/{key}", np.nan) for kind in ("grad_norm", "weight_norm", "update_ratio")
-                  for key in keys]
+        # A gradient's half sum of squares adds up over the step's applies
+        # from -0.0 (none yet); a weight's and an update's are the last apply's.
+        names += [(f"{_GRAD_HALF}{key}", _NONE_ADDED) for key in keys]
+        names += [(f"{kind}{key}", np.nan) for kind in (_WEIGHT_HALF, _UPDATE_HALF) for key in keys]
         names += [("_hit", 0.0), ("_held", 0.0), ("_gated", 0.0)]
         slots = _SLOTS.get(self.model)
         if slots is not None and slots.active.numpy() > 0:
@@ -325,6 +336,14 @@ class LoopProbe(Probe):
         if len(kept) < len(names):
             vector = tf.gather(vector, kept)
         self._put(([indices[i] for i in kept], vector, combine if combine is not None else False))
+
+    def _emit_scalars(self, names, values, reset, accumulate):
+        """Puts scalar tensors `values` under `names`, each its own item: the
+        scalars of one mode go into the row in one stack, with the others'."""
+        for name, value in zip(names, values):
+            index = self._index(name, reset)
+            if index is not None:
+                self._put(([index], value, accumulate))
 
     def _put(self, item):
         """One write to the slots: ([indices], scalar or vector, mode), mode
@@ -390,15 +409,58 @@ class LoopProbe(Probe):
                 self._slots.vector.scatter_nd_update(indices, values)
 
     def _emit_update(self, state, name, variables, grads, learning_rate, before):
-        # One scatter per kind instead of one op per value: eager steps pay per op.
+        """Puts one apply's values: its learning rate, its update counts, and
+        the half sums of squares (`tf.nn.l2_loss`) of its gradients, weights
+        and updates, which the host finishes into norms (`row_columns`).
+
+        The step keeps two scatters (one that adds, one that assigns) and the
+        `l2_loss` kernels, with no check and no branch: a gradient's halves
+        add up over the applies of a step (several applies in a row cover
+        them all, exactly as the norm of their concatenation), and a
+        Switch or an `If` anywhere in a step costs more than all of these
+        (`compat.rarely`). The one value this cannot give exactly is a norm
+        whose sum of squares overflows float32 (over about 1.8e19): it is
+        recorded as inf, and the run says so (`row_columns`).
+        """
+        self.traced_in_xla = self.traced_in_xla or in_xla_trace()
+        if name not in state.optimizers:
+            state.optimizers.append(name)
         self._writes.batch = []
         try:
-            super()._emit_update(state, name, variables, grads, learning_rate, before)
-            self._emit(state, f"_updates/{name}", 1.0, reset=0.0, accumulate=True)
+            self._emit(state, f"_lr/{name}", learning_rate)
+            one = tf.constant(1.0)
+            self._emit_scalars(["_updates", f"_updates/{name}"], [one, one], reset=0.0, accumulate=True)
+            self._emit_halves(name, variables, grads, before)
             items = self._writes.batch
         finally:
             self._writes.batch = None
         self._scatter(items)
+
+    def _emit_halves(self, name, variables, grads, before):
+        if not (self.gradients or self.weights):
+            return
+        keys = self._keys(variables)
+        present = [i for i in range(min(len(grads), len(variables))) if grads[i] is not None] if self.gradients else []
+        tensors = [grads[i] for i in present]
+        weighed = self.weights and bool(variables)
+        if weighed:
+            values = [tf.convert_to_tensor(v.value) for v in variables]
+            read = isolated(tensors + values + list(before or []))
+            tensors = read[:len(present) + len(values)]
+            if before is not None:
+                after, earlier = read[len(present):len(tensors)], read[len(tensors):]
+                tensors += [tf.cast(v, tf.float32) - tf.cast(b, tf.float32) for v, b in zip(after, earlier)]
+        else:
+            tensors = isolated(tensors)
+        # l2_loss is sum(x * x) / 2 in one kernel, with no intermediate tensor.
+        halves = [tf.nn.l2_loss(tf.cast(t, tf.float32)) for t in tensors]
+        self._emit_scalars([f"{_GRAD_HALF}{keys[i]}" for i in present], halves[:len(present)],
+                           reset=_NONE_ADDED, accumulate=True)
+        if weighed:
+            names = [f"{_WEIGHT_HALF}{key}" for key in keys]
+            if before is not None:
+                names += [f"{_UPDATE_HALF}{key}" for key in keys]
+            self._emit_scalars(names, halves[len(present):], reset=np.nan, accumulate=False)
 
     def _gate(self, state, grads):
         skip = super()._gate(state, grads)
@@ -449,12 +511,13 @@ class LoopProbe(Probe):
 
     steps_seen = 0  # the run keeps it current, for messages
 
-    def warn_once(self, key, message, category):
-        """Warns once per `key`; the run turns the warning into an event."""
+    def warn_once(self, key, message, category, step=None):
+        """Warns once per `key`; the run turns the warning into an event (at
+        `step`, default: the step the loop is at)."""
         if key in self._warned:
             return
         self._warned.add(key)
-        self.warnings.append((message, self.steps_seen))
+        self.warnings.append((message, self.steps_seen if step is None else step))
         warnings.warn(message, category, stacklevel=4)
 
     # ---- the row -------------------------------------------------------------
@@ -478,13 +541,13 @@ class LoopProbe(Probe):
                 self._frozen[name] = index
 
     def _records(self, name):
-        kind = name.split("/", 1)[0]
-        if kind == "_lr":
+        kind = name.split("/", 1)[0] + "/"
+        if kind == "_lr/":
             return name[4:] in self.optimizers
-        if kind in ("_hit", "_held", "_updates"):
-            return kind != "_updates" or "/" in name
-        return ((kind == "grad_norm" and self.gradients)
-                or (kind in ("weight_norm", "update_ratio") and self.weights))
+        if kind in ("_hit/", "_held/", "_updates/"):
+            return kind != "_updates/" or "/" in name
+        return ((kind == _GRAD_HALF and self.gradients)
+                or (kind in (_WEIGHT_HALF, _UPDATE_HALF) and self.weights))
 
     def take(self):
         """Closes this step's row (no op: the next call of the step writes the next row); returns where it is."""
@@ -509,16 +572,70 @@ class LoopProbe(Probe):
         """Updates by optimizer `name` since the last `take()` (waits for the device)."""
         return self._slots.row(self._slots.position)[self._slots.index[f"_updates/{name}"]]
 
-    def row_columns(self, taken):
-        """Row columns from stacked slot values (steps x slots, numpy)."""
+    def _finished(self, column, halves, first_step, infinite):
+        """Norms from a column's halves; notes in `infinite` (column -> first
+        step) where one is inf."""
+        norms = _norms(halves)
+        where = np.flatnonzero(np.isinf(norms))
+        if where.size:
+            infinite[column] = first_step + int(where[0])
+        return norms
+
+    def _warn_infinite(self, infinite):
+        """One warning for the columns that are inf for the first time."""
+        new = {column: step for column, step in infinite.items() if ("inf", column) not in self._warned}
+        if not new:
+            return
+        self._warned.update(("inf", column) for column in new)
+        step = min(new.values())
+        names = sorted(new, key=new.get)
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        self.warn_once(("inf", tuple(names)), (
+            f"{shown} {'is' if len(names) == 1 else 'are'} inf from step {step}: the tensor has an "
+            "infinite element, or its sum of squares overflows float32 (a norm over about 1.8e19), "
+            "which lab.watch cannot tell apart. A Recorder in fit() records such a norm exactly; "
+            "`lab.breakpoints.nonfinite()` stops at infinite gradients."), RuntimeWarning, step=step)
+
+    def row_columns(self, taken, first_step=0):
+        """Row columns from stacked slot values (steps x slots, numpy), the
+        rows' steps counted from `first_step`.
+
+        The half sums of squares become norms as the step would have
+        computed them (`sqrt(2 * half)` in float32, bit for bit), and update
+        ratios `update norm / weight norm` (0 where the weight norm is 0, as
+        `tf.math.divide_no_nan`). An infinite norm is reported once per
+        column: it may be a finite norm whose sum of squares overflowed.
+        """
         index = self._slots.index
-        columns = {name: taken[:, i] for name, i in self._frozen.items()}
+        columns, infinite = {}, {}
+        for name, i in self._frozen.items():
+            kind, _, key = name.partition("/")
+            kind += "/"
+            if kind == _GRAD_HALF:
+                columns[f"grad_norm/{key}"] = self._finished(f"grad_norm/{key}", taken[:, i], first_step, infinite)
+            elif kind == _WEIGHT_HALF:
+                columns[f"weight_norm/{key}"] = self._finished(f"weight_norm/{key}", taken[:, i], first_step, infinite)
+            elif kind == _UPDATE_HALF:
+                update = self._finished(f"update_ratio/{key}", taken[:, i], first_step, infinite)
+                weight = _norms(taken[:, index[_WEIGHT_HALF + key]])
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    columns[f"update_ratio/{key}"] = np.where(weight == 0, np.float32(0), update / weight)
+            else:
+                columns[name] = taken[:, i]
+        self._warn_infinite(infinite)
         updates = taken[:, index["_updates"]]
         columns["updated"] = (updates > 0).astype(np.float32)
         if self.gradients:
             total = total_grad_norm(columns, updates)
             columns["grad_norm"] = total if total is not None else np.full(len(taken), np.nan, np.float32)
         return columns
+
+
+def _norms(halves):
+    """Norms from half sums of squares (float32): NaN where none was put."""
+    halves = halves.astype(np.float32, copy=False)
+    norms = np.sqrt(np.float32(2) * halves)
+    return np.where(np.signbit(halves) & (halves == 0), np.float32(np.nan), norms).astype(np.float32)
 
 
 def _combined(combine, old, new):

@@ -176,7 +176,7 @@ def global_norm(norms):
     present = tf.logical_not(tf.math.is_nan(norms))
     square = tf.reduce_sum(tf.square(tf.where(present, norms, 0.0)))
     plain = tf.where(tf.reduce_any(present), tf.sqrt(square), np.float32(np.nan))
-    return tf.cond(tf.math.is_finite(square), lambda: plain, lambda: combined_norm(tf.unstack(norms)))
+    return rarely(lambda: plain, tf.math.is_finite(square), lambda values: combined_norm(values[0]), [norms])
 
 
 def combined_norm(norms):

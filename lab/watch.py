@@ -221,7 +221,7 @@ class WatchedRun(StatusReporter, Run):
                     columns[key] = np.array([p[0].get(key, -1) for p in pending])
             for position, name in enumerate(self._given):
                 columns[name] = _to_numpy([p[2][position] for p in pending])
-            rows = self.probe.row_columns(self.probe.read_rows([p[3] for p in pending]))
+            rows = self.probe.row_columns(self.probe.read_rows([p[3] for p in pending]), first_step=len(self))
             columns.update(rows)
             self._check_unseen_updates(rows, counts)
             self.append_batches(columns)

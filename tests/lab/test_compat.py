@@ -5,6 +5,7 @@ again on TensorFlow 2.16 / Keras 3.5), so a flag that is wrong for either end
 fails here rather than as a wrong row somewhere else.
 """
 
+import collections
 import importlib
 
 import keras
@@ -107,6 +108,30 @@ def test_rarely_runs_its_branch_only_where_the_condition_holds(where):
     assert call(tf.constant(False)).numpy().tolist() == [-1.0, -1.0]
     assert call(tf.constant(True)).numpy().tolist() == [4.0, 7.0]
     assert call(tf.constant(False)).numpy().tolist() == [-1.0, -1.0]
+
+
+def test_rarely_is_one_if_node_in_a_graph_without_control_flow_and_a_switch_inside_a_loop():
+    # One Switch anywhere in a function puts all its nodes on the executor's
+    # slower path: where the graph has none, rarely() is an If that is not
+    # lowered to Switch and Merge; inside a loop (Switches already there)
+    # it is one Switch, its branch a dead call.
+    import tensorflow as tf
+
+    def once(flag):
+        return compat.rarely(lambda: tf.constant(1.0), flag, lambda inputs: inputs[0] * 2.0, [tf.constant(3.0)])
+
+    def kinds(graph):
+        return collections.Counter(op.type for op in graph.get_operations())
+
+    flag = tf.TensorSpec([], tf.bool)
+    plain = tf.function(once).get_concrete_function(flag).graph
+    ifs = [op for op in plain.get_operations() if op.type in ("If", "StatelessIf")]
+    assert len(ifs) == 1 and not ifs[0].get_attr("_lower_using_switch_merge")
+    assert kinds(plain)["Switch"] == kinds(plain)["Merge"] == 0
+    looped = tf.function(lambda flag: tf.while_loop(lambda i, _: i < 2, lambda i, _: (i + 1, once(flag)),
+                                                    (0, 0.0))[1]).get_concrete_function(flag).graph
+    body = [f.graph for f in looped._functions.values() if hasattr(f, "graph") and "body" in f.graph.name][0]
+    assert kinds(body)["Switch"] == 1 and kinds(body)["If"] + kinds(body)["StatelessIf"] == 0
 
 
 def test_rarely_refuses_a_branch_with_side_effects():

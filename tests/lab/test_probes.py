@@ -351,14 +351,17 @@ def _step_kernels(model, probe_args):
     return sum(n for kind, n in ops.items() if kind not in ("Const", "Placeholder", "NoOp"))
 
 
-def test_the_overflow_check_of_an_update_has_one_switch_however_many_variables():
-    # A graph runs a tf.cond as a Switch for every tensor its branch reads:
-    # 150 Switches for the gradients, weights and updates of 50 variables,
-    # which cost more than their norms. The norms' overflow check passes one.
+def test_the_overflow_check_of_an_update_is_one_if_node_and_no_switch_however_many_variables():
+    # A lowered tf.cond is a Switch for every tensor its branch reads (150
+    # for the gradients, weights and updates of 50 variables), and a single
+    # Switch puts every node of the step on TensorFlow's slower executor
+    # path. The norms' overflow check is one If that the graph keeps a node.
     small, deep = _dense_stack(1), _dense_stack(25)
     args = {"gradients": True, "weights": True}
-    added = [_step_ops(m, args)["Switch"] - _step_ops(m, None)["Switch"] for m in (small, deep)]
-    assert added[0] == added[1] == 1
+    for model in (small, deep):
+        watched, bare = _step_ops(model, args), _step_ops(model, None)
+        assert watched["Switch"] == bare["Switch"] and watched["Merge"] == bare["Merge"]
+        assert watched["If"] + watched["StatelessIf"] - bare["If"] - bare["StatelessIf"] == 1
 
 
 def test_what_a_probe_adds_to_a_step_grows_by_a_few_kernels_per_variable():

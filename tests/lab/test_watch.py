@@ -256,6 +256,39 @@ def test_weights_adds_norms_and_update_ratios(digits):
     assert 0 < row[f"update_ratio/{kernel.path}"] < 1
 
 
+@pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
+def test_norms_and_update_ratios_are_bit_for_bit_what_the_step_would_compute(digits, mode):
+    # The step puts half sums of squares in the row and the host finishes
+    # them: every norm is exactly sqrt(2 * l2_loss) in float32, and every
+    # update ratio exactly divide_no_nan(update norm, weight norm), as
+    # computed in the step itself (the same values lab.watch gave before).
+    model, optimizer = make_mlp(), keras.optimizers.SGD(0.1)
+    expected = []
+
+    def step(x, y):
+        before = [tf.identity(v) for v in model.trainable_variables]
+        with tf.GradientTape() as tape:
+            loss = LOSS(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        norm = lambda t: tf.sqrt(2.0 * tf.nn.l2_loss(t))  # noqa: E731
+        weights = [norm(v) for v in model.trainable_variables]
+        ratios = [tf.math.divide_no_nan(norm(v - b), w) for v, b, w in zip(model.trainable_variables, before, weights)]
+        return loss, [norm(g) for g in grads], weights, ratios
+
+    step = step if mode == "eager" else tf.function(step, jit_compile=mode == "xla")
+    with lab.watch(model, optimizer, weights=True) as run:
+        for x, y in batches(*digits, 2):
+            loss, *values = step(x, y)
+            expected.append([[float(t) for t in part] for part in values])
+            run.step(loss=loss)
+    frame = run.batches()
+    for (grads, weights, ratios), (_, row) in zip(expected, frame.iterrows()):
+        for kind, values in (("grad_norm", grads), ("weight_norm", weights), ("update_ratio", ratios)):
+            got = [float(row[f"{kind}/{v.path}"]) for v in model.trainable_variables]
+            assert got == values, (kind, got, values)
+
+
 def test_bad_arguments_name_the_fix():
     model = make_mlp()
     with pytest.raises(TypeError, match="not a keras optimizer"):
@@ -606,23 +639,66 @@ def test_a_step_closed_while_another_thread_reads_the_run_is_kept(digits):
     assert (run.events()["kind"] != "warning").all()
 
 
-def test_the_usual_step_puts_its_norms_in_fresh_slots_without_combining_them(digits):
-    # One apply per step is the usual loop. Its norms find their slots unset
-    # and go in as they are: the combine that covers several applies (about
-    # a dozen kernels, the largest part of what watch() added to the step)
-    # runs only when a slot already holds a value (test_hooks covers that case).
-    def kernels(watched):
-        model, optimizer = make_mlp(), keras.optimizers.SGD(0.05)
+def make_deep(layers, seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((64,))] + [keras.layers.Dense(8, activation="relu") for _ in range(layers)]
+                            + [keras.layers.Dense(10)])
+
+
+def test_a_watched_step_adds_a_square_sum_per_variable_two_scatters_and_no_control_flow(digits):
+    # One Switch or If anywhere in a function puts every node of it on
+    # TensorFlow's slower executor path (about 60 us a step on this MLP); a
+    # watched step adds none: each variable's l2_loss, one scatter that adds
+    # (update counts, gradients' squares) and one that assigns (the learning
+    # rate), and a few nodes more whatever the number of variables.
+    def nodes(make, watched):
+        model, optimizer = make(), keras.optimizers.SGD(0.05)
         step = make_step(model, optimizer, "graph")
         x, y = batches(*digits, 1)[0]
         if not watched:
-            return lab.compat.graph_nodes(step.get_concrete_function(x, y).graph)
+            return lab.compat.graph_nodes(step.get_concrete_function(x, y).graph), model
         with lab.watch(model, optimizer) as run:
             run.step(loss=step(x, y))
-            return lab.compat.graph_nodes(step.get_concrete_function(x, y).graph)
+            return lab.compat.graph_nodes(step.get_concrete_function(x, y).graph), model
 
-    bare, watched = kernels(False), kernels(True)
-    added = watched - bare
-    assert added["Maximum"] == 0 and added["Greater"] == 0 and added["IsFinite"] <= 1, added  # the combine's
-    # One Switch each: the norms' overflow check, and the check that the slots are unset.
-    assert added["All"] == 2 and added["Switch"] == 2
+    others = []
+    for make in (make_mlp, lambda: make_deep(12)):
+        (bare, _), (watched, model) = nodes(make, False), nodes(make, True)
+        added = watched - bare
+        assert all(added[kind] == 0 for kind in ("Switch", "Merge", "If", "StatelessIf", "While")), added
+        assert added["L2Loss"] == len(model.trainable_variables)
+        assert added["ResourceScatterNdAdd"] == 1 and added["ResourceScatterNdUpdate"] == 1, added
+        others.append(sum(added.values()) - added["L2Loss"])
+    assert others[0] == others[1] <= 14, others
+
+
+def test_a_norm_whose_squares_overflow_is_inf_and_the_run_says_so(digits):
+    # A finite gradient near 1e20 has a finite norm, but its sum of squares
+    # overflows float32: lab.watch records inf for it and says so, in one
+    # warning for every such column, at the step; the other steps keep their
+    # exact norms.
+    model, optimizer = make_mlp(), keras.optimizers.SGD(0.0)
+    kernel = model.layers[-1].kernel
+
+    @tf.function
+    def step(x, y, scale):
+        with tf.GradientTape() as tape:
+            loss = LOSS(y, model(x, training=True)) * scale
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    data = batches(*digits, 3)
+    with pytest.warns(RuntimeWarning, match="are inf from step 1") as caught:
+        with lab.watch(model, optimizer) as run:
+            for scale, (x, y) in zip([1.0, 1e30, 1e30], data):
+                run.step(loss=step(x, y, tf.constant(scale)))
+    frame = run.batches()
+    column = frame[f"grad_norm/{kernel.path}"]
+    assert np.isfinite(column[0]) and np.isinf(column[1]) and np.isinf(column[2])
+    events = run.events()
+    inf = events[events["detail"].str.contains("inf from step")]
+    assert len(inf) == 1 and int(inf["step"].iloc[0]) == 1 and f"grad_norm/{kernel.path}" in inf["detail"].iloc[0]
+    assert sum("inf from step" in str(w.message) for w in caught) == 1
+    _, norms = tape_norms(model, *data[0])
+    np.testing.assert_allclose(frame.iloc[0][f"grad_norm/{kernel.path}"], norms[kernel.path], rtol=1e-4)
