@@ -111,10 +111,10 @@ def test_rarely_runs_its_branch_only_where_the_condition_holds(where):
 
 
 def test_rarely_is_one_if_node_in_a_graph_without_control_flow_and_a_switch_inside_a_loop():
-    # One Switch anywhere in a function puts all its nodes on the executor's
-    # slower path: where the graph has none, rarely() is an If that is not
-    # lowered to Switch and Merge; inside a loop (Switches already there)
-    # it is one Switch, its branch a dead call.
+    # Where the graph has no control flow, rarely() is an If that is not
+    # lowered to Switch and Merge (it cost a training step less than the
+    # Switch form, see its docstring); inside a loop (Switches already
+    # there) it is one Switch, its branch a dead call.
     import tensorflow as tf
 
     def once(flag):

@@ -1,5 +1,7 @@
 """lab.watch: a hand-written training loop recorded, checked and stopped by the lab."""
 
+import contextlib
+
 import keras
 import numpy as np
 import pytest
@@ -646,9 +648,9 @@ def make_deep(layers, seed=0):
 
 
 def test_a_watched_step_adds_a_square_sum_per_variable_two_scatters_and_no_control_flow(digits):
-    # One Switch or If anywhere in a function puts every node of it on
-    # TensorFlow's slower executor path (about 60 us a step on this MLP); a
-    # watched step adds none: each variable's l2_loss, one scatter that adds
+    # Each node of a step costs the executor a few us on a CPU, and a check
+    # with its branch (a Switch or an If) more: a watched step adds no
+    # control flow, only each variable's l2_loss, one scatter that adds
     # (update counts, gradients' squares) and one that assigns (the learning
     # rate), and a few nodes more whatever the number of variables.
     def nodes(make, watched):
@@ -670,6 +672,33 @@ def test_a_watched_step_adds_a_square_sum_per_variable_two_scatters_and_no_contr
         assert added["ResourceScatterNdAdd"] == 1 and added["ResourceScatterNdUpdate"] == 1, added
         others.append(sum(added.values()) - added["L2Loss"])
     assert others[0] == others[1] <= 14, others
+
+
+def test_a_call_of_a_watched_step_costs_the_host_no_more_tensorflow_work_than_an_unwatched_one(digits, monkeypatch):
+    # Each call takes its row as a call-time capture, which TensorFlow casts
+    # to its spec at every call (about 12 us, over 1% of a 1 ms step): the
+    # lab hands TensorFlow the tensor as it is, so a watched call casts
+    # exactly what an unwatched call of the same step casts (its arguments).
+    from tensorflow.python.framework import tensor as tensor_lib
+
+    casts = []
+    cast = tensor_lib.TensorSpec.cast
+    monkeypatch.setattr(tensor_lib.TensorSpec, "cast", lambda spec, *a, **k: casts.append(spec) or cast(spec, *a, **k))
+
+    def count(watched):
+        model, optimizer = make_mlp(), keras.optimizers.SGD(0.05)
+        step = make_step(model, optimizer, "graph")
+        data = batches(*digits, 4)
+        with (lab.watch(model, optimizer) if watched else contextlib.nullcontext()) as run:
+            step(*data[0])
+            casts.clear()
+            for x, y in data:
+                loss = step(x, y)
+                if run is not None:
+                    run.step(loss=loss)
+            return len(casts)
+
+    assert count(True) == count(False) > 0
 
 
 def test_a_norm_whose_squares_overflow_is_inf_and_the_run_says_so(digits):
