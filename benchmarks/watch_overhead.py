@@ -2,14 +2,19 @@
 
 The loop is the one the TensorFlow guides teach: a `@tf.function` step with a
 `tf.GradientTape` and `optimizer.apply_gradients`, a Python `for` over the
-batches. Every configuration runs in this one process, interleaved and
-repeated, each on its own model and optimizer with its own watch block open
-for the whole measurement (the step is traced inside it, in a warm-up pass);
-configurations run in a shuffled order each round, and each is reported as the
-ratio of its median loop time to the unwatched loop's median, beside the ratio
-of its fastest loop to the fastest unwatched loop and the same ratio of the
-process's CPU time (the machines are
-shared and noisy: absolute times from different runs are not comparable).
+batches. Every configuration runs in this one process, each on its own model
+and optimizer with its own watch block open for the whole measurement (the
+step is traced inside it, in a warm-up pass). Within a round the
+configurations take turns every `BLOCK` steps, in a shuffled order each
+turn, so a burst of load from another tenant (these machines are shared)
+falls on all of them alike; a round's time for a configuration is the sum of
+its blocks, reads of the rows included (`run.step` reads them every
+`flush_every` seconds, and each round ends with one). Each configuration is
+reported as the ratio of its median round time to the unwatched loop's
+median, beside the ratio of its fastest round to the fastest unwatched round
+and the same ratio of the process's CPU time (absolute times from different
+runs are not comparable). Running whole loops in turn instead, the ratios
+moved by ±0.2 from run to run on a loaded machine.
 `benchmarks/overhead.py` runs this too, after its fit() table.
 
 Usage:
@@ -34,6 +39,9 @@ import tensorflow as tf  # noqa: E402
 import lab  # noqa: E402
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+# Steps a configuration runs before the next one takes its turn: few enough that
+# load changes fall on every configuration, enough to keep its caches warm.
+BLOCK = 8
 
 
 def make_mlp():
@@ -85,12 +93,13 @@ def make_loop(model, optimizer, compiled):
     return loop
 
 
-def measure(compiled, rounds, steps, batch_size=32):
+def measure(compiled, rounds, steps, batch_size=32, block=BLOCK):
     """Per configuration: median and fastest ratio to the unwatched loop; and the unwatched median seconds."""
     (x, y), _ = lab.datasets.digits()
     data = [(tf.constant(x[i:i + batch_size], tf.float32), tf.constant(y[i:i + batch_size]))
             for i in range(0, batch_size * steps, batch_size) if i + batch_size <= len(x)]
     data = (data * (steps // len(data) + 1))[:steps]
+    blocks = [data[i:i + block] for i in range(0, steps, block)]
     with contextlib.ExitStack() as stack:
         loops = {}
         for name, make in CONFIGS.items():
@@ -107,19 +116,21 @@ def measure(compiled, rounds, steps, batch_size=32):
         order = list(CONFIGS)
         shuffle = random.Random(0).shuffle
         for _ in range(rounds):
-            shuffle(order)
-            times, cpu = {}, {}
-            for name in order:
-                loop, run = loops[name]
-                start, start_cpu = time.perf_counter(), time.process_time()
-                loop(run, data)
-                if hasattr(run, "flush"):
-                    run.flush()  # the rows reach the run inside the measured time
-                times[name] = time.perf_counter() - start
-                cpu[name] = time.process_time() - start_cpu
+            times, cpu = dict.fromkeys(CONFIGS, 0.0), dict.fromkeys(CONFIGS, 0.0)
+            for part in blocks + [None]:
+                shuffle(order)
+                for name in order:
+                    loop, run = loops[name]
+                    start, start_cpu = time.perf_counter(), time.process_time()
+                    if part is not None:
+                        loop(run, part)
+                    elif hasattr(run, "flush"):
+                        run.flush()  # the round's rows reach the run inside the measured time
+                    times[name] += time.perf_counter() - start
+                    cpu[name] += time.process_time() - start_cpu
+            for name in CONFIGS:
                 seconds[name].append(times[name])
                 cpu_seconds[name].append(cpu[name])
-            for name in CONFIGS:
                 ratios[name].append(times[name] / times["unwatched"])
                 cpu_ratios[name].append(cpu[name] / cpu["unwatched"])
     fastest = min(seconds["unwatched"])

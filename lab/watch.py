@@ -22,10 +22,12 @@ import contextlib
 import numbers
 import threading
 import time
+import types
 
 import keras
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.framework.ops import EagerTensor
 
 from lab import breakpoints as breakpoints_module
 from lab.arguments import check_number, check_seconds
@@ -34,6 +36,16 @@ from lab.probes import find_optimizers
 from lab.run import Run
 from lab.status import StatusReporter
 
+# What run.step keeps for a step given no `epoch=` or `batch=` (read only).
+_NO_HOST = types.MappingProxyType({})
+_NAN = np.float32(np.nan)
+# A step's output (TensorFlow's eager tensor class, TF 2.16 and 2.21: named,
+# since making a tensor at import would start TensorFlow's runtime), and the
+# dtypes run.step takes as they are.
+_EAGER_TENSOR = EagerTensor
+_NUMBER_DTYPES = frozenset(dtype for dtype in (tf.as_dtype(name) for name in (
+    "float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64",
+    "uint8", "uint16", "uint32", "uint64", "bool")))
 # Steps after which a metric that never changed is reported.
 CONSTANT_METRIC_STEPS = 10
 _RESERVED = ("step", "seconds", "mode", "updated", "grad_norm", "learning_rate")
@@ -104,7 +116,7 @@ class WatchedRun(StatusReporter, Run):
         self._pending = []  # (host columns, seconds, values, ring row) of unread steps
         self._steps = 0
         self._last = time.perf_counter()
-        self._last_flush = time.monotonic()
+        self._last_flush = time.perf_counter()
         self._flush_lock = threading.Lock()
         # Closing a step (its ring row and its entry in _pending) and taking
         # the closed steps are atomic with each other: a reader in another
@@ -134,6 +146,7 @@ class WatchedRun(StatusReporter, Run):
         Raises:
             lab.BreakpointHit: when a breakpoint hits at this step.
         """
+        now = time.perf_counter()
         if self._closed:
             raise RuntimeError("This run's `lab.watch` block has ended; call run.step inside it.")
         if not tf.executing_eagerly():
@@ -141,24 +154,23 @@ class WatchedRun(StatusReporter, Run):
                 "run.step(...) was called inside a @tf.function: call it in the Python loop, "
                 "after the step, with what the step returns: `loss = train_step(x, y)`, "
                 "then `run.step(loss=loss)`.")
-        seconds = time.perf_counter() - self._last
         try:
-            return self._close(seconds, loss, metrics)
+            return self._close(now - self._last, now, loss, metrics)
         finally:
             # The next step's time starts here: the lab's own work is not the loop's.
             self._last = time.perf_counter()
 
-    def _close(self, seconds, loss, metrics):
-        host = {k: int(metrics.pop(k)) for k in _HOST_COLUMNS if k in metrics}
+    def _close(self, seconds, now, loss, metrics):
+        # Called once per step of the user's loop, between two steps, when
+        # the step has left the caches cold: kept to few Python operations.
+        host = {k: int(metrics.pop(k)) for k in _HOST_COLUMNS if k in metrics} if metrics else _NO_HOST
         if loss is not None:
-            metrics = {"loss": loss, **metrics}
+            metrics = {"loss": loss, **metrics} if metrics else {"loss": loss}
         if self._given is None:
             self._start(metrics)
-        values = []
-        for name in self._given:
-            values.append(_value(name, metrics[name]) if name in metrics else np.float32(np.nan))
-        new = [name for name in metrics if name not in self._given]
-        if new:
+        values = [_value(name, metrics[name]) if name in metrics else _NAN for name in self._given]
+        if metrics.keys() - self._given_set:
+            new = [name for name in metrics if name not in self._given_set]
             self.probe.warn_once(("new", tuple(new)), (
                 f"run.step got {new} after the first step, which set the columns "
                 f"{self._given}: they are not recorded. Pass every value from the first step "
@@ -183,8 +195,7 @@ class WatchedRun(StatusReporter, Run):
             start = len(self)
             self.flush()
             self._check_rows(start)
-        elif (time.monotonic() - self._last_flush >= self.flush_every
-              or len(self._pending) >= self.probe.rows_kept):
+        elif now - self._last_flush >= self.flush_every or len(self._pending) >= self._rows_kept:
             self.flush()
         return index
 
@@ -196,6 +207,8 @@ class WatchedRun(StatusReporter, Run):
                     f"run.step(... {name}=...) uses a name the lab fills in itself; "
                     f"rename it (e.g. `my_{name.lstrip('_')}`).")
         self._given = list(metrics)
+        self._given_set = frozenset(self._given)
+        self._rows_kept = self.probe.rows_kept
         self.probe.freeze()
 
     # ---- reading the device ------------------------------------------------
@@ -208,7 +221,7 @@ class WatchedRun(StatusReporter, Run):
         if not self._flush_lock.acquire(blocking=False):
             return 0  # a subscriber reading the run while rows are being moved
         try:
-            self._last_flush = time.monotonic()
+            self._last_flush = time.perf_counter()
             with self._rows_lock:
                 pending, self._pending = self._pending, []
                 if not pending:
@@ -355,6 +368,8 @@ def _number(value):
 def _value(name, value):
     """A value for run.step as a tensor or float32 array (never a Python float,
     which would make the row function trace again for each new value)."""
+    if type(value) is _EAGER_TENSOR and value.dtype in _NUMBER_DTYPES:
+        return value  # the usual loss: a step's output, as it is
     if isinstance(value, keras.metrics.Metric):
         value = value.result()
     if isinstance(value, keras.Variable):

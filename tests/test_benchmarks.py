@@ -128,3 +128,44 @@ def test_the_hook_share_adds_up_the_time_inside_a_callbacks_hooks_and_keeps_them
     assert slow.batches == [0, 1, 2, 3]  # Keras still calls the wrapped hooks
     assert len(recorder.run) == 4 and recorder.status == "finished"  # and the lab's work as before
     assert 4 * 0.02 <= spent[0] < seconds
+
+
+def test_the_watch_benchmark_takes_turns_in_blocks_and_counts_every_step_and_read(monkeypatch):
+    # Configurations take turns every few steps within a round, so a burst
+    # of load falls on all of them; each round's time is the sum of a
+    # configuration's blocks and its final read of the rows.
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import watch_overhead
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    turns, reads = [], []
+    make_loop = watch_overhead.make_loop
+
+    def counted_loop(model, optimizer, compiled):
+        loop = make_loop(model, optimizer, compiled)
+
+        def counted(run, data):
+            turns.append((type(run).__name__, len(data)))
+            return loop(run, data)
+
+        return counted
+
+    monkeypatch.setattr(watch_overhead, "make_loop", counted_loop)
+    from lab.watch import WatchedRun
+
+    flush = WatchedRun.flush
+    monkeypatch.setattr(WatchedRun, "flush", lambda run: reads.append((id(run), len(run._pending))) or flush(run))
+    ratios, bare = watch_overhead.measure(True, rounds=2, steps=12, batch_size=8, block=4)
+    assert set(ratios) == set(watch_overhead.CONFIGS) and bare > 0
+    assert ratios["unwatched"]["median_ratio"] == 1.0
+    for name, value in ratios.items():
+        assert len(value["seconds"]) == 2 and all(s > 0 for s in value["seconds"]), name
+    timed = turns[len(watch_overhead.CONFIGS):]  # after each configuration's warm-up
+    assert len(timed) == 2 * 3 * len(watch_overhead.CONFIGS) and all(n == 4 for _, n in timed)
+    # Every step of each watched run is read inside the measurement: 2 of warm-up and 12 a round.
+    read = {}
+    for run, steps in reads:
+        read[run] = read.get(run, 0) + steps
+    watched = [name for name in watch_overhead.CONFIGS if name.startswith("watch")]
+    assert len(read) == len(watched) and set(read.values()) == {2 + 2 * 12}, read

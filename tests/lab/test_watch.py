@@ -731,3 +731,16 @@ def test_a_norm_whose_squares_overflow_is_inf_and_the_run_says_so(digits):
     assert sum("inf from step" in str(w.message) for w in caught) == 1
     _, norms = tape_norms(model, *data[0])
     np.testing.assert_allclose(frame.iloc[0][f"grad_norm/{kernel.path}"], norms[kernel.path], rtol=1e-4)
+
+
+def test_importing_the_lab_leaves_tensorflow_to_be_configured():
+    # A notebook imports the lab first and may then set TensorFlow's threads
+    # or devices, which TensorFlow refuses once its runtime has started: no
+    # module of the lab may make a tensor at import.
+    import subprocess
+    import sys
+
+    code = ("import lab, widgets, tensorflow as tf; tf.config.threading.set_intra_op_parallelism_threads(1); "
+            "tf.config.set_visible_devices(tf.config.list_physical_devices('CPU')); print('configured')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "configured" in done.stdout, done.stderr[-2000:]
