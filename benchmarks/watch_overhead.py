@@ -9,7 +9,8 @@ configurations take turns every `BLOCK` steps, in a shuffled order each
 turn, so a burst of load from another tenant (these machines are shared)
 falls on all of them alike; a round's time for a configuration is the sum of
 its blocks, reads of the rows included (`run.step` reads them every
-`flush_every` seconds, and each round ends with one). Each configuration is
+`flush_every` seconds, scaled so that a run reads its rows as often per step
+as a loop running alone, and each round ends with one). Each configuration is
 reported as the ratio of its median round time to the unwatched loop's
 median, beside the ratio of its fastest round to the fastest unwatched round
 and the same ratio of the process's CPU time (absolute times from different
@@ -66,14 +67,22 @@ class FloatLoss:
         self.losses.append(float(loss))
 
 
+# Each configuration gets `flush_every` scaled by the number of configurations
+# taking turns: a run reads its rows every `flush_every` seconds of wall time,
+# and taking turns, each runs one step in that many, so it reads them after as
+# many of its own steps as a loop running alone does at the default 0.25 s.
 CONFIGS = {
-    "unwatched": lambda model, opt: contextlib.nullcontext(Unwatched()),
-    "watch(gradients=False)": lambda model, opt: lab.watch(model, opt, gradients=False),
-    "watch()": lambda model, opt: lab.watch(model, opt),
-    "watch(weights=True)": lambda model, opt: lab.watch(model, opt, weights=True),
-    "watch(nonfinite)": lambda model, opt: lab.watch(model, opt, breakpoints=[lab.breakpoints.nonfinite()]),
-    "per-step float(loss)": lambda model, opt: contextlib.nullcontext(FloatLoss()),
+    "unwatched": lambda model, opt, flush_every: contextlib.nullcontext(Unwatched()),
+    "watch(gradients=False)": lambda model, opt, flush_every: lab.watch(model, opt, gradients=False,
+                                                                       flush_every=flush_every),
+    "watch()": lambda model, opt, flush_every: lab.watch(model, opt, flush_every=flush_every),
+    "watch(weights=True)": lambda model, opt, flush_every: lab.watch(model, opt, weights=True,
+                                                                    flush_every=flush_every),
+    "watch(nonfinite)": lambda model, opt, flush_every: lab.watch(
+        model, opt, breakpoints=[lab.breakpoints.nonfinite()], flush_every=flush_every),
+    "per-step float(loss)": lambda model, opt, flush_every: contextlib.nullcontext(FloatLoss()),
 }
+FLUSH_EVERY = 0.25  # lab.watch's default
 
 
 def make_loop(model, optimizer, compiled):
@@ -105,7 +114,7 @@ def measure(compiled, rounds, steps, batch_size=32, block=BLOCK):
         for name, make in CONFIGS.items():
             keras.utils.set_random_seed(0)
             model, optimizer = make_mlp(), keras.optimizers.Adam(1e-3)
-            run = stack.enter_context(make(model, optimizer))
+            run = stack.enter_context(make(model, optimizer, FLUSH_EVERY * len(CONFIGS)))
             loop = make_loop(model, optimizer, compiled)
             loop(run, data[:2])  # warm-up: traces the step inside the block
             loops[name] = (loop, run)

@@ -169,3 +169,20 @@ def test_the_watch_benchmark_takes_turns_in_blocks_and_counts_every_step_and_rea
         read[run] = read.get(run, 0) + steps
     watched = [name for name in watch_overhead.CONFIGS if name.startswith("watch")]
     assert len(read) == len(watched) and set(read.values()) == {2 + 2 * 12}, read
+
+
+def test_the_watch_benchmark_reads_each_run_as_often_per_step_as_a_loop_alone():
+    # Taking turns, a run gets one step in every len(CONFIGS): read every
+    # 0.25 s of wall time, it would read its rows that many times more often
+    # per step than a loop running alone, and count those reads as its cost.
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import watch_overhead
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    import keras
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    make = watch_overhead.CONFIGS["watch()"]
+    with make(model, keras.optimizers.SGD(0.1), watch_overhead.FLUSH_EVERY * len(watch_overhead.CONFIGS)) as run:
+        assert run.flush_every == 0.25 * len(watch_overhead.CONFIGS)
