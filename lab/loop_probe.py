@@ -26,7 +26,7 @@ from tensorflow.python.framework.func_graph import FuncGraph
 from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
 
 from lab import compat
-from lab.compat import in_xla_trace, isolated
+from lab.compat import in_xla_trace
 from lab.probes import Probe, StepState, _replica_context, total_grad_norm, variable_keys
 
 # Slots kept free for variables the model did not list when watching began
@@ -445,17 +445,8 @@ class LoopProbe(Probe):
             return
         keys = self._keys(variables)
         present = [i for i in range(min(len(grads), len(variables))) if grads[i] is not None] if self.gradients else []
-        tensors = [grads[i] for i in present]
         weighed = self.weights and bool(variables)
-        if weighed:
-            values = [tf.convert_to_tensor(v.value) for v in variables]
-            read = isolated(tensors + values + list(before or []))
-            tensors = read[:len(present) + len(values)]
-            if before is not None:
-                after, earlier = read[len(present):len(tensors)], read[len(tensors):]
-                tensors += [tf.cast(v, tf.float32) - tf.cast(b, tf.float32) for v, b in zip(after, earlier)]
-        else:
-            tensors = isolated(tensors)
+        tensors = self._update_tensors(present, grads, variables, before)
         # l2_loss is sum(x * x) / 2 in one kernel, with no intermediate tensor.
         halves = [tf.nn.l2_loss(tf.cast(t, tf.float32)) for t in tensors]
         self._emit_scalars([f"{_GRAD_HALF}{keys[i]}" for i in present], halves[:len(present)],
@@ -645,8 +636,9 @@ def _norms(halves):
 def _combined(combine, old, new):
     """`combine(old, new)`, computed only where some slot already holds a
     value: the first write of a row finds every slot unset (NaN), where a
-    combine gives `new` (NaN in `old`: none yet), and that is the usual step,
-    one apply of each optimizer. The check costs a few kernels
+    combine gives `new` (NaN in `old`: none yet). For a vector a hook puts
+    with `combine` (the norms of an update go in as sums that add up
+    instead, `_emit_update`). The check costs a few kernels
     (`compat.rarely`), the combine about a dozen."""
     fresh = tf.reduce_all(tf.math.is_nan(old))
     return compat.rarely(lambda: new, fresh, lambda values: combine(*values), [old, new])

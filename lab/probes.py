@@ -911,16 +911,7 @@ class Probe:
         if record_gradients:
             present = [i for i in range(min(len(grads), len(variables))) if grads[i] is not None]
         # Every norm of the update in one norms_of: one overflow check for all.
-        tensors = [grads[i] for i in present]
-        if self.weights and variables:
-            values = [tf.convert_to_tensor(v.value) for v in variables]
-            read = isolated(tensors + values + list(before or []))
-            tensors = read[:len(present) + len(values)]
-            if before is not None:
-                after, earlier = read[len(present):len(tensors)], read[len(tensors):]
-                tensors += [tf.cast(v, tf.float32) - tf.cast(b, tf.float32) for v, b in zip(after, earlier)]
-        else:
-            tensors = isolated(tensors)
+        tensors = self._update_tensors(present, grads, variables, before)
         if not tensors:
             return
         if self._finishes_on_host(state):
@@ -941,6 +932,22 @@ class Probe:
                 else:
                     self._emit_vector(state, [f"update_ratio/{key}" for key in keys],
                                       tf.math.divide_no_nan(norms[start + count:], weight_norms))
+
+    def _update_tensors(self, present, grads, variables, before):
+        """The tensors an update's norms are taken of, in order: the gradients
+        at `present`, then with weights each variable's value and, when
+        `before` (their values before the update) is given, its update;
+        each read as the lab's own computations must read it (`isolated`)."""
+        tensors = [grads[i] for i in present]
+        if not (self.weights and variables):
+            return isolated(tensors)
+        values = [tf.convert_to_tensor(v.value) for v in variables]
+        read = isolated(tensors + values + list(before or []))
+        tensors = read[:len(present) + len(values)]
+        if before is not None:
+            after, earlier = read[len(present):len(tensors)], read[len(tensors):]
+            tensors += [tf.cast(v, tf.float32) - tf.cast(b, tf.float32) for v, b in zip(after, earlier)]
+        return tensors
 
     # ---- values the host finishes ------------------------------------------
 
