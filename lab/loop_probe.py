@@ -325,10 +325,9 @@ class LoopProbe(Probe):
         if index is None:
             return
         value = tf.cast(value, tf.float32)
-        if combine is not None and getattr(self._writes, "batch", None) is None:
-            old = self._slots.vector.sparse_read(self._row_offset() + index)
-            value, combine, accumulate = combine(old, value), None, False
-        self._put(([index], value, combine if combine is not None else accumulate))
+        if combine is not None:
+            value, accumulate = combine(self._slots.vector.sparse_read(self._row_offset() + index), value), False
+        self._put(([index], value, accumulate))
 
     def _emit_vector(self, state, names, vector, reset=np.nan, combine=None):
         indices = [self._index(name, reset) for name in names]
@@ -338,7 +337,10 @@ class LoopProbe(Probe):
         vector = tf.cast(vector, tf.float32)
         if len(kept) < len(names):
             vector = tf.gather(vector, kept)
-        self._put(([indices[i] for i in kept], vector, combine if combine is not None else False))
+        where = [indices[i] for i in kept]
+        if combine is not None:
+            vector = combine(self._slots.vector.sparse_read(tf.constant(where, tf.int32) + self._row_offset()), vector)
+        self._put((where, vector, False))
 
     def _emit_scalars(self, names, values, reset, accumulate):
         """Puts scalar tensors `values` under `names`, each its own item: the
@@ -350,8 +352,9 @@ class LoopProbe(Probe):
 
     def _put(self, item):
         """One write to the slots: ([indices], scalar or vector, mode), mode
-        False (assign), True (add) or a `combine(old, new)`; batched inside
-        an update, so each mode costs one scatter."""
+        False (assign) or True (add); batched inside an update, so each mode
+        costs one scatter. A value that combines with what the row holds
+        (`combine(old, new)`) is combined before it is put."""
         batch = getattr(self._writes, "batch", None)
         if batch is not None:
             batch.append(item)
@@ -397,16 +400,7 @@ class LoopProbe(Probe):
             else:
                 indices = tf.constant([[i] for i in where], tf.int32) + offset
             values = _concat([value for _, value in chosen])
-            if callable(mode):
-                # Every norm that covers several applies, combined in one vector op.
-                # A gather of these slots alone: a read of the whole ring would
-                # make the scatter below copy it (XLA has no ResourceGatherNd).
-                # Its indices as their own constant plus the offset: two graph
-                # nodes, where a slice of the scatter's takes four.
-                positions = tf.constant(where, tf.int32) + offset
-                old = self._slots.vector.sparse_read(positions)
-                self._slots.vector.scatter_nd_update(indices, _combined(mode, old, values))
-            elif mode:
+            if mode:
                 self._slots.vector.scatter_nd_add(indices, values)
             else:
                 self._slots.vector.scatter_nd_update(indices, values)
@@ -610,9 +604,9 @@ class LoopProbe(Probe):
                 columns[f"grad_norm/{key}"] = self._finished(f"grad_norm/{key}", taken[:, i], first_step, infinite)
             elif kind == _WEIGHT_HALF:
                 columns[f"weight_norm/{key}"] = self._finished(f"weight_norm/{key}", taken[:, i], first_step, infinite)
-            elif kind == _UPDATE_HALF:
+            elif kind == _UPDATE_HALF:  # after its weight's column (slot order)
                 update = self._finished(f"update_ratio/{key}", taken[:, i], first_step, infinite)
-                weight = _norms(taken[:, index[_WEIGHT_HALF + key]])
+                weight = columns[f"weight_norm/{key}"]
                 with np.errstate(divide="ignore", invalid="ignore"):
                     columns[f"update_ratio/{key}"] = np.where(weight == 0, np.float32(0), update / weight)
             else:
@@ -631,17 +625,6 @@ def _norms(halves):
     halves = halves.astype(np.float32, copy=False)
     norms = np.sqrt(np.float32(2) * halves)
     return np.where(np.signbit(halves) & (halves == 0), np.float32(np.nan), norms).astype(np.float32)
-
-
-def _combined(combine, old, new):
-    """`combine(old, new)`, computed only where some slot already holds a
-    value: the first write of a row finds every slot unset (NaN), where a
-    combine gives `new` (NaN in `old`: none yet). For a vector a hook puts
-    with `combine` (the norms of an update go in as sums that add up
-    instead, `_emit_update`). The check costs a few kernels
-    (`compat.rarely`), the combine about a dozen."""
-    fresh = tf.reduce_all(tf.math.is_nan(old))
-    return compat.rarely(lambda: new, fresh, lambda values: combine(*values), [old, new])
 
 
 def _describe(value):
