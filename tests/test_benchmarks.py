@@ -12,12 +12,21 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def overhead():
-    spec = importlib.util.spec_from_file_location("overhead", ROOT / "benchmarks" / "overhead.py")
+def load_benchmark(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def overhead():
+    return load_benchmark("overhead")
+
+
+@pytest.fixture(scope="module")
+def watch_overhead():
+    return load_benchmark("watch_overhead")
 
 
 def rounds(ratio, spread, count=7, seed=0):
@@ -70,9 +79,7 @@ def test_every_target_of_the_report_gets_a_row(overhead):
 
 
 def test_the_overflow_check_figures_come_for_each_form_and_count():
-    spec = importlib.util.spec_from_file_location("step_cost", ROOT / "benchmarks" / "step_cost.py")
-    step_cost = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(step_cost)
+    step_cost = load_benchmark("step_cost")
     results = step_cost.overflow_check(rounds=2, calls=1, elements=10)
     assert list(results) == [6, 18, 150]
     for row in results.values():
@@ -130,15 +137,10 @@ def test_the_hook_share_adds_up_the_time_inside_a_callbacks_hooks_and_keeps_them
     assert 4 * 0.02 <= spent[0] < seconds
 
 
-def test_the_watch_benchmark_takes_turns_in_blocks_and_counts_every_step_and_read(monkeypatch):
+def test_the_watch_benchmark_takes_turns_in_blocks_and_counts_every_step_and_read(watch_overhead, monkeypatch):
     # Configurations take turns every few steps within a round, so a burst
     # of load falls on all of them; each round's time is the sum of a
     # configuration's blocks and its final read of the rows.
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import watch_overhead
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
     turns, reads = [], []
     make_loop = watch_overhead.make_loop
 
@@ -174,15 +176,10 @@ def test_the_watch_benchmark_takes_turns_in_blocks_and_counts_every_step_and_rea
     assert len(read) == 2 * len(watched) and set(read.values()) == {2 + 12}, read
 
 
-def test_the_watch_benchmark_makes_every_model_and_optimizer_before_it_traces_a_step(monkeypatch):
+def test_the_watch_benchmark_makes_every_model_and_optimizer_before_it_traces_a_step(watch_overhead, monkeypatch):
     # Made and traced one configuration after the other, the last model made
     # ran its steps 7-10% faster, whichever configuration it was; the control
     # (a second unwatched copy) is there to show what is left of such effects.
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import watch_overhead
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
     made, seen_at_first_step = [], []
     make_mlp, make_loop = watch_overhead.make_mlp, watch_overhead.make_loop
 
@@ -231,15 +228,10 @@ def test_the_fit_benchmark_makes_every_model_and_optimizer_before_the_first_warm
     assert overhead.A_A in overhead.configs(str(tmp_path))
 
 
-def test_the_watch_benchmark_reads_each_run_as_often_per_step_as_a_loop_alone():
+def test_the_watch_benchmark_reads_each_run_as_often_per_step_as_a_loop_alone(watch_overhead):
     # Taking turns, a run gets one step in every len(CONFIGS): read every
     # 0.25 s of wall time, it would read its rows that many times more often
     # per step than a loop running alone, and count those reads as its cost.
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import watch_overhead
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
     import keras
 
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
