@@ -426,12 +426,13 @@ def main(argv=None):
                            "loadavg_after": loadavg()}
         print(f"\n**lab.watch** on a hand-written `tf.function` loop (MLP, batch {BATCH_SIZE}, {steps} steps, "
               f"{rounds} rounds; unwatched {1000 * bare / steps:.2f} ms/step): median time / the unwatched loop's "
-              "median (fastest / fastest; CPU time, median / median)\n")
-        print("| | ratio |\n|---|---|")
+              "median (fastest / fastest; CPU time, median / median); and the median of the rounds' own "
+              "ratios (each round's configurations ran under the same load)\n")
+        print("| | ratio | rounds' median |\n|---|---|---|")
         for name, value in ratios.items():
             if name != "unwatched":
                 print(f"| {name} | {value['median_ratio']:.2f} ({value['fastest_ratio']:.2f}; "
-                      f"cpu {value['cpu_median_ratio']:.2f}) |")
+                      f"cpu {value['cpu_median_ratio']:.2f}) | {value['round_median_ratio']:.2f} |")
         print(f"\n(load average after: {report['watch']['loadavg_after']})")
     rows = target_rows(report)
     report["targets"] = [dict(zip(("where", "configuration", "target", "ratio", "verdict", "low", "high"), row))
