@@ -219,7 +219,7 @@ def measure(build, flat, steps_per_execution, rounds, batches, epochs, tmp, seed
     # configuration after the other, the model made last ran its steps 7-10%
     # faster than the others, whichever configuration it was (the others
     # alike among themselves): an effect of the order (no page faults
-    # differed), not of the lab (`watch_overhead.measure` has the figures).
+    # differed), not of the lab (`watch_overhead.measure_round` has the figures).
     for name in found:
         keras.utils.set_random_seed(0)
         model = build()

@@ -39,10 +39,8 @@ from lab.status import StatusReporter
 # What run.step keeps for a step given no `epoch=` or `batch=` (read only).
 _NO_HOST = types.MappingProxyType({})
 _NAN = np.float32(np.nan)
-# A step's output (TensorFlow's eager tensor class, TF 2.16 and 2.21: named,
-# since making a tensor at import would start TensorFlow's runtime), and the
-# dtypes run.step takes as they are.
-_EAGER_TENSOR = EagerTensor
+# The dtypes run.step takes as they are, in a step's output (an `EagerTensor`,
+# the class named: making a tensor at import would start TensorFlow's runtime).
 _NUMBER_DTYPES = frozenset(dtype for dtype in (tf.as_dtype(name) for name in (
     "float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64",
     "uint8", "uint16", "uint32", "uint64", "bool")))
@@ -368,7 +366,7 @@ def _number(value):
 def _value(name, value):
     """A value for run.step as a tensor or float32 array (never a Python float,
     which would make the row function trace again for each new value)."""
-    if type(value) is _EAGER_TENSOR and value.dtype in _NUMBER_DTYPES:
+    if type(value) is EagerTensor and value.dtype in _NUMBER_DTYPES:
         return value  # the usual loss: a step's output, as it is
     if isinstance(value, keras.metrics.Metric):
         value = value.result()
