@@ -1,20 +1,22 @@
 """What watching costs: fit() with the lab's callbacks (and others') against bare fit().
 
 Every configuration runs in this one process, each on its own copy of the
-model, interleaved and repeated: in each round every configuration runs one
-fit in a shuffled order. Each is reported as the ratio of its median fit time
-to bare `fit(verbose=0)`'s median (beside it, the ratio of its fastest fit to
-the fastest bare fit: noise from other work only ever adds time, so on a busy
-machine the minimum is the least disturbed figure), and as the same ratio of
-the process's CPU time, which other processes disturb less than wall time (it
+model, and the fits take turns: in each round every configuration runs one
+fit, each in a thread of its own, one at a time, passing the turn on every
+8 steps to the others in a shuffled order (`Turns`), so a burst of load
+from another tenant falls on all of them alike. Each is reported as the
+ratio of its median fit time (the sum of its turns) to bare
+`fit(verbose=0)`'s median (beside it, the ratio of its fastest fit to the
+fastest bare fit), and as the same ratio of the process's CPU time (it
 counts every thread of this process, TensorFlow's pools included). The JSON
-also holds the median of the per-round ratios. The machines are shared and noisy:
-absolute times from different runs are not comparable, and the load averages
-are printed with the table. Tracing is excluded: each configuration first runs a warm-up fit with
-the same callbacks on the same model. A second table gives the share of each
-fit spent inside the callbacks' own hooks (`timed`): measured in the same
-process, it is steady where whole fits are not, and what a configuration
-costs beyond it is in the graph (`benchmarks/step_cost.py`).
+also holds the median of the per-round ratios. The batches come from a
+`tf.data.Dataset` with tf.data's autotuning off (`dataset` says why). The
+machines are shared and noisy: absolute times from different runs are not
+comparable, and the load averages are printed with the table. Tracing is
+excluded: each configuration first runs a warm-up fit with the same
+callbacks on the same model. A second table gives the share of each fit
+spent inside the callbacks' own hooks (`timed`); what a configuration costs
+beyond it is in the graph (`benchmarks/step_cost.py`).
 
 Rows: a per-batch `float(logs)` callback, TensorBoard(update_freq="batch"),
 TensorBoard with histogram_freq=1, livelossplot (only if it is installed),
@@ -44,6 +46,7 @@ Usage:
 """
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -52,6 +55,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -126,11 +130,11 @@ def headless_comms():
     comm.create_comm = lambda *a, **k: Dropping(**k)
 
 
-def dashboard():
+def dashboard(every=0.25):
     headless_comms()
     import widgets
 
-    return widgets.Dashboard(gradients=True)
+    return widgets.Dashboard(gradients=True, refresh_every=every, flush_every=every)
 
 
 def livelossplot_callback():
@@ -150,8 +154,11 @@ def has_livelossplot():
     return True
 
 
-def configs(tmp):
-    """name -> () -> list of callbacks. "bare fit" first; it is the reference."""
+def configs(tmp, every=0.25):
+    """name -> () -> list of callbacks. "bare fit" first; it is the reference.
+
+    `every`: the lab's seconds between reads of the device and between
+    refreshes (0.25 s by default); fits taking turns pass a multiple (`measure`)."""
     found = {
         "bare fit": lambda: [],
         'a per-batch `float(logs)` callback': lambda: [StoreFloats()],
@@ -164,9 +171,10 @@ def configs(tmp):
     if has_livelossplot():
         found["livelossplot"] = lambda: [livelossplot_callback()]
     found.update({
-        "`lab.Recorder()`": lambda: [lab.Recorder()],
-        "`widgets.Dashboard(gradients=True)`": lambda: [dashboard()],
-        "`lab.Recorder(gradients=True, weights=True)`": lambda: [lab.Recorder(gradients=True, weights=True)],
+        "`lab.Recorder()`": lambda: [lab.Recorder(flush_every=every)],
+        "`widgets.Dashboard(gradients=True)`": lambda: [dashboard(every)],
+        "`lab.Recorder(gradients=True, weights=True)`": lambda: [
+            lab.Recorder(gradients=True, weights=True, flush_every=every)],
         A_A: lambda: [],
     })
     return found
@@ -209,10 +217,123 @@ def data(flat, batches):
     return np.concatenate([x] * repeat)[:samples], np.concatenate([y] * repeat)[:samples]
 
 
-def measure(build, flat, steps_per_execution, rounds, batches, epochs, tmp, seed=0):
-    """Median and fastest ratios to bare fit, per configuration, at one steps_per_execution."""
+def dataset(flat, batches):
+    """The fits' batches, as a `tf.data.Dataset` with tf.data's autotuning off.
+
+    Autotuned (as fit() makes it from arrays), the first batch of an epoch
+    now and then waited 0.2-0.3 s, in bare fit as much as in any other
+    configuration: bare fits of 3 epochs took 0.95, 1.27, 1.6 or 1.92 s
+    on one CPU, by how many epochs stalled, and the ratios compared those
+    counts. Off, no batch waited over 20 ms (scratch timings, 2026-12-02).
+    The steps are those of fit() on the arrays, without the shuffle."""
     x, y = data(flat, batches)
-    found = configs(tmp)
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH_SIZE).with_options(options)
+
+
+class Turns:
+    """Fits that take turns, each in a thread of its own: one runs at a
+    time, and passes the turn on every `every` batch ends (its callback
+    from `callback(name)`), to the others in a shuffled order each cycle.
+
+    A configuration's seconds and CPU seconds add up its turns, from
+    getting the turn to passing it on, its fit's start and end included:
+    a burst of load from another tenant falls on every configuration
+    alike, as the watch benchmark's blocks of steps (whole fits in turn, a
+    copy of bare fit against bare fit came out at 0.75-1.37).
+    """
+
+    def __init__(self, names, every, shuffle):
+        self.seconds = dict.fromkeys(names, 0.0)
+        self.cpu = dict.fromkeys(names, 0.0)
+        self._every = every
+        self._shuffle = shuffle
+        self._changed = threading.Condition()
+        self._turn = None
+        self._queue = []
+        self._left = set()
+        self._started = None
+
+    def callback(self, name):
+        """The keras callback with which `name`'s fit passes the turn on."""
+        turns = self
+
+        class PassTurn(keras.callbacks.Callback):
+            calls = 0
+
+            def on_train_batch_end(self, batch, logs=None):
+                self.calls += 1
+                if self.calls % turns._every == 0:
+                    turns._pass(name, done=False)
+
+        return PassTurn()
+
+    def run(self, fits):
+        """Runs `fits` (name -> callable running one fit) taking turns; returns when all ended."""
+        errors = []
+        self._left = set(fits)
+        threads = [threading.Thread(target=self._run_one, args=(name, fit, errors), name=f"fit {name}")
+                   for name, fit in fits.items()]
+        for thread in threads:
+            thread.start()
+        with self._changed:
+            self._give_next()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+
+    def _run_one(self, name, fit, errors):
+        self._wait(name)
+        try:
+            fit()
+        except BaseException as error:  # reported by run(), in the main thread
+            errors.append(error)
+        finally:
+            self._pass(name, done=True)
+
+    def _wait(self, name):
+        with self._changed:
+            self._changed.wait_for(lambda: self._turn == name)
+        self._started = (time.perf_counter(), time.process_time())
+
+    def _pass(self, name, done):
+        wall, cpu = self._started
+        self.seconds[name] += time.perf_counter() - wall
+        self.cpu[name] += time.process_time() - cpu
+        with self._changed:
+            if done:
+                self._left.discard(name)
+            self._give_next()
+        if not done:
+            self._wait(name)
+
+    def _give_next(self):
+        self._queue = [name for name in self._queue if name in self._left]
+        if not self._queue and self._left:
+            self._queue = sorted(self._left)
+            self._shuffle(self._queue)
+            if len(self._queue) > 1 and self._queue[0] == self._turn:
+                self._queue.append(self._queue.pop(0))  # no two turns in a row
+        self._turn = self._queue.pop(0) if self._queue else None
+        self._changed.notify_all()
+
+
+# Steps a fit runs before it passes the turn on: few enough that load changes
+# fall on every configuration, as many as the watch benchmark's blocks.
+TURN_STEPS = 8
+
+
+def measure(build, flat, steps_per_execution, rounds, batches, epochs, tmp, seed=0):
+    """Median and fastest ratios to bare fit, per configuration, at one steps_per_execution.
+
+    In each round every configuration runs one fit, all taking turns (`Turns`)."""
+    batches_data = dataset(flat, batches)
+    # Taking turns, each fit runs one step in every len(configs): its lab
+    # reads and refreshes as often per step as a fit running alone.
+    count = len(configs(tmp))
+    found = configs(tmp, every=0.25 * count)
     models, callbacks, spent = {}, {}, {}
     # Every configuration's model, and its optimizer's variables, are made
     # before any of them traces or runs a step. Made and warmed up one
@@ -232,29 +353,28 @@ def measure(build, flat, steps_per_execution, rounds, batches, epochs, tmp, seed
         callbacks[name] = make()
         spent[name] = timed(callbacks[name])
         # Warm-up with the same callbacks: traces the (hooked) train function.
-        model.fit(x, y, batch_size=BATCH_SIZE, epochs=1, verbose=0, callbacks=callbacks[name])
+        model.fit(batches_data, epochs=1, verbose=0, shuffle=False, callbacks=callbacks[name])
     seconds = {name: [] for name in found}
     cpu_seconds = {name: [] for name in found}
     ratios = {name: [] for name in found}
     hook_shares = {name: [] for name in found}
     cpu_ratios = {name: [] for name in found}
-    order = list(found)
     shuffle = random.Random(seed + steps_per_execution).shuffle
+    every = max(1, TURN_STEPS // steps_per_execution)
     for _ in range(rounds):
-        shuffle(order)  # no configuration always runs first, or right after another
-        times, cpu = {}, {}
-        for name in order:
-            spent[name][0] = 0.0
-            start, start_cpu = time.perf_counter(), time.process_time()
-            models[name].fit(x, y, batch_size=BATCH_SIZE, epochs=epochs, verbose=0, callbacks=callbacks[name])
-            times[name] = time.perf_counter() - start
-            hook_shares[name].append(spent[name][0] / times[name])
-            cpu[name] = time.process_time() - start_cpu
-            seconds[name].append(times[name])
-            cpu_seconds[name].append(cpu[name])
+        turns = Turns(found, every, shuffle)
+        fits = {}
         for name in found:
-            ratios[name].append(times[name] / times["bare fit"])
-            cpu_ratios[name].append(cpu[name] / cpu["bare fit"])
+            spent[name][0] = 0.0
+            fits[name] = functools.partial(models[name].fit, batches_data, epochs=epochs, verbose=0, shuffle=False,
+                                           callbacks=callbacks[name] + [turns.callback(name)])
+        turns.run(fits)
+        for name in found:
+            seconds[name].append(turns.seconds[name])
+            cpu_seconds[name].append(turns.cpu[name])
+            hook_shares[name].append(spent[name][0] / turns.seconds[name])
+            ratios[name].append(turns.seconds[name] / turns.seconds["bare fit"])
+            cpu_ratios[name].append(turns.cpu[name] / turns.cpu["bare fit"])
     fastest_bare = min(seconds["bare fit"])
     steps = batches * epochs
     return {

@@ -221,7 +221,7 @@ def test_the_fit_benchmark_makes_every_model_and_optimizer_before_the_first_warm
         made.append(keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)]))
         return made[-1]
 
-    monkeypatch.setattr(overhead, "configs", lambda tmp: {"bare fit": lambda: [Notes()], overhead.A_A: lambda: []})
+    monkeypatch.setattr(overhead, "configs", lambda tmp, every=0.25: {"bare fit": lambda: [Notes()], overhead.A_A: lambda: []})
     result = overhead.measure(build, True, 1, rounds=1, batches=2, epochs=1, tmp=str(tmp_path))
     assert len(seen[0]) == 2 and all(built and count > 2 for built, count in seen[0])
     assert set(result["configs"]) == {"bare fit", overhead.A_A}
@@ -238,3 +238,80 @@ def test_the_watch_benchmark_reads_each_run_as_often_per_step_as_a_loop_alone(wa
     make = watch_overhead.CONFIGS["watch()"]
     with make(model, keras.optimizers.SGD(0.1), watch_overhead.FLUSH_EVERY * len(watch_overhead.CONFIGS)) as run:
         assert run.flush_every == 0.25 * len(watch_overhead.CONFIGS)
+
+
+def _turn_fits(overhead, turns, names, batches, extra=None):
+    """name -> a fit of `batches` batches on a model of its own, noting each batch in `seen`."""
+    import keras
+
+    seen, inside = [], []
+
+    class Note(keras.callbacks.Callback):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def on_train_batch_begin(self, batch, logs=None):
+            inside.append(self.name)
+            assert len(inside) == 1, f"{inside} ran at once"
+
+        def on_train_batch_end(self, batch, logs=None):
+            inside.remove(self.name)
+            seen.append(self.name)
+
+    fits = {}
+    for name in names:
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+        hooks = [Note(name), *(extra or {}).get(name, []), turns.callback(name)]
+        x, y = np.zeros((batches * 2, 4), np.float32), np.zeros((batches * 2, 1), np.float32)
+        fits[name] = lambda model=model, hooks=hooks, x=x, y=y: model.fit(x, y, batch_size=2, epochs=1,
+                                                                          verbose=0, callbacks=hooks)
+    return fits, seen
+
+
+def test_fits_take_turns_one_at_a_time_in_blocks_and_count_their_start_and_end(overhead):
+    import itertools
+    import random
+    import time
+
+    import keras
+
+    class SlowEnd(keras.callbacks.Callback):
+        def on_train_end(self, logs=None):
+            time.sleep(0.2)  # after its last turn passed: the fit's end is its own time too
+
+    names = ["a", "b", "c"]
+    turns = overhead.Turns(names, 3, random.Random(0).shuffle)
+    fits, seen = _turn_fits(overhead, turns, names, batches=9, extra={"c": [SlowEnd()]})
+    turns.run(fits)
+    runs = [(name, len(list(group))) for name, group in itertools.groupby(seen)]
+    assert sorted(seen) == sorted(names * 9)
+    assert all(length == 3 for _, length in runs), runs  # every fit passes the turn every 3 batches
+    cycles = [sorted(name for name, _ in runs[i:i + 3]) for i in range(0, len(runs), 3)]
+    assert cycles == [names] * 3  # each cycle gives every fit one turn
+    assert turns.seconds["c"] >= 0.2 and all(turns.seconds[name] > 0 for name in names)
+    assert all(turns.cpu[name] > 0 for name in names)
+
+
+def test_a_fit_that_raises_while_taking_turns_is_raised_after_the_others_ended(overhead):
+    import random
+
+    import keras
+
+    class Fails(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 4:
+                raise RuntimeError("batch 4 failed")
+
+    turns = overhead.Turns(["a", "b"], 2, random.Random(0).shuffle)
+    fits, seen = _turn_fits(overhead, turns, ["a", "b"], batches=8, extra={"a": [Fails()]})
+    with pytest.raises(RuntimeError, match="batch 4 failed"):
+        turns.run(fits)
+    assert seen.count("b") == 8 and seen.count("a") == 5  # b ran to its end, alone after a failed
+
+
+def test_the_fit_benchmark_feeds_the_fits_without_tf_data_autotuning(overhead):
+    batches = overhead.dataset(True, 3)
+    assert batches.options().autotune.enabled is False
+    assert [tuple(x.shape) for x, _ in batches] == [(overhead.BATCH_SIZE, 64)] * 3
