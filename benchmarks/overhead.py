@@ -1,7 +1,7 @@
 """What watching costs: fit() with the lab's callbacks (and others') against bare fit().
 
-Every configuration runs in this one process, each on its own copy of the
-model, and the fits take turns: in each round every configuration runs one
+Every configuration runs in this one process, each round on a new copy of
+the model of its own, and the fits take turns: in each round every configuration runs one
 fit, each in a thread of its own, one at a time, passing the turn on every
 8 steps to the others in a shuffled order (`Turns`), so a burst of load
 from another tenant falls on all of them alike. Each is reported as the
@@ -13,8 +13,8 @@ also holds the median of the per-round ratios. The batches come from a
 `tf.data.Dataset` with tf.data's autotuning off (`dataset` says why). The
 machines are shared and noisy: absolute times from different runs are not
 comparable, and the load averages are printed with the table. Tracing is
-excluded: each configuration first runs a warm-up fit with the same
-callbacks on the same model. A second table gives the share of each fit
+excluded: each round's models first run a warm-up of two executions with
+the same callbacks. A second table gives the share of each fit
 spent inside the callbacks' own hooks (`timed`); what a configuration costs
 beyond it is in the graph (`benchmarks/step_cost.py`).
 
@@ -328,40 +328,41 @@ TURN_STEPS = 8
 def measure(build, flat, steps_per_execution, rounds, batches, epochs, tmp, seed=0):
     """Median and fastest ratios to bare fit, per configuration, at one steps_per_execution.
 
-    In each round every configuration runs one fit, all taking turns (`Turns`)."""
+    In each round every configuration runs one fit on a new model, all
+    taking turns (`Turns`). Each round makes every model, and its
+    optimizer's variables, before any of them traces or runs a step, in a
+    shuffled order, then warms each up with its callbacks (two executions:
+    that traces the hooked train function). Made and warmed up one after
+    the other, the model made last ran its steps 7-10% faster than the
+    others, whichever configuration it was (`watch_overhead.measure_round`
+    has the figures); made first but kept for the whole run, a copy of
+    bare fit still came out at 0.91-0.95 on the 50-variable MLP (2026-12-02
+    19:35): new models each round turn what a copy differs by into a
+    difference between rounds, which the median evens out."""
     batches_data = dataset(flat, batches)
+    warm_up = batches_data.take(2 * steps_per_execution)
     # Taking turns, each fit runs one step in every len(configs): its lab
     # reads and refreshes as often per step as a fit running alone.
-    count = len(configs(tmp))
-    found = configs(tmp, every=0.25 * count)
-    models, callbacks, spent = {}, {}, {}
-    # Every configuration's model, and its optimizer's variables, are made
-    # before any of them traces or runs a step. Made and warmed up one
-    # configuration after the other, the model made last ran its steps 7-10%
-    # faster than the others, whichever configuration it was (the others
-    # alike among themselves): an effect of the order (no page faults
-    # differed), not of the lab (`watch_overhead.measure_round` has the figures).
-    for name in found:
-        keras.utils.set_random_seed(0)
-        model = build()
-        model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      steps_per_execution=steps_per_execution)
-        model.optimizer.build(model.trainable_variables)
-        models[name] = model
-    for name, make in found.items():
-        model = models[name]
-        callbacks[name] = make()
-        spent[name] = timed(callbacks[name])
-        # Warm-up with the same callbacks: traces the (hooked) train function.
-        model.fit(batches_data, epochs=1, verbose=0, shuffle=False, callbacks=callbacks[name])
-    seconds = {name: [] for name in found}
-    cpu_seconds = {name: [] for name in found}
-    ratios = {name: [] for name in found}
-    hook_shares = {name: [] for name in found}
-    cpu_ratios = {name: [] for name in found}
+    every_seconds = 0.25 * len(configs(tmp))
+    seconds, cpu_seconds, ratios, hook_shares, cpu_ratios = {}, {}, {}, {}, {}
     shuffle = random.Random(seed + steps_per_execution).shuffle
     every = max(1, TURN_STEPS // steps_per_execution)
     for _ in range(rounds):
+        found = configs(tmp, every=every_seconds)
+        names = list(found)
+        shuffle(names)
+        models, callbacks, spent = {}, {}, {}
+        for name in names:
+            keras.utils.set_random_seed(0)
+            model = build()
+            model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          steps_per_execution=steps_per_execution)
+            model.optimizer.build(model.trainable_variables)
+            models[name] = model
+        for name in names:
+            callbacks[name] = found[name]()
+            spent[name] = timed(callbacks[name])
+            models[name].fit(warm_up, epochs=1, verbose=0, shuffle=False, callbacks=callbacks[name])
         turns = Turns(found, every, shuffle)
         fits = {}
         for name in found:
@@ -370,11 +371,11 @@ def measure(build, flat, steps_per_execution, rounds, batches, epochs, tmp, seed
                                            callbacks=callbacks[name] + [turns.callback(name)])
         turns.run(fits)
         for name in found:
-            seconds[name].append(turns.seconds[name])
-            cpu_seconds[name].append(turns.cpu[name])
-            hook_shares[name].append(spent[name][0] / turns.seconds[name])
-            ratios[name].append(turns.seconds[name] / turns.seconds["bare fit"])
-            cpu_ratios[name].append(turns.cpu[name] / turns.cpu["bare fit"])
+            seconds.setdefault(name, []).append(turns.seconds[name])
+            cpu_seconds.setdefault(name, []).append(turns.cpu[name])
+            hook_shares.setdefault(name, []).append(spent[name][0] / turns.seconds[name])
+            ratios.setdefault(name, []).append(turns.seconds[name] / turns.seconds["bare fit"])
+            cpu_ratios.setdefault(name, []).append(turns.cpu[name] / turns.cpu["bare fit"])
     fastest_bare = min(seconds["bare fit"])
     steps = batches * epochs
     return {

@@ -207,24 +207,29 @@ def test_the_watch_benchmark_makes_every_model_and_optimizer_before_it_traces_a_
         assert type(control) is watch_overhead.Unwatched
 
 
-def test_the_fit_benchmark_makes_every_model_and_optimizer_before_the_first_warm_up(overhead, monkeypatch, tmp_path):
+def test_the_fit_benchmark_makes_new_models_each_round_all_before_the_rounds_first_warm_up(
+        overhead, monkeypatch, tmp_path):
     import keras
 
     made, seen = [], []
 
     class Notes(keras.callbacks.Callback):
         def on_train_begin(self, logs=None):
-            if not seen:
-                seen.append([(m.optimizer.built, len(m.optimizer.variables)) for m in made])
+            seen.append([(m.optimizer.built, len(m.optimizer.variables)) for m in made])
 
     def build():
         made.append(keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)]))
         return made[-1]
 
-    monkeypatch.setattr(overhead, "configs", lambda tmp, every=0.25: {"bare fit": lambda: [Notes()], overhead.A_A: lambda: []})
-    result = overhead.measure(build, True, 1, rounds=1, batches=2, epochs=1, tmp=str(tmp_path))
-    assert len(seen[0]) == 2 and all(built and count > 2 for built, count in seen[0])
+    monkeypatch.setattr(overhead, "configs", lambda tmp, every=0.25: {"bare fit": lambda: [Notes()],
+                                                                      overhead.A_A: lambda: []})
+    result = overhead.measure(build, True, 1, rounds=2, batches=2, epochs=1, tmp=str(tmp_path))
+    assert len(made) == 4  # two configurations, two rounds: a new model each
+    # bare fit's warm-up and fit in each round: every model made so far is built by then
+    assert [len(s) for s in seen] == [2, 2, 4, 4]
+    assert all(built and count > 2 for s in seen for built, count in s)
     assert set(result["configs"]) == {"bare fit", overhead.A_A}
+    assert len(result["configs"]["bare fit"]["seconds"]) == 2
     assert overhead.A_A in overhead.configs(str(tmp_path))
 
 
