@@ -27,7 +27,7 @@ from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGra
 
 from lab import compat
 from lab.compat import in_xla_trace
-from lab.probes import Probe, StepState, _replica_context, total_grad_norm, variable_keys
+from lab.probes import Probe, StepState, _replica_context, infinite_norms_message, total_grad_norm, variable_keys
 
 # Slots kept free for variables the model did not list when watching began
 # (a subclassed model is often built by its first step).
@@ -583,12 +583,7 @@ class LoopProbe(Probe):
         self._warned.update(("inf", column) for column in new)
         step = min(new.values())
         names = sorted(new, key=new.get)
-        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-        self.warn_once(("inf", tuple(names)), (
-            f"{shown} {'is' if len(names) == 1 else 'are'} inf from step {step}: the tensor has an "
-            "infinite element, or its sum of squares overflows float32 (a norm over about 1.8e19), "
-            "which lab.watch cannot tell apart. A Recorder in fit() records such a norm exactly; "
-            "`lab.breakpoints.nonfinite()` stops at infinite gradients."), RuntimeWarning, step=step)
+        self.warn_once(("inf", tuple(names)), infinite_norms_message(names, step), RuntimeWarning, step=step)
 
     def row_columns(self, taken, first_step=0):
         """Row columns from stacked slot values (steps x slots, numpy), the

@@ -13,7 +13,7 @@ from lab import compat, modes, schema
 from lab.arguments import check_seconds
 from lab.hooks import CompiledState, hooks_for, release_all
 from lab.observers import Observers
-from lab.probes import Probe
+from lab.probes import Probe, infinite_norms_message
 from lab.run import Run
 from lab.status import StatusReporter
 from lab.breakpoints import as_breakpoints
@@ -101,6 +101,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self._init_status()
         self._breakpoint_listeners = Observers("a recorder's breakpoints")
         self._saw_nonfinite = False
+        self._infinite_told = set()  # norm columns whose inf the run was told of
         self._python_points = any(not getattr(p, "on_device", False) for p in self.breakpoints)
         self._probe = None
         self._probe_state = None  # the CompiledState the probe was made for
@@ -278,6 +279,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         }
         columns.update(rows)
         hit_row = self._cut_at_device_hit(columns)
+        self._note_infinite_norms(len(columns["epoch"]))
         self.run.append_batches(columns)
         self._note_running_values()
         self._probe.note_xla(self.run, self.run.next_step - 1)
@@ -285,6 +287,22 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         if hit_row is not None:
             self._on_device_hit(hit_row)
         return count
+
+    def _note_infinite_norms(self, count):
+        """Warns once per column of a norm the host finished as inf (among
+        this read's first `count` rows, the next to go into the run): it may
+        be a finite norm whose sum of squares overflowed."""
+        new = {column: row for column, row in self._probe.infinite.items()
+               if row < count and column not in self._infinite_told}
+        if not new:
+            return
+        self._infinite_told.update(new)
+        columns = sorted(new, key=new.get)
+        step = self.run.next_step + new[columns[0]]
+        message = infinite_norms_message(
+            columns, step, also=" With `jit_compile=True` the step computes such a norm exactly.")
+        self.run.add_event("warning", message, step=step)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
 
     def _note_record_errors(self):
         told = self.run.metadata.setdefault("record_errors", [])
