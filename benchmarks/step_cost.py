@@ -1,15 +1,22 @@
 """What the probes add to one training step: kernels in the traced step, and its time.
 
 `overhead.py` measures whole `fit()` calls, where Keras' own per-batch work
-and the bare fit's thread pool move the baseline by ±10% on a 2-core machine.
-This benchmark isolates the part the lab puts inside the compiled step: each
-configuration's train function (traced with the probe a Recorder installs) is
-called directly on an endless dataset, in pairs with the bare model's train
-function (the order within a pair drawn at random), and each pair gives one
-ratio; the table shows the median of those ratios with its quartiles. It also
-counts the kernels each configuration adds to the traced `train_step` (Const
-and Placeholder nodes left out; the branch functions of conds counted, since
-a graph runs the nodes of a branch not taken as dead ones, and a cond's
+and the lab's hooks are part of the figure. This benchmark isolates the part
+the lab puts inside the compiled step, on one model: its bare train function,
+a second bare one (the control), and one traced with each configuration's
+probe (the probe a Recorder installs; taken off the model again once traced,
+while the traced function keeps writing its rows) all train the same model,
+taking turns in blocks of 8 steps (one call at spe=32) in a shuffled order.
+A block of each is one pair with the same block's bare function; the table
+shows the median of those ratios with its quartiles. On one model there is
+no "model of its own" in the figure: models made and warmed one after the
+other ran their steps up to 10% apart whatever their configuration (see the
+README), which is what the pairs of separate models this benchmark used
+before measured as much as the probes. Each probe's rows are read every 16
+blocks, outside the timed part, as a Recorder's flush would. It also counts
+the kernels each configuration adds to the traced `train_step` (Const and
+Placeholder nodes left out; the branch functions of conds counted, since a
+graph runs the nodes of a branch not taken as dead ones, and a cond's
 Switches, one per tensor its branches read; not the nodes of a function
 that is called as one node, `lab.compat.rarely`'s branch).
 
@@ -24,7 +31,7 @@ turn, in a shuffled order, and the fastest tenth of each is compared.
 Usage:
     python benchmarks/step_cost.py                      # MLP, CNN, 50-variable MLP; spe 1 and 32
     python benchmarks/step_cost.py --threads 1          # one TF thread: less scheduling noise
-    python benchmarks/step_cost.py --models deep --pairs 60
+    python benchmarks/step_cost.py --models deep --blocks 300
     python benchmarks/step_cost.py --threads 1 --overflow-check
     python benchmarks/step_cost.py --threads 1 --cpu 1   # pinned to CPU 1: far steadier on a shared machine
 """
@@ -46,34 +53,51 @@ CONFIGS = {
     "`Recorder(gradients=True, weights=True)`": {"gradients": True, "weights": True},
 }
 SKIPPED_NODES = ("Const", "Placeholder", "NoOp")
+CONTROL = "bare again, a second train function of the same model (the control)"
+BLOCK = 8  # steps per turn
 
 
-def build(overhead, key, steps_per_execution, probe_args):
-    """A compiled model of `overhead.MODELS[key]`, its train function traced
-    (with a probe when `probe_args` is not None), and an endless iterator."""
+def build(overhead, key, steps_per_execution):
+    """A compiled model of `overhead.MODELS[key]` with its optimizer built,
+    an endless iterator of its batches (tf.data's autotuning off, as in
+    `overhead.dataset`) and one batch for tracing."""
     import keras
     import tensorflow as tf
-
-    from lab.probes import Probe
 
     _, make, flat = overhead.MODELS[key]
     keras.utils.set_random_seed(0)
     model = make()
     model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   steps_per_execution=steps_per_execution)
+    model.optimizer.build(model.trainable_variables)
+    x, y = overhead.data(flat, 208)
+    iterator = iter(overhead.dataset(flat, 208).repeat())
+    return model, iterator, (x[: overhead.BATCH_SIZE], y[: overhead.BATCH_SIZE])
+
+
+def train_function(model, iterator, batch, steps_per_execution, probe_args):
+    """A new train function of `model`, traced with a probe when
+    `probe_args` is not None (then the probe is taken off the model again:
+    the traced function keeps its ops and writes its rows), and the kernels
+    its `train_step` has. Returns (function, probe, kernels)."""
+    from lab.probes import Probe
+
     probe = None
     if probe_args is not None:
         probe = Probe(model, **probe_args)
         probe.ensure_capacity(steps_per_execution)
         probe.install()
-    x, y = overhead.data(flat, 208)
-    iterator = iter(tf.data.Dataset.from_tensor_slices((x, y)).batch(overhead.BATCH_SIZE).repeat())
-    model.make_train_function(force=True)
-    for _ in range(8):  # traces, and warms the kernels
-        model.train_function(iterator)
-    if probe is not None:
-        probe.read()
-    return model, iterator, probe, (x[: overhead.BATCH_SIZE], y[: overhead.BATCH_SIZE])
+    try:
+        model.make_train_function(force=True)
+        function = model.train_function
+        for _ in range(3):  # traces, and warms the kernels
+            function(iterator)
+        count = kernels(model, batch)
+    finally:
+        if probe is not None:
+            probe.read()
+            probe.uninstall()
+    return function, probe, count
 
 
 def kernels(model, batch):
@@ -89,40 +113,39 @@ def kernels(model, batch):
     return sum(v for k, v in counts.items() if k not in SKIPPED_NODES)
 
 
-def measure(overhead, key, steps_per_execution, pairs, calls):
-    bare = build(overhead, key, steps_per_execution, None)
-    built = {name: build(overhead, key, steps_per_execution, args) for name, args in CONFIGS.items()}
-    calls = max(1, calls // steps_per_execution)
-
-    def timed(entry):
-        model, iterator, probe, _ = entry
-        start = time.perf_counter()
-        for _ in range(calls):
-            model.train_function(iterator)
-        seconds = time.perf_counter() - start
-        if probe is not None:
-            probe.read()  # as a Recorder's flush does; outside the timed part
-        return seconds
-
+def measure(overhead, key, steps_per_execution, blocks):
+    model, iterator, batch = build(overhead, key, steps_per_execution)
+    functions = {"bare": train_function(model, iterator, batch, steps_per_execution, None),
+                 CONTROL: train_function(model, iterator, batch, steps_per_execution, None)}
+    for name, args in CONFIGS.items():
+        functions[name] = train_function(model, iterator, batch, steps_per_execution, args)
+    calls = max(1, BLOCK // steps_per_execution)
+    steps = calls * steps_per_execution
     draw = random.Random(steps_per_execution)
-    ratios = {name: [] for name in CONFIGS}
-    bare_seconds = []
-    for _ in range(pairs):
-        for name, entry in built.items():
-            if draw.random() < 0.5:
-                base, watched = timed(bare), timed(entry)
-            else:
-                watched, base = timed(entry), timed(bare)
-            ratios[name].append(watched / base)
-            bare_seconds.append(base)
-    base_kernels = kernels(bare[0], bare[3])
-    result = {"bare_us_per_step": 1e6 * statistics.median(bare_seconds) / (calls * steps_per_execution),
-              "bare_kernels": base_kernels, "configs": {}}
-    for name, entry in built.items():
-        q1, _, q3 = statistics.quantiles(ratios[name], n=4)
-        result["configs"][name] = {"median_ratio": statistics.median(ratios[name]), "q1": q1, "q3": q3,
-                                   "kernels_added": kernels(entry[0], entry[3]) - base_kernels}
-        entry[2].uninstall()
+    order = list(functions)
+    seconds = {name: [] for name in functions}
+    for block in range(blocks):
+        draw.shuffle(order)
+        for name in order:
+            function = functions[name][0]
+            start = time.perf_counter()
+            for _ in range(calls):
+                function(iterator)
+            seconds[name].append((time.perf_counter() - start) / steps)
+        if block % 16 == 15:
+            for function, probe, _ in functions.values():
+                if probe is not None:
+                    probe.read()  # as a Recorder's flush does; outside the timed part
+    bare_kernels = functions["bare"][2]
+    result = {"bare_us_per_step": 1e6 * statistics.median(seconds["bare"]), "bare_kernels": bare_kernels,
+              "configs": {}}
+    for name in [CONTROL, *CONFIGS]:
+        ratios = [a / b for a, b in zip(seconds[name], seconds["bare"])]
+        q1, _, q3 = statistics.quantiles(ratios, n=4)
+        result["configs"][name] = {"median_ratio": statistics.median(ratios), "q1": q1, "q3": q3,
+                                   "added_us_per_step": 1e6 * (statistics.median(seconds[name])
+                                                               - statistics.median(seconds["bare"])),
+                                   "kernels_added": functions[name][2] - bare_kernels}
     return result
 
 
@@ -180,8 +203,8 @@ def overflow_check(rounds, calls=20, elements=1000):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="mlp,cnn,deep", help="comma-separated, from overhead.py's models")
-    parser.add_argument("--pairs", type=int, default=40, help="timed pairs per configuration (40)")
-    parser.add_argument("--calls", type=int, default=96, help="steps per timed part (96)")
+    parser.add_argument("--blocks", type=int, default=200,
+                        help="turns of 8 steps per train function (200); with --overflow-check, runs (40)")
     parser.add_argument("--threads", type=int, help="TensorFlow intra- and inter-op threads (default: TF's)")
     parser.add_argument("--cpu", type=int, help="run on this CPU only (its threads too); default: any")
     parser.add_argument("--overflow-check", action="store_true",
@@ -196,8 +219,8 @@ def main(argv=None):
     if args.overflow_check:
         print(f"load average at start: {overhead.loadavg()} on {os.cpu_count()} CPUs; "
               f"TF threads: {args.threads or 'default'}; pinned to CPU {args.cpu}")
-        results = overflow_check(max(10, args.pairs))
-        print(f"\nThe norms' overflow check, us per update over no check (fastest tenth of {max(10, args.pairs)} "
+        results = overflow_check(max(10, args.blocks))
+        print(f"\nThe norms' overflow check, us per update over no check (fastest tenth of {max(10, args.blocks)} "
               f"runs of 20 calls; 1,000 elements a tensor)\n")
         print("| tensors | no check, us per call | " + " | ".join(k for k in results[6] if "per call" not in k) + " |")
         print("|---|---|---|---|")
@@ -214,14 +237,17 @@ def main(argv=None):
     print(f"load average at start: {overhead.loadavg()} on {os.cpu_count()} CPUs; "
           f"TF threads: {args.threads or 'default'}; pinned to CPU {args.cpu}")
     for key in keys:
-        results = {spe: measure(overhead, key, spe, args.pairs, args.calls) for spe in overhead.SPES}
+        results = {spe: measure(overhead, key, spe, args.blocks) for spe in overhead.SPES}
         head = " | ".join(f"spe={spe} ({r['bare_us_per_step']:.0f} us/step)" for spe, r in results.items())
-        print(f"\n**{overhead.MODELS[key][0]}**: the train function alone, watched / bare, median of "
-              f"{args.pairs} pairs [quartiles]; kernels the probe adds to a {results[1]['bare_kernels']}-kernel step\n")
+        print(f"\n**{overhead.MODELS[key][0]}**: the train function alone, watched / bare on the same model, "
+              f"median of {args.blocks} blocks of {BLOCK} steps [quartiles] (us a step over bare); kernels the "
+              f"probe adds to a {results[1]['bare_kernels']}-kernel step\n")
         print(f"| | kernels added | {head} |\n|---|---|" + "---|" * len(results))
-        for name in CONFIGS:
-            cells = " | ".join(f"{r['configs'][name]['median_ratio']:.3f} [{r['configs'][name]['q1']:.2f}-"
-                               f"{r['configs'][name]['q3']:.2f}]" for r in results.values())
+        for name in [*CONFIGS, CONTROL]:
+            cells = " | ".join(
+                f"{r['configs'][name]['median_ratio']:.3f} [{r['configs'][name]['q1']:.2f}-"
+                f"{r['configs'][name]['q3']:.2f}] ({r['configs'][name]['added_us_per_step']:+.0f})"
+                for r in results.values())
             print(f"| {name} | {results[1]['configs'][name]['kernels_added']} | {cells} |")
         print(f"\n(load average after: {overhead.loadavg()})", flush=True)
 

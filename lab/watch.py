@@ -359,8 +359,13 @@ def _to_numpy(values):
 def _number(value):
     if isinstance(value, (tf.Tensor, tf.Variable)):
         value = value.numpy()
-        return value if value.ndim == 0 else np.mean(value)
+        return value if value.ndim == 0 else _mean(value)
     return value
+
+
+def _mean(values):
+    """The mean of an array; NaN (no value) for an empty one, without numpy's warning."""
+    return np.mean(values) if values.size else np.float32(np.nan)
 
 
 def _value(name, value):
@@ -379,7 +384,7 @@ def _value(name, value):
             value = value.read_value()  # this step's value, not the variable's later one
         return value
     try:
-        return float(np.mean(np.asarray(value, np.float32)))
+        return float(_mean(np.asarray(value, np.float32)))
     except (TypeError, ValueError):
         raise TypeError(
             f"run.step({name}=...) needs a number, a tensor or a keras metric; got "

@@ -320,3 +320,38 @@ def test_the_fit_benchmark_feeds_the_fits_without_tf_data_autotuning(overhead):
     batches = overhead.dataset(True, 3)
     assert batches.options().autotune.enabled is False
     assert [tuple(x.shape) for x, _ in batches] == [(overhead.BATCH_SIZE, 64)] * 3
+
+
+def test_the_step_cost_benchmark_times_every_train_function_on_one_model(monkeypatch):
+    # The bare function, the control and each probe's function all train the
+    # same model, in turns, and each probe's rows keep being written after
+    # the probe is taken off the model (its traced function still has them).
+    step_cost = load_benchmark("step_cost")
+    overhead = load_benchmark("overhead")
+    built, probes = [], []
+    original_build, original_function = step_cost.build, step_cost.train_function
+
+    def build(*args):
+        made = original_build(*args)
+        built.append(made[0])
+        return made
+
+    def train_function(*args):
+        made = original_function(*args)
+        probes.append(made[1])
+        return made
+
+    monkeypatch.setattr(step_cost, "build", build)
+    monkeypatch.setattr(step_cost, "train_function", train_function)
+    result = step_cost.measure(overhead, "mlp", 1, blocks=16)
+    (model,) = built
+    functions = 2 + len(step_cost.CONFIGS)
+    assert int(model.optimizer.iterations.numpy()) == functions * (3 + 16 * step_cost.BLOCK)
+    assert list(result["configs"]) == [step_cost.CONTROL, *step_cost.CONFIGS]
+    assert result["configs"][step_cost.CONTROL]["kernels_added"] == 0
+    added = [result["configs"][name]["kernels_added"] for name in step_cost.CONFIGS]
+    assert 0 < added[0] < added[1] < added[2]
+    assert all(np.isfinite(c["median_ratio"]) and c["q1"] <= c["q3"] for c in result["configs"].values())
+    for probe in probes[2:]:
+        assert probe.buffer.read_count == 3 + 16 * step_cost.BLOCK  # every step's row, read every 16 blocks
+        assert not probe.installed

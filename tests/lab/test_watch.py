@@ -1,6 +1,7 @@
 """lab.watch: a hand-written training loop recorded, checked and stopped by the lab."""
 
 import contextlib
+import warnings
 
 import keras
 import numpy as np
@@ -555,6 +556,23 @@ def test_run_step_values_of_every_kind_arrive_as_float32_columns(digits):
     for column in columns:
         assert frame[column].dtype == np.float32, column
     np.testing.assert_allclose(frame[columns].to_numpy(), np.array(expected, np.float32), rtol=1e-6)
+
+
+def test_an_empty_batchs_per_example_loss_is_nan_without_a_numpy_warning(digits):
+    # A batch with no examples has no loss: its row says NaN, and numpy's
+    # "Mean of empty slice" does not reach the user.
+    model, optimizer = make_mlp(), keras.optimizers.SGD(0.05)
+    step = make_step(model, optimizer, "graph")
+    (x, y), = batches(*digits, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with lab.watch(model, optimizer) as run:
+            run.step(loss=step(x, y), other=1.0)
+            run.step(loss=tf.zeros([0]), other=[])
+            run.step(loss=tf.constant([1.0, 3.0]), other=[2.0])
+    frame = run.batches()
+    assert np.isnan(frame["loss"][1]) and np.isnan(frame["other"][1])
+    assert frame["loss"][2] == 2.0 and frame["other"][2] == 2.0 and np.isfinite(frame["loss"][0])
 
 
 def test_a_module_whose_step_was_traced_while_watching_saves_and_loads(digits, tmp_path):
