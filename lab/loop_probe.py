@@ -27,7 +27,8 @@ from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGra
 
 from lab import compat
 from lab.compat import in_xla_trace
-from lab.probes import Probe, StepState, _replica_context, infinite_norms_message, total_grad_norm, variable_keys
+from lab.probes import (Probe, StepState, _replica_context, infinite_norms_message, newly_infinite,
+                        total_grad_norm, variable_keys)
 
 # Slots kept free for variables the model did not list when watching began
 # (a subclassed model is often built by its first step).
@@ -236,6 +237,7 @@ class LoopProbe(Probe):
         self._frozen = None
         self._traces = {}
         self._warned = set()
+        self._infinite_told = set()  # norm columns whose inf was told of
         self.warnings = []  # (message, step) the run turns into events
 
     # ---- installing --------------------------------------------------------
@@ -577,13 +579,10 @@ class LoopProbe(Probe):
 
     def _warn_infinite(self, infinite):
         """One warning for the columns that are inf for the first time."""
-        new = {column: step for column, step in infinite.items() if ("inf", column) not in self._warned}
-        if not new:
-            return
-        self._warned.update(("inf", column) for column in new)
-        step = min(new.values())
-        names = sorted(new, key=new.get)
-        self.warn_once(("inf", tuple(names)), infinite_norms_message(names, step), RuntimeWarning, step=step)
+        names = newly_infinite(infinite, self._infinite_told)
+        if names:
+            step = infinite[names[0]]
+            self.warn_once(("inf", tuple(names)), infinite_norms_message(names, step), RuntimeWarning, step=step)
 
     def row_columns(self, taken, first_step=0):
         """Row columns from stacked slot values (steps x slots, numpy), the

@@ -100,6 +100,15 @@ def encoded_norms_of(tensors):
     return tf.stack([tf.nn.l2_loss(t) for t in tensors])
 
 
+def newly_infinite(infinite, told):
+    """Of `infinite` (norm column -> where it is first inf), the columns
+    not in `told`, ordered by where; adds them to `told` (each column is
+    told of once)."""
+    names = sorted((column for column in infinite if column not in told), key=infinite.get)
+    told.update(names)
+    return names
+
+
 def infinite_norms_message(columns, step, also=""):
     """What the run says when norm `columns` (a list, first inf at `step`)
     are inf in rows whose norms the host finished; `also`: a sentence

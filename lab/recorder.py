@@ -13,7 +13,7 @@ from lab import compat, modes, schema
 from lab.arguments import check_seconds
 from lab.hooks import CompiledState, hooks_for, release_all
 from lab.observers import Observers
-from lab.probes import Probe, infinite_norms_message
+from lab.probes import Probe, infinite_norms_message, newly_infinite
 from lab.run import Run
 from lab.status import StatusReporter
 from lab.breakpoints import as_breakpoints
@@ -292,13 +292,11 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         """Warns once per column of a norm the host finished as inf (among
         this read's first `count` rows, the next to go into the run): it may
         be a finite norm whose sum of squares overflowed."""
-        new = {column: row for column, row in self._probe.infinite.items()
-               if row < count and column not in self._infinite_told}
-        if not new:
+        infinite = {column: row for column, row in self._probe.infinite.items() if row < count}
+        columns = newly_infinite(infinite, self._infinite_told)
+        if not columns:
             return
-        self._infinite_told.update(new)
-        columns = sorted(new, key=new.get)
-        step = self.run.next_step + new[columns[0]]
+        step = self.run.next_step + infinite[columns[0]]
         message = infinite_norms_message(
             columns, step, also=" With `jit_compile=True` the step computes such a norm exactly.")
         self.run.add_event("warning", message, step=step)
