@@ -273,7 +273,8 @@ class Turns:
         """Runs `fits` (name -> callable running one fit) taking turns; returns when all ended."""
         errors = []
         self._left = set(fits)
-        threads = [threading.Thread(target=self._run_one, args=(name, fit, errors), name=f"fit {name}")
+        # Daemons: Ctrl-C in join() ends the benchmark without waiting for fits that wait for a turn.
+        threads = [threading.Thread(target=self._run_one, args=(name, fit, errors), name=f"fit {name}", daemon=True)
                    for name, fit in fits.items()]
         for thread in threads:
             thread.start()
