@@ -132,6 +132,26 @@ class _LoopSlots:
         self._row_indices = {}
         self.active = make_variable("lab_loop_active", 0.0)
         self.hold = make_variable("lab_hold", 0.0)
+        # Device breakpoints' hits told to the host by the step itself (see
+        # LoopProbe._signal_hit), so the loop need not read the device at each
+        # step: hits told since the last look, and whether every gate traced
+        # for this model tells them (None: none traced yet).
+        self.hits_told = 0
+        self.gates_tell = None
+
+    def gate_traced(self, tells):
+        """Notes a traced breakpoint gate; `tells`: whether it tells its hits to the host."""
+        self.gates_tell = tells if self.gates_tell is None else (self.gates_tell and tells)
+
+    def tell_hit(self, value):
+        """Called by a step (through `tf.numpy_function`) when a breakpoint hits."""
+        self.hits_told += 1
+        return np.float32(value)
+
+    def take_told(self):
+        """Whether a hit was told since the last call."""
+        told, self.hits_told = self.hits_told, 0
+        return told > 0
 
     def add(self, name, reset=np.nan):
         """Gives `name` a free slot; None when none is left (its reset applies from the next reset on)."""
@@ -148,6 +168,7 @@ class _LoopSlots:
         """Every row back to its reset values, row 0 running (a block's start)."""
         self.vector.assign(self._reset_rows(self.rows))
         self.position = 0
+        self.hits_told = 0
 
     def advance(self):
         """Closes the running row: the next one runs (host only, no op); returns the closed row."""
@@ -332,6 +353,8 @@ class LoopProbe(Probe):
         if index is None:
             return
         value = tf.cast(value, tf.float32)
+        if name == "_hit":
+            self._signal_hit(value)
         if combine is not None:
             value, accumulate = combine(self._slots.vector.sparse_read(self._row_offset() + index), value), False
         self._put(([index], value, accumulate))
@@ -457,6 +480,41 @@ class LoopProbe(Probe):
             if before is not None:
                 names += [f"{_UPDATE_HALF}{key}" for key in keys]
             self._emit_scalars(names, halves[len(present):], reset=np.nan, accumulate=False)
+
+    def _signal_hit(self, value):
+        """Has the step tell the host when a device breakpoint hits (`value` > 0).
+
+        The host then reads the device only on a hit: without this, `run.step`
+        read each step's row to know whether to raise, a wait for the device
+        and an eager op at every step (a third of what `nonfinite()` cost a
+        hand-written loop, `benchmarks/README.md`). A `tf.cond` runs the host
+        call only on a hit. Where a host call cannot run (inside XLA, or in a
+        replica of a distribution strategy), the gate says so and the run
+        keeps reading each step.
+        """
+        slots = self._slots
+        tells = not in_xla_trace() and _replica_context() is None
+        if tells:
+            def tell():
+                return tf.numpy_function(slots.tell_hit, [value], tf.float32, stateful=True, name="lab_tell_hit")
+
+            tf.cond(value > 0, tell, lambda: value)  # eagerly: one read, as the run's own would be
+        slots.gate_traced(tells)
+
+    def tells_hits(self):
+        """Whether every breakpoint gate traced for this model tells its hits to the host."""
+        return bool(self._slots.gates_tell)
+
+    def hit_told(self):
+        """Whether a step told a hit since the last call."""
+        return self._slots.take_told()
+
+    def first_ungated(self, rows):
+        """The first of `rows` (steps x slots, numpy, as `read_rows`) whose
+        updates ran no breakpoint gate, as an index into `rows`; None if none."""
+        index = self._slots.index
+        ungated = np.flatnonzero((rows[:, index["_updates"]] > 0) & ~(rows[:, index["_gated"]] > 0))
+        return int(ungated[0]) if ungated.size else None
 
     def _gate(self, state, grads):
         skip = super()._gate(state, grads)

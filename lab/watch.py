@@ -129,8 +129,11 @@ class WatchedRun(StatusReporter, Run):
     def step(self, loss=None, **metrics):
         """Closes this step's row: the loss and metrics given, the probes' values.
 
-        Does not wait for the device unless breakpoints are set (then it reads
-        one value to know whether to raise).
+        Does not wait for the device. With device breakpoints, a traced step
+        tells the host when one hits, and only then is its row read; where a
+        step cannot (XLA, a replica of a distribution strategy, or a step
+        traced before breakpoints were asked for), each step's row is read to
+        know whether to raise.
 
         Args:
             loss: scalar tensor, float or None; a tensor of per-example losses
@@ -181,7 +184,9 @@ class WatchedRun(StatusReporter, Run):
             self._pending.append((host, seconds, values, taken))
         if self.probe.warnings:
             self._note_warnings()
-        if self.probe.breakpoints:
+        if self.probe.breakpoints and (not self.probe.tells_hits() or self.probe.hit_told()):
+            # Where every gate tells its hits, the device is read only on one
+            # (and an update without a gate is found when the rows are read).
             hit, gated, updates = self.probe.hit(taken)
             if updates > 0 and not gated:
                 self.probe.warn_once("ungated", UNGATED_MESSAGE, RuntimeWarning)
@@ -232,7 +237,10 @@ class WatchedRun(StatusReporter, Run):
                     columns[key] = np.array([p[0].get(key, -1) for p in pending])
             for position, name in enumerate(self._given):
                 columns[name] = _to_numpy([p[2][position] for p in pending])
-            rows = self.probe.row_columns(self.probe.read_rows([p[3] for p in pending]), first_step=len(self))
+            raw = self.probe.read_rows([p[3] for p in pending])
+            if self.probe.breakpoints:
+                self._check_ungated(raw)
+            rows = self.probe.row_columns(raw, first_step=len(self))
             columns.update(rows)
             self._check_unseen_updates(rows, counts)
             self.append_batches(columns)
@@ -260,6 +268,11 @@ class WatchedRun(StatusReporter, Run):
         self.add_event("nonfinite" if point.name == "nonfinite" else "breakpoint", detail, step=index)
         self.probe.release()
         raise BreakpointHit(index, point.name, detail, skipped=True)
+
+    def _check_ungated(self, raw):
+        first = self.probe.first_ungated(raw)
+        if first is not None:
+            self.probe.warn_once("ungated", UNGATED_MESSAGE, RuntimeWarning, step=len(self) + first)
 
     def _check_rows(self, start):
         frame = super().batches().iloc[start:]

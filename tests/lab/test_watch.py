@@ -160,6 +160,53 @@ def test_nonfinite_skips_the_update_and_raises_at_that_step(digits, mode):
     assert len(run.batches()) == 3 and list(run.batches()["updated"]) == [1, 0, 1]
 
 
+@pytest.mark.parametrize("mode", ["graph", "xla"])
+def test_a_nonfinite_hit_raises_at_its_step_without_a_device_read_per_step(digits, mode, monkeypatch):
+    # A traced step tells the host when its gate hits; XLA cannot, and there
+    # the run reads each step's row instead. Either way the hit's own step raises.
+    model, optimizer = make_mlp(), keras.optimizers.Adam(1e-3)
+    step = make_step(model, optimizer, mode)
+    data = batches(*digits, 4) + batches(*digits, 2)
+    bad = data[4][0].copy()
+    bad[3, 5] = np.inf
+    with lab.watch(model, optimizer, breakpoints=[lab.breakpoints.nonfinite()]) as run:
+        reads = []
+        read = run.probe.hit
+        monkeypatch.setattr(run.probe, "hit", lambda taken: reads.append(taken) or read(taken))
+        for x, y in data[:4]:
+            run.step(loss=step(x, y))
+        before = weights_of(model) + [v.numpy().copy() for v in optimizer.variables]
+        with pytest.raises(lab.BreakpointHit) as hit:
+            run.step(loss=step(bad, data[4][1]))
+        assert hit.value.step == 4 and hit.value.skipped
+        after = weights_of(model) + [v.numpy().copy() for v in optimizer.variables]
+        for old, new in zip(before, after):
+            np.testing.assert_array_equal(old, new)
+        run.step(loss=step(*data[5]))
+    assert len(reads) == (1 if mode == "graph" else 6)  # XLA: one read per step
+    events = run.events()
+    events = events[events["kind"] != "warning"]  # XLA's own note
+    assert list(events["kind"]) == ["nonfinite"] and list(events["step"]) == [4]
+    assert list(run.batches()["updated"]) == [1, 1, 1, 1, 0, 1]
+
+
+def test_an_ungated_step_beside_a_gated_one_is_reported_when_the_rows_are_read(digits):
+    # The gated step tells its hits, so the run reads no row per step; a step
+    # traced before breakpoints were asked for is found in the rows instead.
+    model, optimizer = make_mlp(), keras.optimizers.SGD(0.1)
+    old = make_step(model, optimizer, "graph")
+    (x, y), (x2, y2) = batches(*digits, 2)
+    with lab.watch(model, optimizer) as run:
+        run.step(loss=old(x, y))
+    new = make_step(model, optimizer, "graph")
+    with pytest.warns(RuntimeWarning, match="without the device breakpoints being checked"):
+        with lab.watch(model, optimizer, breakpoints=[lab.breakpoints.nonfinite()]) as run:
+            run.step(loss=new(x, y))
+            run.step(loss=old(x2, y2))
+    events = run.events()
+    assert list(events["kind"]) == ["warning"] and list(events["step"]) == [1]
+
+
 def test_a_row_condition_raises_after_its_update(digits):
     model, optimizer = make_mlp(), keras.optimizers.SGD(0.1)
     step = make_step(model, optimizer)
