@@ -455,8 +455,9 @@ def watch(model, *optimizers, gradients=True, weights=False, breakpoints=(), flu
     has no probes; one traced in a block is watched again in later blocks,
     with the settings it was traced under). Rows
     reach the run in blocks (every `flush_every` seconds and when it is read).
-    Without breakpoints `run.step` never waits for the device; with device
-    breakpoints it reads one small vector per step to know whether to raise.
+    `run.step` does not wait for the device: with device breakpoints, a
+    traced step tells the host when one hits and only then is its row read
+    (under XLA or a strategy's replicas, one small vector is read per step).
     The probes are removed when the block ends, also when the loop raises.
 
     Optimizers are named by the model attribute that holds them
