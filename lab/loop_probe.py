@@ -133,7 +133,7 @@ class _LoopSlots:
         self.active = make_variable("lab_loop_active", 0.0)
         self.hold = make_variable("lab_hold", 0.0)
         # Device breakpoints' hits told to the host by the step itself (see
-        # LoopProbe._signal_hit), so the loop need not read the device at each
+        # LoopProbe._tell_hits), so the loop need not read the device at each
         # step: hits told since the last look, and whether every gate traced
         # for this model tells them (None: none traced yet).
         self.hits_told = 0
@@ -353,8 +353,6 @@ class LoopProbe(Probe):
         if index is None:
             return
         value = tf.cast(value, tf.float32)
-        if name == "_hit":
-            self._signal_hit(value)
         if combine is not None:
             value, accumulate = combine(self._slots.vector.sparse_read(self._row_offset() + index), value), False
         self._put(([index], value, accumulate))
@@ -481,7 +479,11 @@ class LoopProbe(Probe):
                 names += [f"{_UPDATE_HALF}{key}" for key in keys]
             self._emit_scalars(names, halves[len(present):], reset=np.nan, accumulate=False)
 
-    def _signal_hit(self, value):
+    def _emit_hit(self, state, number):
+        super()._emit_hit(state, number)
+        self._tell_hits(tf.cast(number, tf.float32))
+
+    def _tell_hits(self, value):
         """Has the step tell the host when a device breakpoint hits (`value` > 0).
 
         The host then reads the device only on a hit: without this, `run.step`
@@ -617,10 +619,8 @@ class LoopProbe(Probe):
         return min(self.capacity, self._slots.rows - 1)
 
     def hit(self, taken):
-        """(hit breakpoint number or 0, whether the gate ran, updates) of one step; waits for it."""
-        values = self._slots.row(taken)
-        index = self._slots.index
-        return int(values[index["_hit"]]), values[index["_gated"]] > 0, values[index["_updates"]]
+        """The number of the device breakpoint that hit at one step, or 0; waits for it."""
+        return int(self._slots.row(taken)[self._slots.index["_hit"]])
 
     def waiting_updates(self, name):
         """Updates by optimizer `name` since the last `take()` (waits for the device)."""

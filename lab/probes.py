@@ -803,7 +803,7 @@ class Probe:
         """An update put back because it left a variable non-finite: a nonfinite hit, held."""
         hold = self._hold_variable()
         number = float(self._nonfinite_index + 1)
-        self._emit(state, "_hit", tf.where(overflowed, number, 0.0), reset=0.0, accumulate=True)
+        self._emit_hit(state, tf.where(overflowed, number, 0.0))
         self._emit(state, "_held", tf.cast(overflowed, tf.float32), reset=0.0, accumulate=True)
         self._emit(state, "_overflow", tf.cast(overflowed, tf.float32), reset=0.0, accumulate=True)
         hold.assign(tf.where(overflowed, 1.0, hold.read_value()))
@@ -846,11 +846,15 @@ class Probe:
             hit_index = tf.where(flag > 0, float(index + 1), hit_index)
         held = tf.identity(hold.read_value())
         new_hit = tf.where(held > 0, 0.0, hit_index)
-        self._emit(state, "_hit", new_hit, reset=0.0, accumulate=True)
+        self._emit_hit(state, new_hit)
         skip = tf.logical_or(held > 0, hit_index > 0)
         self._emit(state, "_held", tf.cast(skip, tf.float32), reset=0.0, accumulate=True)
         hold.assign(tf.where(skip, 1.0, 0.0))
         return skip
+
+    def _emit_hit(self, state, number):
+        """Puts the number of the device breakpoint that hit this update (0: none)."""
+        self._emit(state, "_hit", number, reset=0.0, accumulate=True)
 
     def release(self):
         """Lets updates through again after a device breakpoint held them."""

@@ -185,12 +185,9 @@ class WatchedRun(StatusReporter, Run):
         if self.probe.warnings:
             self._note_warnings()
         if self.probe.breakpoints and (not self.probe.tells_hits() or self.probe.hit_told()):
-            # Where every gate tells its hits, the device is read only on one
-            # (and an update without a gate is found when the rows are read).
-            hit, gated, updates = self.probe.hit(taken)
-            if updates > 0 and not gated:
-                self.probe.warn_once("ungated", UNGATED_MESSAGE, RuntimeWarning)
-                self._note_warnings()
+            # Where every gate tells its hits, the device is read only on one.
+            # An update that ran no gate is found when the rows are read.
+            hit = self.probe.hit(taken)
             if hit > 0:
                 self.flush()
                 self._device_hit(index, int(hit))
