@@ -166,15 +166,21 @@ def _unchecked(tensors):
     return tf.sqrt(2.0 * tf.stack([tf.nn.l2_loss(t) for t in tensors]))
 
 
-def overflow_check(rounds, calls=20, elements=1000):
-    """Microseconds per call of each form of the norms over the unchecked one."""
+# How many tensors the overflow check covers: the MLP's gradients, its
+# gradients, weights and updates, and the 50-variable MLP's.
+OVERFLOW_COUNTS = (6, 18, 150)
+
+
+def overflow_check(rounds, calls=20, elements=1000, counts=OVERFLOW_COUNTS):
+    """Microseconds per call of each form of the norms over the unchecked
+    one, for each number of tensors in `counts`."""
     import tensorflow as tf
 
     from lab.probes import norms_of
 
     forms = {"`norms_of` (one Switch)": norms_of, "as a `tf.cond`": _checked_by_cond, "no check": _unchecked}
     results = {}
-    for count in (6, 18, 150):
+    for count in counts:
         tensors = [tf.random.stateless_normal([elements], seed=[i, 0]) for i in range(count)]
         functions = {}
         for name, form in forms.items():
@@ -222,7 +228,7 @@ def main(argv=None):
         results = overflow_check(max(10, args.blocks))
         print(f"\nThe norms' overflow check, us per update over no check (fastest tenth of {max(10, args.blocks)} "
               f"runs of 20 calls; 1,000 elements a tensor)\n")
-        print("| tensors | no check, us per call | " + " | ".join(k for k in results[6] if "per call" not in k) + " |")
+        print("| tensors | no check, us per call | " + " | ".join(k for k in results[OVERFLOW_COUNTS[0]] if "per call" not in k) + " |")
         print("|---|---|---|---|")
         for count, row in results.items():
             cells = " | ".join(f"{v:+.1f}" for k, v in row.items() if "per call" not in k)

@@ -1,5 +1,6 @@
 """Gradient and weight probes: the gradients the optimizer applied, for any step."""
 
+import collections
 import warnings
 
 import keras
@@ -332,22 +333,40 @@ def _dense_stack(layers):
 def _step_ops(model, probe_args):
     """Nodes of `train_step` traced with a probe (None: without), by op
     type, branch functions included (a graph runs a branch not taken as
-    dead nodes), and a cond's Switches."""
+    dead nodes), and a cond's Switches. The optimizer is built first, as
+    fit() builds it: a trace that creates its variables is traced again."""
+    if not model.optimizer.built:
+        model.optimizer.build(model.trainable_variables)
     probe = lab.probes.Probe(model, **probe_args) if probe_args is not None else None
     if probe is not None:
         probe.install()
     try:
         specs = (tf.TensorSpec([4, 8], tf.float32), tf.TensorSpec([4], tf.int32))
-        graph = tf.function(lambda data: model.train_step(data)).get_concrete_function(specs).graph
+        step = tf.function(lambda data: model.train_step(data), autograph=False)
+        graph = step.get_concrete_function(specs).graph
         return lab.compat.graph_nodes(graph)
     finally:
         if probe is not None:
             probe.uninstall()
 
 
-def _step_kernels(model, probe_args):
-    """Kernels in `train_step` traced with a probe (None: without)."""
-    ops = _step_ops(model, probe_args)
+def _stack_ops(layers, **probe_args):
+    """`_step_ops` of a new `_dense_stack(layers)`, traced once per
+    (layers, probe_args) for all the tests here (a 25-layer step takes
+    seconds to trace); pass `bare=True` for the step without a probe.
+    A copy: the caller may change it."""
+    key = (layers, tuple(sorted(probe_args.items())))
+    if key not in _TRACED:
+        args = dict(probe_args)
+        _TRACED[key] = _step_ops(_dense_stack(layers), None if args.pop("bare", False) else args)
+    return collections.Counter(_TRACED[key])
+
+
+_TRACED = {}
+
+
+def _kernels(ops):
+    """Kernels among a step's nodes (`_step_ops`)."""
     return sum(n for kind, n in ops.items() if kind not in ("Const", "Placeholder", "NoOp"))
 
 
@@ -357,10 +376,8 @@ def test_an_updates_norms_add_no_branch_to_the_step_however_many_variables():
     # 7-10% of the 50-variable MLP's step; as a lowered tf.cond it was a
     # Switch per tensor. The step writes half sums of squares with no check:
     # the host finishes them and says when one is inf.
-    small, deep = _dense_stack(1), _dense_stack(25)
-    args = {"gradients": True, "weights": True}
-    for model in (small, deep):
-        watched, bare = _step_ops(model, args), _step_ops(model, None)
+    for layers in (1, 25):
+        watched, bare = _stack_ops(layers, gradients=True, weights=True), _stack_ops(layers, bare=True)
         for kind in ("Switch", "Merge", "If", "StatelessIf"):
             assert watched[kind] == bare[kind], kind
 
@@ -374,7 +391,8 @@ def test_what_a_probe_adds_to_a_step_grows_by_a_few_kernels_per_variable():
     added = {}
     for name, args in {"plain": {}, "gradients": {"gradients": True},
                        "weights": {"gradients": True, "weights": True}}.items():
-        added[name] = [_step_kernels(m, args) - _step_kernels(m, None) for m in (small, deep)]
+        added[name] = [_kernels(_stack_ops(layers, **args)) - _kernels(_stack_ops(layers, bare=True))
+                       for layers in (1, 25)]
     assert added["plain"][0] == added["plain"][1] <= 20
     assert (added["gradients"][1] - added["gradients"][0]) / extra <= 3
     assert (added["weights"][1] - added["weights"][0]) / extra <= 9
@@ -386,9 +404,8 @@ def test_the_step_leaves_square_roots_and_update_ratios_to_the_host():
     # The step writes each norm as its half sum of squares (l2_loss) into the
     # row; the doubling, the square root and the update ratios are the
     # host's, and the row goes in with no slice of the norms and no gather.
-    model = _dense_stack(1)
-    added = _step_ops(model, {"gradients": True, "weights": True})
-    added.subtract(_step_ops(model, None))
+    added = _stack_ops(1, gradients=True, weights=True)
+    added.subtract(_stack_ops(1, bare=True))
     for kind in ("Sqrt", "Mul", "DivNoNan", "RealDiv", "GatherV2"):
         assert added[kind] == 0, (kind, dict(added))
     assert added["StridedSlice"] <= 1  # the batch size
