@@ -134,9 +134,9 @@ class _LoopSlots:
         self.hold = make_variable("lab_hold", 0.0)
         # Device breakpoints' hits told to the host by the step itself (see
         # LoopProbe._tell_hits), so the loop need not read the device at each
-        # step: hits told since the last look, and whether every gate traced
-        # for this model tells them (None: none traced yet).
-        self.hits_told = 0
+        # step: whether a hit was told since the last look, and whether every
+        # gate traced for this model tells them (None: none traced yet).
+        self.hit_was_told = False
         self.gates_tell = None
 
     def gate_traced(self, tells):
@@ -145,13 +145,13 @@ class _LoopSlots:
 
     def tell_hit(self, value):
         """Called by a step (through `tf.numpy_function`) when a breakpoint hits."""
-        self.hits_told += 1
+        self.hit_was_told = True
         return np.float32(value)
 
     def take_told(self):
         """Whether a hit was told since the last call."""
-        told, self.hits_told = self.hits_told, 0
-        return told > 0
+        told, self.hit_was_told = self.hit_was_told, False
+        return told
 
     def add(self, name, reset=np.nan):
         """Gives `name` a free slot; None when none is left (its reset applies from the next reset on)."""
@@ -168,7 +168,7 @@ class _LoopSlots:
         """Every row back to its reset values, row 0 running (a block's start)."""
         self.vector.assign(self._reset_rows(self.rows))
         self.position = 0
-        self.hits_told = 0
+        self.hit_was_told = False
 
     def advance(self):
         """Closes the running row: the next one runs (host only, no op); returns the closed row."""

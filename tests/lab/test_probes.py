@@ -1,6 +1,7 @@
 """Gradient and weight probes: the gradients the optimizer applied, for any step."""
 
 import collections
+import functools
 import warnings
 
 import keras
@@ -350,19 +351,17 @@ def _step_ops(model, probe_args):
             probe.uninstall()
 
 
-def _stack_ops(layers, **probe_args):
-    """`_step_ops` of a new `_dense_stack(layers)`, traced once per
-    (layers, probe_args) for all the tests here (a 25-layer step takes
-    seconds to trace); pass `bare=True` for the step without a probe.
-    A copy: the caller may change it."""
-    key = (layers, tuple(sorted(probe_args.items())))
-    if key not in _TRACED:
-        args = dict(probe_args)
-        _TRACED[key] = _step_ops(_dense_stack(layers), None if args.pop("bare", False) else args)
-    return collections.Counter(_TRACED[key])
+def _stack_ops(layers, probe_args):
+    """`_step_ops(_dense_stack(layers), probe_args)`, traced once for all the
+    tests here (a 25-layer step takes seconds to trace); a copy, which the
+    caller may change."""
+    key = None if probe_args is None else tuple(sorted(probe_args.items()))
+    return collections.Counter(_traced_stack(layers, key))
 
 
-_TRACED = {}
+@functools.lru_cache(maxsize=None)
+def _traced_stack(layers, key):
+    return _step_ops(_dense_stack(layers), None if key is None else dict(key))
 
 
 def _kernels(ops):
@@ -377,7 +376,7 @@ def test_an_updates_norms_add_no_branch_to_the_step_however_many_variables():
     # Switch per tensor. The step writes half sums of squares with no check:
     # the host finishes them and says when one is inf.
     for layers in (1, 25):
-        watched, bare = _stack_ops(layers, gradients=True, weights=True), _stack_ops(layers, bare=True)
+        watched, bare = _stack_ops(layers, {"gradients": True, "weights": True}), _stack_ops(layers, None)
         for kind in ("Switch", "Merge", "If", "StatelessIf"):
             assert watched[kind] == bare[kind], kind
 
@@ -391,7 +390,7 @@ def test_what_a_probe_adds_to_a_step_grows_by_a_few_kernels_per_variable():
     added = {}
     for name, args in {"plain": {}, "gradients": {"gradients": True},
                        "weights": {"gradients": True, "weights": True}}.items():
-        added[name] = [_kernels(_stack_ops(layers, **args)) - _kernels(_stack_ops(layers, bare=True))
+        added[name] = [_kernels(_stack_ops(layers, args)) - _kernels(_stack_ops(layers, None))
                        for layers in (1, 25)]
     assert added["plain"][0] == added["plain"][1] <= 20
     assert (added["gradients"][1] - added["gradients"][0]) / extra <= 3
@@ -404,8 +403,8 @@ def test_the_step_leaves_square_roots_and_update_ratios_to_the_host():
     # The step writes each norm as its half sum of squares (l2_loss) into the
     # row; the doubling, the square root and the update ratios are the
     # host's, and the row goes in with no slice of the norms and no gather.
-    added = _stack_ops(1, gradients=True, weights=True)
-    added.subtract(_stack_ops(1, bare=True))
+    added = _stack_ops(1, {"gradients": True, "weights": True})
+    added.subtract(_stack_ops(1, None))
     for kind in ("Sqrt", "Mul", "DivNoNan", "RealDiv", "GatherV2"):
         assert added[kind] == 0, (kind, dict(added))
     assert added["StridedSlice"] <= 1  # the batch size
