@@ -241,6 +241,28 @@ def lab_server(chromium_path, tmp_path_factory):
 # Run all cells without handing the command's promise back: Playwright would
 # otherwise wait for every cell to finish before the first sample.
 RUN_ALL_JS = "() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }"
+
+# Installed in every page before its own scripts: each time a plotly widget's
+# chart draws, the length of its "loss" trace is appended to
+# `window.trainingLabLossDraws`. A test reads what the page drew, every draw,
+# however slowly it samples: on a cold machine the page answered a sample
+# only once a second while the quickstart's three seconds of training were
+# drawn, and no sample saw a partial run that the chart did draw.
+# `plotlywidget-after-render` is the plotly widget's own event, sent once its
+# view has drawn for the first time (a later `newPlot` would drop listeners
+# added before it).
+LOSS_DRAWS_JS = """(() => {
+    window.trainingLabLossDraws = [];
+    document.addEventListener('plotlywidget-after-render', (event) => {
+        const plot = event.detail.element;
+        const record = () => {
+            const trace = (plot.data || []).find(t => t.name === 'loss');
+            if (trace && trace.y) window.trainingLabLossDraws.push(trace.y.length);
+        };
+        record();
+        plot.on('plotly_afterplot', record);
+    });
+})();"""
 RUNNING_JS = "() => [...document.querySelectorAll('.jp-InputArea-prompt')].some(p => p.textContent.includes('*'))"
 
 
@@ -322,6 +344,7 @@ def page(lab_server):
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True,
                                              args=CHROMIUM_FLAGS, env=lab_server.env)
         context = browser.new_context(viewport={"width": 1280, "height": 1000})
+        context.add_init_script(LOSS_DRAWS_JS)
         page = context.new_page()
         page.set_default_timeout(120_000)
         try:

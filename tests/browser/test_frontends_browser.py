@@ -70,6 +70,7 @@ SAMPLE_JS = """([mark]) => {
         plot: !!plot,
         names: names,
         points: trace && trace.y ? trace.y.length : null,
+        draws: window.trainingLabLossDraws ? window.trainingLabLossDraws.slice() : [],
         status: indicator ? indicator.getAttribute('data-status') : null,
         check: check ? check.slice(check.indexOf(mark) + mark.length) : null,
         done: !!check,
@@ -137,10 +138,13 @@ def _photographer(page, screenshot):
 
 
 @pytest.mark.browser
-# Under heavy load (load average 9-10 on 2 cores) Notebook 7 drew the plotly
-# chart empty in 3 of 10 runs while the status line kept updating; not seen in
-# JupyterLab, cause unknown. A rerun keeps CI honest without hiding a real break.
-@pytest.mark.flaky(reruns=2)
+# This test failed now and then (its reruns passed), the chart seen empty
+# while the status line read "running". The cause, found on a cold page
+# cache: the samples missed the middle of the quickstart's three seconds of
+# training (the page answered one a second while it drew), and the Dashboard,
+# paced by each refresh alone, sent nothing for 1.1 s after its first,
+# slowest refresh. The test now reads every draw the page recorded, and the
+# Dashboard spends its first refreshes ahead (`REFRESH_AHEAD_SECONDS`).
 def test_notebook7_draws_the_quickstarts_loss_live_and_ends_with_the_kernels_run(
         page, open_notebook, run_and_sample, artifacts):
     # Tall enough for the whole Dashboard, centred below Notebook 7's header.
@@ -174,10 +178,15 @@ def test_notebook7_draws_the_quickstarts_loss_live_and_ends_with_the_kernels_run
     final = page.evaluate(FINAL_TRACE_JS)
     steps = len(kernel["step"])
     assert steps == 360, f"the kernel recorded {steps} batches; the quickstart runs 8 x 45"
-    # Live: the page showed part of the run while the run was not over.
+    # Live: the chart drew part of the run before the whole of it (every draw,
+    # recorded in the page; the samples may miss a short run's middle).
+    draws = samples[-1]["draws"]
+    # At least four lengths short of the whole: the chart grew while the
+    # quickstart trained (paced by each refresh alone, it drew 1 and then 270 of 360).
+    partial = sorted({n for n in draws if 0 < n < steps})
+    assert len(partial) >= 4, f"the chart did not grow while training; the loss trace's lengths at each draw: {draws}"
+    assert draws == sorted(draws), f"the loss trace lost points between draws: {draws}"
     running = [s["points"] for s in samples if (s["header"] or "").startswith("running") and s["points"]]
-    assert any(0 < n < steps for n in running), (
-        f"the chart never showed a partial run while training; point counts seen: {sorted(set(counts))}")
     # The final chart is the kernel's run: every step, every batch's own loss.
     assert final["x"] == kernel["step"], "the chart's steps differ from run.batches()['step']"
     worst = max(abs(a - b) / max(abs(b), 1e-6) for a, b in zip(final["y"], kernel["loss"]))
