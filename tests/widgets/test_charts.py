@@ -197,3 +197,35 @@ def test_event_markers_and_validation_points_follow_new_events_epochs_and_rows(m
     data = state.update()
     assert [s.name for s in data.loss] == ["loss", "val_loss", "events"]
     assert data.loss[1].y.tolist() == [0.75] and [s.name for s in data.metrics] == ["accuracy", "val_accuracy"]
+
+
+def test_a_first_refresh_adds_its_new_traces_in_one_message_and_draws_them_in_the_update(
+        comm_log, make_run, monkeypatch):
+    # One add_trace per new series, each with empty arrays, took 52 of the 63 ms
+    # of a 25-layer model's first refresh (a message per trace, every array
+    # validated twice); that refresh set the pace of the next ones.
+    import _plotly_utils.basevalidators as validators
+
+    run = make_run(5_000)
+    live = charts.LiveFigure(gradients=True, weights=False)
+    state = series.ChartState(run)
+    data = state.update()
+    validated = []
+    copy = validators.copy_to_readonly_numpy_array
+    monkeypatch.setattr(validators, "copy_to_readonly_numpy_array", lambda *a, **k: validated.append(1) or copy(*a, **k))
+    comm_log.clear()
+    live.update(data)
+    adds = [m["data"]["state"]["_py2js_addTraces"] for m in comm_log.to(live.figure)
+            if m["data"]["state"].get("_py2js_addTraces")]
+    drawn = [("loss", s) for s in data.loss] + [("metrics", s) for s in data.metrics] + \
+        [("gradients", s) for s in data.gradients]
+    assert len(adds) == 1 and len(adds[0]["trace_data"]) == len(drawn) - 1  # all but the loss, there from the start
+    assert validated == []
+    [update] = comm_log.updates_to(live.figure)
+    traces, _ = _received(update)
+    for panel, line in drawn:
+        index = live._traces[(panel, line.name)]
+        np.testing.assert_array_equal(traces["y"][index], line.y)
+        np.testing.assert_array_equal(live.figure.data[index].y, line.y)  # the Python side agrees
+    names = [t.name for t in live.figure.data]
+    assert names[0] == "loss" and len(set(names)) == len(names)
