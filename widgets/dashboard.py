@@ -96,9 +96,10 @@ class Dashboard(keras.callbacks.Callback):
             the view while training (0.25: at most four per second).
         refresh_budget: float, the largest share of training time refreshes
             may take, so a slow machine refreshes less often instead of
-            training slower (0.01: 1%; a refresh of a 3-layer model takes a
-            few milliseconds, so that is about every 0.25 s, and of a
-            25-layer one about every 0.5 s). Refreshes may spend ahead up to
+            training slower (0.01: 1%; in a kernel a refresh of a 3-layer
+            model takes 3-6 ms, so that is every 0.3-0.6 s, and of a
+            25-layer one 7-10 ms, every 0.7-1 s; slower where the browser
+            shares the machine's cores). Refreshes may spend ahead up to
             what 3 s of training allow them (30 ms at 1%), so that the
             first, slowest ones do not hold the chart back; past that, a
             refresh that overdraws waits until training time has paid it
