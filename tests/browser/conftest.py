@@ -368,6 +368,26 @@ def open_notebook(page, lab_server):
 
 
 @pytest.fixture
+def assert_drawn_live():
+    """`assert_drawn_live(draws, total)`: the loss trace's lengths at each draw
+    the page recorded (`LOSS_DRAWS_JS`) show a chart that grew while a run of
+    `total` steps trained, without its first refreshes holding it back."""
+
+    def check(draws, total):
+        assert draws, ("the page recorded no draw of the chart: the plotly widget sent no "
+                       "`plotlywidget-after-render` event (LOSS_DRAWS_JS listens for it)")
+        # After its first points the chart drew again within the first third
+        # of the run (paced by each refresh alone, the quickstart's drew 1
+        # point and then 270 of 360; 45 since).
+        partial = sorted({n for n in draws if 0 < n < total})
+        assert len(partial) >= 2 and partial[1] < total / 3, (
+            f"the chart did not grow while training; the loss trace's lengths at each draw: {draws}")
+        assert draws == sorted(draws), f"the loss trace lost points between draws: {draws}"
+
+    return check
+
+
+@pytest.fixture
 def run_and_sample(page):
     """`run_and_sample(sample_js, arg=None, on_sample=None, ...)`: `run_all_and_sample`
     on this test's page (test modules cannot import conftest)."""

@@ -146,7 +146,7 @@ def _photographer(page, screenshot):
 # slowest refresh. The test now reads every draw the page recorded, and the
 # Dashboard spends its first refreshes ahead (`REFRESH_AHEAD_SECONDS`).
 def test_notebook7_draws_the_quickstarts_loss_live_and_ends_with_the_kernels_run(
-        page, open_notebook, run_and_sample, artifacts):
+        page, open_notebook, run_and_sample, assert_drawn_live, artifacts):
     # Tall enough for the whole Dashboard, centred below Notebook 7's header.
     page.set_viewport_size(VIEWPORT)
     console = []
@@ -178,19 +178,8 @@ def test_notebook7_draws_the_quickstarts_loss_live_and_ends_with_the_kernels_run
     final = page.evaluate(FINAL_TRACE_JS)
     steps = len(kernel["step"])
     assert steps == 360, f"the kernel recorded {steps} batches; the quickstart runs 8 x 45"
-    # Live: the chart drew part of the run before the whole of it (every draw,
-    # recorded in the page; the samples may miss a short run's middle).
-    draws = samples[-1]["draws"]
-    assert draws, ("the page recorded no draw of the chart: the plotly widget sent no "
-                   "`plotlywidget-after-render` event (conftest's LOSS_DRAWS_JS listens for it)")
-    # The chart grew while the quickstart trained, and its first, slowest
-    # refreshes did not hold it back: after its first points it drew again
-    # within the first third of the run (paced by each refresh alone, it drew
-    # 1 point and then 270 of 360; 45 since).
-    partial = sorted({n for n in draws if 0 < n < steps})
-    assert len(partial) >= 2 and partial[1] < steps / 3, (
-        f"the chart did not grow while training; the loss trace's lengths at each draw: {draws}")
-    assert draws == sorted(draws), f"the loss trace lost points between draws: {draws}"
+    # Live: every draw the page recorded (the samples may miss a short run's middle).
+    assert_drawn_live(samples[-1]["draws"], steps)
     running = [s["points"] for s in samples if (s["header"] or "").startswith("running") and s["points"]]
     # The final chart is the kernel's run: every step, every batch's own loss.
     assert final["x"] == kernel["step"], "the chart's steps differ from run.batches()['step']"
