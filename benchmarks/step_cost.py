@@ -34,6 +34,7 @@ Usage:
     python benchmarks/step_cost.py --models deep --blocks 300
     python benchmarks/step_cost.py --threads 1 --overflow-check
     python benchmarks/step_cost.py --threads 1 --cpu 1   # pinned to CPU 1: far steadier on a shared machine
+    python benchmarks/step_cost.py --jit-compile        # under XLA: the step and the probes in one program
 """
 
 import argparse
@@ -57,8 +58,9 @@ CONTROL = "bare again, a second train function of the same model (the control)"
 BLOCK = 8  # steps per turn
 
 
-def build(overhead, key, steps_per_execution):
-    """A compiled model of `overhead.MODELS[key]` with its optimizer built,
+def build(overhead, key, steps_per_execution, jit_compile=False):
+    """A compiled model of `overhead.MODELS[key]` (compiled by XLA with
+    `jit_compile`) with its optimizer built,
     an endless iterator of its batches (tf.data's autotuning off, as in
     `overhead.dataset`) and one batch for tracing."""
     import keras
@@ -68,7 +70,7 @@ def build(overhead, key, steps_per_execution):
     keras.utils.set_random_seed(0)
     model = make()
     model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  steps_per_execution=steps_per_execution)
+                  steps_per_execution=steps_per_execution, jit_compile=jit_compile)
     model.optimizer.build(model.trainable_variables)
     x, y = overhead.data(flat, 208)
     iterator = iter(overhead.dataset(flat, 208).repeat())
@@ -113,8 +115,8 @@ def kernels(model, batch):
     return sum(v for k, v in counts.items() if k not in SKIPPED_NODES)
 
 
-def measure(overhead, key, steps_per_execution, blocks):
-    model, iterator, batch = build(overhead, key, steps_per_execution)
+def measure(overhead, key, steps_per_execution, blocks, jit_compile=False):
+    model, iterator, batch = build(overhead, key, steps_per_execution, jit_compile)
     functions = {"bare": train_function(model, iterator, batch, steps_per_execution, None),
                  CONTROL: train_function(model, iterator, batch, steps_per_execution, None)}
     for name, args in CONFIGS.items():
@@ -213,6 +215,8 @@ def main(argv=None):
                         help="turns of 8 steps per train function (200); with --overflow-check, runs (40)")
     parser.add_argument("--threads", type=int, help="TensorFlow intra- and inter-op threads (default: TF's)")
     parser.add_argument("--cpu", type=int, help="run on this CPU only (its threads too); default: any")
+    parser.add_argument("--jit-compile", action="store_true",
+                        help="the model compiled with jit_compile=True: the step and the probes in one XLA program")
     parser.add_argument("--overflow-check", action="store_true",
                         help="only what the norms' overflow check costs per update (see above)")
     args = parser.parse_args(argv)
@@ -243,18 +247,23 @@ def main(argv=None):
     print(f"load average at start: {overhead.loadavg()} on {os.cpu_count()} CPUs; "
           f"TF threads: {args.threads or 'default'}; pinned to CPU {args.cpu}")
     for key in keys:
-        results = {spe: measure(overhead, key, spe, args.blocks) for spe in overhead.SPES}
+        results = {spe: measure(overhead, key, spe, args.blocks, args.jit_compile) for spe in overhead.SPES}
         head = " | ".join(f"spe={spe} ({r['bare_us_per_step']:.0f} us/step)" for spe, r in results.items())
-        print(f"\n**{overhead.MODELS[key][0]}**: the train function alone, watched / bare on the same model, "
-              f"median of {args.blocks} blocks of {BLOCK} steps [quartiles] (us a step over bare); kernels the "
-              f"probe adds to a {results[1]['bare_kernels']}-kernel step\n")
-        print(f"| | kernels added | {head} |\n|---|---|" + "---|" * len(results))
+        # Under XLA the kernels are XLA's, not the traced graph's nodes: not counted.
+        kernels = "" if args.jit_compile else (f"; kernels the probe adds to a {results[1]['bare_kernels']}-kernel "
+                                               "step")
+        print(f"\n**{overhead.MODELS[key][0]}**{' under XLA (`jit_compile=True`)' if args.jit_compile else ''}: "
+              f"the train function alone, watched / bare on the same model, median of {args.blocks} blocks of "
+              f"{BLOCK} steps [quartiles] (us a step over bare){kernels}\n")
+        print(f"| |{'' if args.jit_compile else ' kernels added |'} {head} |\n|---|"
+              + ("" if args.jit_compile else "---|") + "---|" * len(results))
         for name in [*CONFIGS, CONTROL]:
             cells = " | ".join(
                 f"{r['configs'][name]['median_ratio']:.3f} [{r['configs'][name]['q1']:.2f}-"
                 f"{r['configs'][name]['q3']:.2f}] ({r['configs'][name]['added_us_per_step']:+.0f})"
                 for r in results.values())
-            print(f"| {name} | {results[1]['configs'][name]['kernels_added']} | {cells} |")
+            added = "" if args.jit_compile else f" {results[1]['configs'][name]['kernels_added']} |"
+            print(f"| {name} |{added} {cells} |")
         print(f"\n(load average after: {overhead.loadavg()})", flush=True)
 
 

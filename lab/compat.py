@@ -40,6 +40,18 @@ def _version(text):
 
 
 KERAS_VERSION = _version(keras.__version__)
+TF_VERSION = _version(tf.__version__)
+
+# XLA for a CPU in TF 2.19 and 2.21 compiles a whole tensor's sum
+# (`tf.nn.l2_loss`) to a loop two to three times slower than the same sum
+# taken over 4 columns first (a column sum it vectorizes), where TF 2.16-2.18
+# compile the whole sum five times faster than the columns and TF 2.20 about
+# as fast (65,536 float32, one CPU); and the norms' overflow check, a
+# conditional over the step's gradients, costs about 100 us a step inside
+# Keras' execution loop in TF 2.21, against about 6 in TF 2.16 (the
+# benchmark MLP; `slow_xla_cpu_trace`, and benchmarks/README.md, "Norms
+# under XLA").
+SLOW_XLA_CPU_REDUCTIONS = TF_VERSION[:2] in ((2, 19), (2, 21))
 
 # Keras 3.8 scales each replica's loss by 1/replicas inside compute_loss
 # (`keras/src/losses/loss.py`, `scale_loss_for_distribution`); before, the
@@ -120,6 +132,25 @@ def tracing_tf_function(describe=repr, depth=2):
 def in_xla_trace():
     """Whether the code running is being traced into an XLA program."""
     return not tf.executing_eagerly() and bool(_in_xla_context(tf.compat.v1.get_default_graph()))
+
+
+def slow_xla_cpu_trace():
+    """Whether the program being traced is an XLA program for the host's
+    CPU in a release that compiles whole sums and conditionals slowly
+    (`SLOW_XLA_CPU_REDUCTIONS`): there the lab sums large tensors over
+    columns and leaves its norms for the host to finish, as outside XLA.
+    Not with a GPU or TPU present, where the step may compile for it (on a
+    TPU a 4-wide minor dimension is padded to 128)."""
+    return (SLOW_XLA_CPU_REDUCTIONS and in_xla_trace() and not tf.config.list_logical_devices("GPU")
+            and not tf.config.list_logical_devices("TPU"))
+
+
+def xla_keeps_overflowing_norms():
+    """Whether a step compiled with `jit_compile=True` here computes a norm
+    whose sum of squares overflows float32 exactly (its overflow check);
+    not on a CPU alone with TF 2.19 or 2.21 (`slow_xla_cpu_trace`)."""
+    return not (SLOW_XLA_CPU_REDUCTIONS and not tf.config.list_logical_devices("GPU")
+                and not tf.config.list_logical_devices("TPU"))
 
 
 def isolated(tensors):

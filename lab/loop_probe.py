@@ -27,8 +27,8 @@ from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGra
 
 from lab import compat
 from lab.compat import in_xla_trace
-from lab.probes import (Probe, StepState, _replica_context, infinite_norms_message, newly_infinite,
-                        total_grad_norm, variable_keys)
+from lab.probes import (Probe, StepState, _replica_context, half_sum_of_squares, infinite_norms_message,
+                        newly_infinite, total_grad_norm, variable_keys)
 
 # Slots kept free for variables the model did not list when watching began
 # (a subclassed model is often built by its first step).
@@ -472,8 +472,7 @@ class LoopProbe(Probe):
         present = [i for i in range(min(len(grads), len(variables))) if grads[i] is not None] if self.gradients else []
         weighed = self.weights and bool(variables)
         tensors = self._update_tensors(present, grads, variables, before)
-        # l2_loss is sum(x * x) / 2 in one kernel, with no intermediate tensor.
-        halves = [tf.nn.l2_loss(tf.cast(t, tf.float32)) for t in tensors]
+        halves = [half_sum_of_squares(t) for t in tensors]
         self._emit_scalars([f"{_GRAD_HALF}{keys[i]}" for i in present], halves[:len(present)],
                            reset=_NONE_ADDED, accumulate=True)
         if weighed:

@@ -42,7 +42,7 @@ import tensorflow as tf
 from lab import schema
 from lab.buffer import StepBuffer
 from lab.compat import SCALES_LOSS_BY_REPLICAS as KERAS_SCALES_LOSS
-from lab.compat import in_xla_trace, isolated, rarely, unscale_loss_for_distribution
+from lab.compat import in_xla_trace, isolated, rarely, slow_xla_cpu_trace, unscale_loss_for_distribution
 from lab.hooks import hooks_for
 
 XLA_NOTE = (
@@ -72,9 +72,7 @@ def norms_of(tensors):
     gives them but cheaper: plain sums of squares, and only when one of them
     overflows, the scaled computation (one check for all, `compat.rarely`:
     one Switch in a graph, however many tensors)."""
-    tensors = [tf.cast(t, tf.float32) for t in tensors]
-    # l2_loss is sum(x * x) / 2 in one kernel, with no intermediate tensor.
-    squares = 2.0 * tf.stack([tf.nn.l2_loss(t) for t in tensors])
+    squares = 2.0 * tf.stack([half_sum_of_squares(t) for t in tensors])
     return rarely(lambda: tf.sqrt(squares), tf.reduce_all(tf.math.is_finite(squares)), _scaled_norms, tensors)
 
 
@@ -96,8 +94,36 @@ def encoded_norms_of(tensors):
     50-variable MLP's step (3.4 ms) +250 us with gradients and +340 us with
     weights, 7-10% of the step (same model, bare and watched train
     functions taking turns, 2026-12-03)."""
-    tensors = [tf.cast(t, tf.float32) for t in tensors]
-    return tf.stack([tf.nn.l2_loss(t) for t in tensors])
+    return tf.stack([half_sum_of_squares(t) for t in tensors])
+
+
+# The fewest elements a tensor sums over columns (`half_sum_of_squares`):
+# below it the columns' slices cost more than they save.
+_COLUMN_SUM_ELEMENTS = 4096
+
+
+def half_sum_of_squares(tensor):
+    """`sum(x * x) / 2` of `tensor` in float32, as `tf.nn.l2_loss` gives it
+    (one kernel, with no intermediate tensor), in the form the program being
+    traced computes fastest.
+
+    Where XLA compiles a whole tensor's sum for a CPU into a loop it does
+    not vectorize (`lab.compat.slow_xla_cpu_trace`), a large tensor is
+    summed over 4 columns first. The sum is the same up to float rounding
+    (another order of additions), as XLA's own is to TensorFlow's kernel."""
+    tensor = tf.cast(tensor, tf.float32)
+    elements = tensor.shape.num_elements()
+    if elements is None or elements < _COLUMN_SUM_ELEMENTS or not slow_xla_cpu_trace():
+        return tf.nn.l2_loss(tensor)
+    flat = tf.reshape(tensor, [-1])
+    head = elements - elements % 4
+    columns = tf.reshape(flat[:head], [-1, 4])
+    # Halved before the sum, as TensorFlow's l2_loss kernel does.
+    half = tf.reduce_sum(tf.reduce_sum(columns * columns * 0.5, axis=0))
+    if head < elements:
+        rest = flat[head:]
+        half += tf.reduce_sum(rest * rest * 0.5)
+    return half
 
 
 def newly_infinite(infinite, told):
@@ -983,8 +1009,11 @@ class Probe:
         """Whether this step's norms go into the row encoded (`encoded_norms_of`),
         for `read()` to finish: in the step's own graph, outside XLA (whose
         program is kept as it was: a changed one can fuse the step's own ops
-        differently)."""
-        return self.FINISHES_ON_HOST and not state.nested() and not in_xla_trace()
+        differently), or under an XLA that compiles the norms' overflow
+        check slowly (`lab.compat.slow_xla_cpu_trace`: about 100 us a step
+        of the benchmark MLP at spe=32, 15% of it). The step's reads are
+        isolated (`lab.compat.isolated`) either way."""
+        return self.FINISHES_ON_HOST and not state.nested() and (not in_xla_trace() or slow_xla_cpu_trace())
 
     def _emit_encoded_update(self, state, keys, present, variables, before, encoded):
         """Puts an update's norms as they came from `encoded_norms_of`: one

@@ -297,8 +297,8 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         if not columns:
             return
         step = self.run.next_step + infinite[columns[0]]
-        message = infinite_norms_message(
-            columns, step, also=" With `jit_compile=True` the step computes such a norm exactly.")
+        also = " With `jit_compile=True` the step computes such a norm exactly." if compat.xla_keeps_overflowing_norms() else ""
+        message = infinite_norms_message(columns, step, also=also)
         self.run.add_event("warning", message, step=step)
         warnings.warn(message, RuntimeWarning, stacklevel=2)
 

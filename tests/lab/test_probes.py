@@ -117,11 +117,23 @@ class TwoOptimizerGAN(keras.Model):
         return {"d_loss": self.d_loss_tracker.result(), "g_loss": self.g_loss_tracker.result()}
 
 
-@pytest.mark.parametrize("mode", ["graph", "xla"])
-def test_weights_of_a_model_with_large_layers_are_recorded_under_xla(digits, mode):
+def _xla_sums_in_columns(monkeypatch, columns):
+    """Makes this process's XLA traces take the columns path (`lab.compat.slow_xla_cpu_trace`) or not, whatever
+    the TF release: both paths are tested at both ends of the supported range."""
+    if columns and tf.config.list_logical_devices("GPU"):
+        pytest.skip("the columns path is for XLA on a CPU alone")
+    monkeypatch.setattr(lab.compat, "SLOW_XLA_CPU_REDUCTIONS", columns)
+
+
+@pytest.mark.parametrize("mode,columns", [("graph", False), ("xla", False), ("xla", True)],
+                         ids=["graph", "xla", "xla-summed-in-columns"])
+def test_weights_of_a_model_with_large_layers_are_recorded_under_xla(digits, mode, columns, monkeypatch):
     # Three Dense layers of 64-256-256-10: 18 norms in one update. Under XLA
     # the overflow branch's segment ids once had a bounded size that failed
-    # to compile, and fit() raised at its first step.
+    # to compile, and fit() raised at its first step. Where XLA sums large
+    # tensors over columns (TF 2.19 and 2.21 on a CPU), the norms are the
+    # same up to rounding and the training is still the bare one.
+    _xla_sums_in_columns(monkeypatch, columns)
     x, y = digits
 
     def make():
@@ -147,6 +159,55 @@ def test_weights_of_a_model_with_large_layers_are_recorded_under_xla(digits, mod
     model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, callbacks=[rec], verbose=0)
     notes = [d for d in rec.run.events()["detail"] if "XLA" in d]
     assert len(notes) == (1 if mode == "xla" else 0)
+
+
+@pytest.mark.parametrize("columns", [False, True], ids=["whole", "in-columns"])
+def test_a_half_sum_of_squares_under_xla_is_l2_loss_up_to_rounding(columns, monkeypatch):
+    # Sizes around the columns' threshold (4,096) and their width (4), empty,
+    # a matrix, float16 and large elements; a NaN or inf element gives NaN or inf.
+    _xla_sums_in_columns(monkeypatch, columns)
+    draw = np.random.default_rng(0)
+    tensors = [draw.normal(size=n).astype(np.float32) for n in (0, 10, 4095, 4096, 4097, 65539)]
+    tensors += [draw.normal(size=(256, 256)).astype(np.float32), draw.normal(size=8192).astype(np.float16)]
+    tensors += [np.where(np.arange(5000) == 4999, np.nan, 1.0).astype(np.float32),
+                np.where(np.arange(5000) == 7, np.inf, 1.0).astype(np.float32),
+                np.full(4100, 2.6e17, np.float32)]
+    compiled = tf.function(lambda t: lab.probes.half_sum_of_squares(t), jit_compile=True)
+    for tensor in tensors:
+        got = float(compiled(tf.constant(tensor)))
+        want = float(tf.nn.l2_loss(tf.cast(tf.constant(tensor), tf.float32)))
+        if np.isnan(want) or np.isinf(want):
+            assert got == want or (np.isnan(got) and np.isnan(want)), tensor.shape
+        else:
+            np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=str(tensor.shape))
+            assert np.isfinite(got)
+
+
+@pytest.mark.parametrize("columns", [False, True], ids=["xla-checked", "xla-summed-in-columns"])
+def test_under_xla_a_norm_whose_squares_overflow_is_exact_or_inf_and_the_run_says_which(
+        digits, columns, monkeypatch):
+    # Gradients near 1e22. Where XLA's overflow check is cheap the step keeps
+    # their norms exact; where it is not (TF 2.19 and 2.21 on a CPU) the host
+    # finishes them, records inf, and the warning does not send the user to
+    # jit_compile=True for exact norms.
+    _xla_sums_in_columns(monkeypatch, columns)
+    x, y = digits
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(12, activation="tanh", name="hidden"),
+                              keras.layers.Dense(10, name="out")], name="net")
+    model.compile(keras.optimizers.SGD(1e-25), lambda y, p: 1e22 * LOSS(y, p), jit_compile=True)
+    rec = lab.Recorder(gradients=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x[:2 * BATCH], y[:2 * BATCH], batch_size=BATCH, callbacks=[rec], verbose=0)
+    norms = rec.run.batches()["grad_norm/net/hidden/kernel"].to_numpy()
+    told = [str(w.message) for w in caught if "inf from step" in str(w.message)]
+    if columns:
+        assert np.isinf(norms).all()
+        assert len(told) == 1 and "1.8e19" in told[0] and "jit_compile" not in told[0]
+    else:
+        assert np.isfinite(norms).all() and (norms > 1e19).all()
+        assert told == []
 
 
 def test_a_gan_with_two_optimizers_gets_rows_for_both(digits):
