@@ -324,10 +324,12 @@ def test_the_fit_benchmark_feeds_the_fits_without_tf_data_autotuning(overhead):
     assert [tuple(x.shape) for x, _ in batches] == [(overhead.BATCH_SIZE, 64)] * 3
 
 
-def test_the_step_cost_benchmark_times_every_train_function_on_one_model(monkeypatch):
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+def test_the_step_cost_benchmark_times_every_train_function_on_one_model(monkeypatch, jit_compile):
     # The bare function, the control and each probe's function all train the
     # same model, in turns, and each probe's rows keep being written after
-    # the probe is taken off the model (its traced function still has them).
+    # the probe is taken off the model (its traced function still has them);
+    # with --jit-compile, a model compiled by XLA.
     step_cost = load_benchmark("step_cost")
     overhead = load_benchmark("overhead")
     built, probes = [], []
@@ -345,8 +347,9 @@ def test_the_step_cost_benchmark_times_every_train_function_on_one_model(monkeyp
 
     monkeypatch.setattr(step_cost, "build", build)
     monkeypatch.setattr(step_cost, "train_function", train_function)
-    result = step_cost.measure(overhead, "mlp", 1, blocks=16)
+    result = step_cost.measure(overhead, "mlp", 1, blocks=16, jit_compile=jit_compile)
     (model,) = built
+    assert model.jit_compile is jit_compile
     functions = 2 + len(step_cost.CONFIGS)
     assert int(model.optimizer.iterations.numpy()) == functions * (3 + 16 * step_cost.BLOCK)
     assert list(result["configs"]) == [step_cost.CONTROL, *step_cost.CONFIGS]
