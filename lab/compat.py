@@ -141,16 +141,19 @@ def slow_xla_cpu_trace():
     columns and leaves its norms for the host to finish, as outside XLA.
     Not with a GPU or TPU present, where the step may compile for it (on a
     TPU a 4-wide minor dimension is padded to 128)."""
-    return (SLOW_XLA_CPU_REDUCTIONS and in_xla_trace() and not tf.config.list_logical_devices("GPU")
-            and not tf.config.list_logical_devices("TPU"))
+    return in_xla_trace() and _slow_xla_here()
 
 
 def xla_keeps_overflowing_norms():
     """Whether a step compiled with `jit_compile=True` here computes a norm
     whose sum of squares overflows float32 exactly (its overflow check);
     not on a CPU alone with TF 2.19 or 2.21 (`slow_xla_cpu_trace`)."""
-    return not (SLOW_XLA_CPU_REDUCTIONS and not tf.config.list_logical_devices("GPU")
-                and not tf.config.list_logical_devices("TPU"))
+    return not _slow_xla_here()
+
+
+def _slow_xla_here():
+    return (SLOW_XLA_CPU_REDUCTIONS and not tf.config.list_logical_devices("GPU")
+            and not tf.config.list_logical_devices("TPU"))
 
 
 def isolated(tensors):

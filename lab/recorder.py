@@ -297,7 +297,9 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         if not columns:
             return
         step = self.run.next_step + infinite[columns[0]]
-        also = " With `jit_compile=True` the step computes such a norm exactly." if compat.xla_keeps_overflowing_norms() else ""
+        also = ""
+        if compat.xla_keeps_overflowing_norms():
+            also = " With `jit_compile=True` the step computes such a norm exactly."
         message = infinite_norms_message(columns, step, also=also)
         self.run.add_event("warning", message, step=step)
         warnings.warn(message, RuntimeWarning, stacklevel=2)

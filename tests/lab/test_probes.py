@@ -562,6 +562,36 @@ def test_rows_the_host_finishes_equal_what_the_step_computed_bit_for_bit(digits,
         assert finished_events.empty
 
 
+def test_under_xla_a_critic_loops_norms_finished_on_the_host_are_the_steps_own(digits, monkeypatch):
+    # One optimizer applied three times a step under XLA. Where the host
+    # finishes the norms (TF 2.19 and 2.21 on a CPU alone) the later applies
+    # decode the first's half sums on the device and combine with theirs,
+    # and the 8,192-element kernel is summed over columns; against the step
+    # computing its norms itself (the other XLA path), the same norms up to
+    # rounding, and the same training bit for bit.
+    x, y = digits
+    runs = []
+    for columns in (False, True):
+        _xla_sums_in_columns(monkeypatch, columns)
+        keras.utils.set_random_seed(5)
+        model = CriticSteps([keras.Input((64,)), keras.layers.Dense(128, activation="tanh", name="hidden"),
+                             keras.layers.Dense(10, name="out")], name="net")
+        model.compile("adam", LOSS, jit_compile=True)
+        rec = lab.Recorder(gradients=True, weights=True)
+        model.fit(x, y, batch_size=BATCH, epochs=1, callbacks=[rec], verbose=0, shuffle=False)
+        runs.append((rec.run.batches(), [w.numpy() for w in model.weights]))
+    (checked, checked_weights), (finished, finished_weights) = runs
+    for before, after in zip(checked_weights, finished_weights):
+        np.testing.assert_array_equal(before, after)
+    assert list(finished.columns) == list(checked.columns) and len(finished) == 4
+    norms = [c for c in finished.columns if c.startswith(("grad_norm", "weight_norm/", "update_ratio/"))]
+    assert len(norms) == 1 + 3 * 4
+    assert (finished["applies/optimizer"] == 3).all()
+    for column in norms:
+        assert np.isfinite(finished[column]).all() and (finished[column] > 0).all(), column
+        np.testing.assert_allclose(finished[column], checked[column], rtol=1e-5, err_msg=column)
+
+
 class TwoLosses(keras.Model):
     """A custom step whose per-output loss trackers (fed by compute_loss)
     exist only after the first trace: a later trace reads their totals where
