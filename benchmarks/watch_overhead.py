@@ -24,6 +24,7 @@ Usage:
     python benchmarks/watch_overhead.py           # full: graph and eager steps, 5 rounds
     python benchmarks/watch_overhead.py --quick   # the short form
     python benchmarks/watch_overhead.py --threads 1
+    python benchmarks/watch_overhead.py --jit-compile   # the step compiled by XLA
 """
 
 import argparse
@@ -91,7 +92,7 @@ CONFIGS = {
 FLUSH_EVERY = 0.25  # lab.watch's default
 
 
-def make_loop(model, optimizer, compiled):
+def make_loop(model, optimizer, compiled, jit_compile=False):
     def train_step(x, y):
         with tf.GradientTape() as tape:
             loss = LOSS(y, model(x, training=True))
@@ -99,7 +100,7 @@ def make_loop(model, optimizer, compiled):
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss
 
-    step = tf.function(train_step) if compiled else train_step
+    step = tf.function(train_step, jit_compile=jit_compile or None) if compiled else train_step
 
     def loop(run, data):
         for x, y in data:
@@ -108,7 +109,7 @@ def make_loop(model, optimizer, compiled):
     return loop
 
 
-def measure_round(compiled, data, blocks, shuffle):
+def measure_round(compiled, data, blocks, shuffle, jit_compile=False):
     """One round, on models of its own: per configuration, its seconds and CPU seconds.
 
     Every model, and its optimizer's variables, are made before any step is
@@ -135,7 +136,7 @@ def measure_round(compiled, data, blocks, shuffle):
         for name in names:
             model, optimizer = built[name]
             run = stack.enter_context(CONFIGS[name](model, optimizer, FLUSH_EVERY * len(CONFIGS)))
-            loops[name] = (make_loop(model, optimizer, compiled), run)
+            loops[name] = (make_loop(model, optimizer, compiled, jit_compile), run)
         for loop, run in loops.values():
             loop(run, data[:2])  # warm-up: traces the step inside its block
         for part in blocks + [None]:
@@ -152,8 +153,9 @@ def measure_round(compiled, data, blocks, shuffle):
     return times, cpu
 
 
-def measure(compiled, rounds, steps, batch_size=32, block=BLOCK):
-    """Per configuration: median and fastest ratio to the unwatched loop; and the unwatched median seconds."""
+def measure(compiled, rounds, steps, batch_size=32, block=BLOCK, jit_compile=False):
+    """Per configuration: median and fastest ratio to the unwatched loop; and the unwatched median seconds.
+    `jit_compile`: the step compiled by XLA (with `compiled`)."""
     (x, y), _ = lab.datasets.digits()
     data = [(tf.constant(x[i:i + batch_size], tf.float32), tf.constant(y[i:i + batch_size]))
             for i in range(0, batch_size * steps, batch_size) if i + batch_size <= len(x)]
@@ -169,7 +171,7 @@ def measure(compiled, rounds, steps, batch_size=32, block=BLOCK):
     logger.setLevel("ERROR")
     try:
         for _ in range(rounds):
-            times, cpu = measure_round(compiled, data, blocks, shuffle)
+            times, cpu = measure_round(compiled, data, blocks, shuffle, jit_compile)
             for name in CONFIGS:
                 seconds[name].append(times[name])
                 cpu_seconds[name].append(cpu[name])
@@ -189,16 +191,19 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the short form: graph steps only, 2 rounds")
     parser.add_argument("--threads", type=int, help="TensorFlow intra- and inter-op threads (default: TF's)")
+    parser.add_argument("--jit-compile", action="store_true", help="only the step compiled by XLA (jit_compile=True)")
     args = parser.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import overhead
 
     overhead.use_threads(args.threads)
     shapes = [("tf.function", True, 200)] if args.quick else [("tf.function", True, 400), ("eager", False, 60)]
+    if args.jit_compile:
+        shapes = [("XLA", True, 200 if args.quick else 400)]
     rounds = 2 if args.quick else 5
     print(f"{'step':12} {'configuration':26} {'median ratio':>13} {'fastest / fastest':>18}")
     for label, compiled, steps in shapes:
-        ratios, bare = measure(compiled, rounds, steps)
+        ratios, bare = measure(compiled, rounds, steps, jit_compile=args.jit_compile)
         for name, ratio in ratios.items():
             print(f"{label:12} {name:26} {ratio['median_ratio']:>12.3f}x {ratio['fastest_ratio']:>17.3f}x")
         print(f"{'':12} (unwatched: {steps} steps in {bare:.2f} s, {1000 * bare / steps:.2f} ms/step)")

@@ -139,15 +139,19 @@ def test_the_hook_share_adds_up_the_time_inside_a_callbacks_hooks_and_keeps_them
     assert 4 * 0.02 <= spent[0] < seconds
 
 
-def test_the_watch_benchmark_takes_turns_in_blocks_and_counts_every_step_and_read(watch_overhead, monkeypatch):
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+def test_the_watch_benchmark_takes_turns_in_blocks_and_counts_every_step_and_read(
+        watch_overhead, monkeypatch, jit_compile):
     # Configurations take turns every few steps within a round, so a burst
     # of load falls on all of them; each round's time is the sum of a
-    # configuration's blocks and its final read of the rows.
-    turns, reads = [], []
+    # configuration's blocks and its final read of the rows. With
+    # --jit-compile every step is compiled by XLA.
+    turns, reads, compiled_by = [], [], []
     make_loop = watch_overhead.make_loop
 
-    def counted_loop(model, optimizer, compiled):
-        loop = make_loop(model, optimizer, compiled)
+    def counted_loop(model, optimizer, compiled, jit_compile=False):
+        loop = make_loop(model, optimizer, compiled, jit_compile)
+        compiled_by.append(jit_compile)
 
         def counted(run, data):
             turns.append((type(run).__name__, len(data)))
@@ -160,8 +164,9 @@ def test_the_watch_benchmark_takes_turns_in_blocks_and_counts_every_step_and_rea
 
     flush = WatchedRun.flush
     monkeypatch.setattr(WatchedRun, "flush", lambda run: reads.append((run, len(run._pending))) or flush(run))
-    ratios, bare = watch_overhead.measure(True, rounds=2, steps=12, batch_size=8, block=4)
+    ratios, bare = watch_overhead.measure(True, rounds=2, steps=12, batch_size=8, block=4, jit_compile=jit_compile)
     assert set(ratios) == set(watch_overhead.CONFIGS) and bare > 0
+    assert compiled_by == [jit_compile] * 2 * len(watch_overhead.CONFIGS)
     assert ratios["unwatched"]["median_ratio"] == 1.0
     for name, value in ratios.items():
         assert len(value["seconds"]) == 2 and all(s > 0 for s in value["seconds"]), name
@@ -189,8 +194,8 @@ def test_the_watch_benchmark_makes_every_model_and_optimizer_before_it_traces_a_
         made.append(make_mlp())
         return made[-1]
 
-    def checked_loop(model, optimizer, compiled):
-        loop = make_loop(model, optimizer, compiled)
+    def checked_loop(model, optimizer, compiled, jit_compile=False):
+        loop = make_loop(model, optimizer, compiled, jit_compile)
 
         def checked(run, data):
             if not seen_at_first_step:
