@@ -248,22 +248,21 @@ def main(argv=None):
           f"TF threads: {args.threads or 'default'}; pinned to CPU {args.cpu}")
     for key in keys:
         results = {spe: measure(overhead, key, spe, args.blocks, args.jit_compile) for spe in overhead.SPES}
-        head = " | ".join(f"spe={spe} ({r['bare_us_per_step']:.0f} us/step)" for spe, r in results.items())
         # Under XLA the kernels are XLA's, not the traced graph's nodes: not counted.
-        kernels = "" if args.jit_compile else (f"; kernels the probe adds to a {results[1]['bare_kernels']}-kernel "
-                                               "step")
-        print(f"\n**{overhead.MODELS[key][0]}**{' under XLA (`jit_compile=True`)' if args.jit_compile else ''}: "
+        counted = not args.jit_compile
+        kernels = f"; kernels the probe adds to a {results[1]['bare_kernels']}-kernel step" if counted else ""
+        print(f"\n**{overhead.MODELS[key][0]}**{'' if counted else ' under XLA (`jit_compile=True`)'}: "
               f"the train function alone, watched / bare on the same model, median of {args.blocks} blocks of "
               f"{BLOCK} steps [quartiles] (us a step over bare){kernels}\n")
-        print(f"| |{'' if args.jit_compile else ' kernels added |'} {head} |\n|---|"
-              + ("" if args.jit_compile else "---|") + "---|" * len(results))
+        head = ["", *(["kernels added"] if counted else []),
+                *(f"spe={spe} ({r['bare_us_per_step']:.0f} us/step)" for spe, r in results.items())]
+        print("| " + " | ".join(head) + " |\n" + "|---" * len(head) + "|")
         for name in [*CONFIGS, CONTROL]:
-            cells = " | ".join(
-                f"{r['configs'][name]['median_ratio']:.3f} [{r['configs'][name]['q1']:.2f}-"
-                f"{r['configs'][name]['q3']:.2f}] ({r['configs'][name]['added_us_per_step']:+.0f})"
-                for r in results.values())
-            added = "" if args.jit_compile else f" {results[1]['configs'][name]['kernels_added']} |"
-            print(f"| {name} |{added} {cells} |")
+            cells = [f"{r['configs'][name]['median_ratio']:.3f} [{r['configs'][name]['q1']:.2f}-"
+                     f"{r['configs'][name]['q3']:.2f}] ({r['configs'][name]['added_us_per_step']:+.0f})"
+                     for r in results.values()]
+            added = [str(results[1]["configs"][name]["kernels_added"])] if counted else []
+            print("| " + " | ".join([name, *added, *cells]) + " |")
         print(f"\n(load average after: {overhead.loadavg()})", flush=True)
 
 
