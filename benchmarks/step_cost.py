@@ -35,6 +35,7 @@ Usage:
     python benchmarks/step_cost.py --threads 1 --overflow-check
     python benchmarks/step_cost.py --threads 1 --cpu 1   # pinned to CPU 1: far steadier on a shared machine
     python benchmarks/step_cost.py --jit-compile        # under XLA: the step and the probes in one program
+    python benchmarks/step_cost.py --models embedding   # an Embedding's sparse gradient, trained by SGD
 """
 
 import argparse
@@ -53,6 +54,20 @@ CONFIGS = {
     "`Recorder(gradients=True)`": {"gradients": True},
     "`Recorder(gradients=True, weights=True)`": {"gradients": True, "weights": True},
 }
+# A model whose gradient is sparse, an Embedding's (`tf.IndexedSlices`),
+# trained by plain SGD, which applies it as it is. Not among the default
+# models: `--models embedding`.
+VOCABULARY, TOKENS = 200_000, 20
+
+
+def make_embedding():
+    import keras
+
+    return keras.Sequential([keras.Input((TOKENS,), dtype="int32"), keras.layers.Embedding(VOCABULARY, 64),
+                             keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(10)])
+
+
+SPARSE_MODELS = {"embedding": ("Embedding 200,000 x 64, pooled, Dense 10; SGD (a sparse gradient)", make_embedding)}
 SKIPPED_NODES = ("Const", "Placeholder", "NoOp")
 CONTROL = "bare again, a second train function of the same model (the control)"
 BLOCK = 8  # steps per turn
@@ -64,17 +79,32 @@ def build(overhead, key, steps_per_execution, jit_compile=False):
     an endless iterator of its batches (tf.data's autotuning off, as in
     `overhead.dataset`) and one batch for tracing."""
     import keras
+    import numpy as np
     import tensorflow as tf
 
-    _, make, flat = overhead.MODELS[key]
     keras.utils.set_random_seed(0)
-    model = make()
-    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    if key in SPARSE_MODELS:
+        model, optimizer = SPARSE_MODELS[key][1](), "sgd"
+        draw = np.random.default_rng(0)
+        samples = 208 * overhead.BATCH_SIZE
+        x = draw.integers(0, VOCABULARY, (samples, TOKENS)).astype("int32")
+        y = draw.integers(0, 10, samples)
+        options = tf.data.Options()
+        options.autotune.enabled = False  # as in overhead.dataset
+        batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(overhead.BATCH_SIZE).with_options(options)
+    else:
+        _, make, flat = overhead.MODELS[key]
+        model, optimizer = make(), "adam"
+        x, y = overhead.data(flat, 208)
+        batches = overhead.dataset(flat, 208)
+    model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   steps_per_execution=steps_per_execution, jit_compile=jit_compile)
     model.optimizer.build(model.trainable_variables)
-    x, y = overhead.data(flat, 208)
-    iterator = iter(overhead.dataset(flat, 208).repeat())
-    return model, iterator, (x[: overhead.BATCH_SIZE], y[: overhead.BATCH_SIZE])
+    return model, iter(batches.repeat()), (x[: overhead.BATCH_SIZE], y[: overhead.BATCH_SIZE])
+
+
+def title(overhead, key):
+    return SPARSE_MODELS[key][0] if key in SPARSE_MODELS else overhead.MODELS[key][0]
 
 
 def train_function(model, iterator, batch, steps_per_execution, probe_args):
@@ -210,7 +240,8 @@ def overflow_check(rounds, calls=20, elements=1000, counts=OVERFLOW_COUNTS):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="mlp,cnn,deep", help="comma-separated, from overhead.py's models")
+    parser.add_argument("--models", default="mlp,cnn,deep",
+                        help="comma-separated, from overhead.py's models, and `embedding` (a sparse gradient)")
     parser.add_argument("--blocks", type=int, default=200,
                         help="turns of 8 steps per train function (200); with --overflow-check, runs (40)")
     parser.add_argument("--threads", type=int, help="TensorFlow intra- and inter-op threads (default: TF's)")
@@ -241,9 +272,9 @@ def main(argv=None):
         return
 
     keys = args.models.split(",")
-    unknown = [k for k in keys if k not in overhead.MODELS]
+    unknown = [k for k in keys if k not in overhead.MODELS and k not in SPARSE_MODELS]
     if unknown:
-        parser.error(f"unknown model(s) {unknown}; choose from {list(overhead.MODELS)}")
+        parser.error(f"unknown model(s) {unknown}; choose from {[*overhead.MODELS, *SPARSE_MODELS]}")
     print(f"load average at start: {overhead.loadavg()} on {os.cpu_count()} CPUs; "
           f"TF threads: {args.threads or 'default'}; pinned to CPU {args.cpu}")
     for key in keys:
@@ -251,7 +282,7 @@ def main(argv=None):
         # Under XLA the kernels are XLA's, not the traced graph's nodes: not counted.
         counted = not args.jit_compile
         kernels = f"; kernels the probe adds to a {results[1]['bare_kernels']}-kernel step" if counted else ""
-        print(f"\n**{overhead.MODELS[key][0]}**{'' if counted else ' under XLA (`jit_compile=True`)'}: "
+        print(f"\n**{title(overhead, key)}**{'' if counted else ' under XLA (`jit_compile=True`)'}: "
               f"the train function alone, watched / bare on the same model, median of {args.blocks} blocks of "
               f"{BLOCK} steps [quartiles] (us a step over bare){kernels}\n")
         head = ["", *(["kernels added"] if counted else []),

@@ -126,6 +126,23 @@ def half_sum_of_squares(tensor):
     return half
 
 
+def summed_rows(gradient):
+    """A gradient as the lab reads it for norms and finiteness: a tensor as
+    it is; a sparse one (`tf.IndexedSlices`: an Embedding's, a `tf.gather`'s)
+    as its rows summed by index, which are the rows of the dense gradient
+    that can be non-zero. Their norm and finiteness are the dense
+    gradient's, at a cost that follows the batch, not the table: made dense,
+    an Embedding's gradient is a copy of the whole table at every step,
+    where plain SGD applies it as it is. Each row sums its slices in the
+    order the dense conversion adds them (an `unsorted_segment_sum` either
+    way). Under XLA, whose programs need static shapes (`tf.unique`'s is
+    not), it stays as it is and goes dense there, as the step's own does."""
+    if not isinstance(gradient, tf.IndexedSlices) or in_xla_trace():
+        return gradient
+    unique, position = tf.unique(gradient.indices)
+    return tf.math.unsorted_segment_sum(gradient.values, position, tf.size(unique))
+
+
 def newly_infinite(infinite, told):
     """Of `infinite` (norm column -> where it is first inf), the columns
     not in `told`, ordered by where; adds them to `told` (each column is
@@ -727,7 +744,7 @@ class Probe:
                 state.batch_gradients = True
                 pairs = [(variable, grad) for variable, grad in zip(trainable_variables, grads) if grad is not None]
                 if pairs:
-                    norms = norms_of(isolated([grad for _, grad in pairs]))
+                    norms = norms_of(isolated([summed_rows(grad) for _, grad in pairs]))
                     probe._emit_vector(state, [f"grad_norm/{probe._key(variable)}" for variable, _ in pairs],
                                        norms, combine=_hypot)
                     probe._emit(state, "_batch_grad_norm", global_norm(norms), combine=_hypot)
@@ -838,7 +855,7 @@ class Probe:
         """This replica's own squared gradient norm, before the cross-replica sum."""
         if not self.gradients or _replica_context() is None:
             return
-        local = [g for g in grads if g is not None]
+        local = [summed_rows(g) for g in grads if g is not None]
         if local:
             self._emit(state, "_local_grad_norm", global_norm(norms_of(isolated(local))), combine=_hypot)
 
@@ -860,7 +877,7 @@ class Probe:
         """Evaluates the device breakpoints; returns whether to skip this update."""
         hold = self._hold_variable()
         loss = None
-        read = isolated([state.loss] + [g for g in grads if g is not None])
+        read = isolated([state.loss] + [summed_rows(g) for g in grads if g is not None])
         applied = read[1:]
         if read[0] is not None:
             loss = tf.reduce_mean(tf.cast(unscale_loss_for_distribution(read[0]), tf.float32))
@@ -992,7 +1009,7 @@ class Probe:
         at `present`, then with weights each variable's value and, when
         `before` (their values before the update) is given, its update;
         each read as the lab's own computations must read it (`isolated`)."""
-        tensors = [grads[i] for i in present]
+        tensors = [summed_rows(grads[i]) for i in present]
         if not (self.weights and variables):
             return isolated(tensors)
         values = [tf.convert_to_tensor(v.value) for v in variables]

@@ -365,3 +365,24 @@ def test_the_step_cost_benchmark_times_every_train_function_on_one_model(monkeyp
     for probe in probes[2:]:
         assert probe.buffer.read_count == 3 + 16 * step_cost.BLOCK  # every step's row, read every 16 blocks
         assert not probe.installed
+
+
+def test_the_step_cost_benchmarks_embedding_trains_by_a_sparse_gradient_that_the_rows_record():
+    # `--models embedding`: SGD applies the Embedding's gradient as the
+    # sparse slices it is, and the probes' functions record its norm.
+    import keras
+    import tensorflow as tf
+
+    step_cost = load_benchmark("step_cost")
+    overhead = load_benchmark("overhead")
+    model, iterator, (x, y) = step_cost.build(overhead, "embedding", 1)
+    assert isinstance(model.optimizer, keras.optimizers.SGD) and x.dtype == np.int32
+    table = model.trainable_variables[0]
+    with tf.GradientTape() as tape:
+        loss = model.compute_loss(y=y, y_pred=model(x, training=True))
+    assert isinstance(tape.gradient(loss, table), tf.IndexedSlices)
+    function, probe, _ = step_cost.train_function(model, iterator, (x, y), 1, {"gradients": True})
+    function(iterator)
+    rows = probe.read()
+    column = rows[f"grad_norm/{table.path}"]
+    assert len(column) == 1 and np.isfinite(column).all() and column[0] > 0

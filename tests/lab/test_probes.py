@@ -653,3 +653,90 @@ def test_a_switch_to_xla_inside_fit_keeps_every_column(digits):
     ratios = rows[[c for c in values if c.startswith("update_ratio/")]].to_numpy()
     assert ((ratios > 0) & (ratios <= 1)).all()  # a bias from 0: its first update is all of it
     assert ((rows["accuracy"] * BATCH).round(3) % 1 == 0).all()  # each batch's own share of 32
+
+
+# ---- an Embedding's sparse gradient ------------------------------------------------
+
+VOCABULARY, WIDTH = 400, 6
+
+
+def make_embedding_classifier(optimizer):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input(shape=(None,), dtype="int32")
+    pooled = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(VOCABULARY, WIDTH)(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(1, activation="sigmoid")(pooled))
+    model.compile(optimizer=optimizer, loss="binary_crossentropy")
+    return model
+
+
+def token_batches(n=48, length=10):
+    # Few distinct tokens: most batches repeat ids, whose gradient rows add up.
+    r = np.random.default_rng(3)
+    return r.integers(0, 30, (n, length)).astype("int32"), r.integers(0, 2, n).astype("float32")
+
+
+def dense_conversions(caught):
+    return [str(w.message) for w in caught if "Converting sparse IndexedSlices" in str(w.message)]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_an_embeddings_sparse_gradient_is_not_made_dense_by_the_lab(optimizer, monkeypatch):
+    # TensorFlow warns where it turns a sparse gradient into a dense tensor of
+    # 1e8 elements or more (an Embedding of a large vocabulary: the whole table
+    # at every step). At 1 it warns at every conversion, so that the bare
+    # fit's count is the reference: plain SGD applies the slices as they are.
+    from tensorflow.python.framework import indexed_slices
+
+    monkeypatch.setattr(indexed_slices, "_LARGE_SPARSE_NUM_ELEMENTS", 1)
+    x, y = token_batches()
+    fits = {}
+    for name, callbacks in [("bare", []), ("lab", [lab.Recorder(gradients=True, weights=True,
+                                                                  breakpoints=[lab.breakpoints.nonfinite()])])]:
+        model = make_embedding_classifier(optimizer)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+        fits[name] = (model, dense_conversions(caught), callbacks)
+    (bare, bare_conversions, _), (watched, lab_conversions, (rec,)) = fits["bare"], fits["lab"]
+    assert len(lab_conversions) == len(bare_conversions), lab_conversions
+    for a, b in zip(watched.weights, bare.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    # The first row's norm is the dense gradient's: its repeated rows summed.
+    model = make_embedding_classifier(optimizer)
+    with tf.GradientTape() as tape:
+        loss = model.compute_loss(y=y[:16], y_pred=model(x[:16], training=True))
+    table = model.trainable_variables[0]
+    sparse = tape.gradient(loss, [table])[0]
+    assert isinstance(sparse, tf.IndexedSlices) and len(np.unique(sparse.indices)) < len(sparse.indices)
+    recorded = rec.run.batches().iloc[0][f"grad_norm/{watched.trainable_variables[0].path}"]
+    np.testing.assert_allclose(recorded, np.linalg.norm(tf.convert_to_tensor(sparse).numpy()), rtol=1e-6)
+    assert not np.isclose(recorded, np.linalg.norm(sparse.values.numpy()), rtol=1e-3)
+
+
+def test_a_watched_loop_reads_a_sparse_gradient_as_it_is(monkeypatch):
+    from tensorflow.python.framework import indexed_slices
+
+    monkeypatch.setattr(indexed_slices, "_LARGE_SPARSE_NUM_ELEMENTS", 1)
+    x, y = token_batches(16)
+    model = make_embedding_classifier("sgd")
+    optimizer = keras.optimizers.SGD(0.5)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = keras.losses.binary_crossentropy(y[:, None], model(x, training=True))
+            loss = tf.reduce_mean(loss)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply(grads, model.trainable_variables)
+        return loss, grads[0]
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with lab.watch(model, optimizer, breakpoints=[lab.breakpoints.nonfinite()]) as run:
+            loss, sparse = step(x, y)
+            run.step(loss=loss)
+    assert dense_conversions(caught) == []
+    row = run.batches().iloc[0]
+    key = model.trainable_variables[0].path
+    np.testing.assert_allclose(row[f"grad_norm/{key}"], np.linalg.norm(tf.convert_to_tensor(sparse).numpy()),
+                               rtol=1e-6)
