@@ -36,6 +36,7 @@ Usage:
     python benchmarks/step_cost.py --threads 1 --cpu 1   # pinned to CPU 1: far steadier on a shared machine
     python benchmarks/step_cost.py --jit-compile        # under XLA: the step and the probes in one program
     python benchmarks/step_cost.py --models embedding   # an Embedding's sparse gradient, trained by SGD
+    python benchmarks/step_cost.py --models mlp --nonfinite   # also the nonfinite() breakpoint's gate
 """
 
 import argparse
@@ -68,6 +69,7 @@ def make_embedding():
 
 
 SPARSE_MODELS = {"embedding": ("Embedding 200,000 x 64, pooled, Dense 10; SGD (a sparse gradient)", make_embedding)}
+NONFINITE = "`Recorder(breakpoints=[nonfinite()])`"  # with --nonfinite
 SKIPPED_NODES = ("Const", "Placeholder", "NoOp")
 CONTROL = "bare again, a second train function of the same model (the control)"
 BLOCK = 8  # steps per turn
@@ -145,11 +147,12 @@ def kernels(model, batch):
     return sum(v for k, v in counts.items() if k not in SKIPPED_NODES)
 
 
-def measure(overhead, key, steps_per_execution, blocks, jit_compile=False):
+def measure(overhead, key, steps_per_execution, blocks, jit_compile=False, configs=None):
+    configs = CONFIGS if configs is None else configs
     model, iterator, batch = build(overhead, key, steps_per_execution, jit_compile)
     functions = {"bare": train_function(model, iterator, batch, steps_per_execution, None),
                  CONTROL: train_function(model, iterator, batch, steps_per_execution, None)}
-    for name, args in CONFIGS.items():
+    for name, args in configs.items():
         functions[name] = train_function(model, iterator, batch, steps_per_execution, args)
     calls = max(1, BLOCK // steps_per_execution)
     steps = calls * steps_per_execution
@@ -171,7 +174,7 @@ def measure(overhead, key, steps_per_execution, blocks, jit_compile=False):
     bare_kernels = functions["bare"][2]
     result = {"bare_us_per_step": 1e6 * statistics.median(seconds["bare"]), "bare_kernels": bare_kernels,
               "configs": {}}
-    for name in [CONTROL, *CONFIGS]:
+    for name in [CONTROL, *configs]:
         ratios = [a / b for a, b in zip(seconds[name], seconds["bare"])]
         q1, _, q3 = statistics.quantiles(ratios, n=4)
         result["configs"][name] = {"median_ratio": statistics.median(ratios), "q1": q1, "q3": q3,
@@ -248,6 +251,8 @@ def main(argv=None):
     parser.add_argument("--cpu", type=int, help="run on this CPU only (its threads too); default: any")
     parser.add_argument("--jit-compile", action="store_true",
                         help="the model compiled with jit_compile=True: the step and the probes in one XLA program")
+    parser.add_argument("--nonfinite", action="store_true",
+                        help="also `Recorder(breakpoints=[nonfinite()])`: the gate that keeps a non-finite update out")
     parser.add_argument("--overflow-check", action="store_true",
                         help="only what the norms' overflow check costs per update (see above)")
     args = parser.parse_args(argv)
@@ -257,6 +262,11 @@ def main(argv=None):
     import overhead
 
     overhead.use_threads(args.threads)
+    configs = dict(CONFIGS)
+    if args.nonfinite:
+        from lab.breakpoints import nonfinite
+
+        configs[NONFINITE] = {"breakpoints": [nonfinite()]}
     if args.overflow_check:
         print(f"load average at start: {overhead.loadavg()} on {os.cpu_count()} CPUs; "
               f"TF threads: {args.threads or 'default'}; pinned to CPU {args.cpu}")
@@ -278,7 +288,7 @@ def main(argv=None):
     print(f"load average at start: {overhead.loadavg()} on {os.cpu_count()} CPUs; "
           f"TF threads: {args.threads or 'default'}; pinned to CPU {args.cpu}")
     for key in keys:
-        results = {spe: measure(overhead, key, spe, args.blocks, args.jit_compile) for spe in overhead.SPES}
+        results = {spe: measure(overhead, key, spe, args.blocks, args.jit_compile, configs) for spe in overhead.SPES}
         # Under XLA the kernels are XLA's, not the traced graph's nodes: not counted.
         counted = not args.jit_compile
         kernels = f"; kernels the probe adds to a {results[1]['bare_kernels']}-kernel step" if counted else ""
@@ -288,7 +298,7 @@ def main(argv=None):
         head = ["", *(["kernels added"] if counted else []),
                 *(f"spe={spe} ({r['bare_us_per_step']:.0f} us/step)" for spe, r in results.items())]
         print("| " + " | ".join(head) + " |\n" + "|---" * len(head) + "|")
-        for name in [*CONFIGS, CONTROL]:
+        for name in [*configs, CONTROL]:
             cells = [f"{r['configs'][name]['median_ratio']:.3f} [{r['configs'][name]['q1']:.2f}-"
                      f"{r['configs'][name]['q3']:.2f}] ({r['configs'][name]['added_us_per_step']:+.0f})"
                      for r in results.values()]

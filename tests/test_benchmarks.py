@@ -386,3 +386,28 @@ def test_the_step_cost_benchmarks_embedding_trains_by_a_sparse_gradient_that_the
     rows = probe.read()
     column = rows[f"grad_norm/{table.path}"]
     assert len(column) == 1 and np.isfinite(column).all() and column[0] > 0
+
+
+def test_the_step_cost_benchmark_can_time_the_nonfinite_gate(monkeypatch):
+    # `--nonfinite`: one more train function, traced with the gate of
+    # `nonfinite()`, takes its turns with the others and trains (nothing
+    # non-finite here: every one of its updates goes in).
+    step_cost = load_benchmark("step_cost")
+    overhead = load_benchmark("overhead")
+    from lab.breakpoints import nonfinite
+
+    probes, original = [], step_cost.train_function
+
+    def train_function(*args):
+        made = original(*args)
+        probes.append(made[1])
+        return made
+
+    monkeypatch.setattr(step_cost, "train_function", train_function)
+    result = step_cost.measure(overhead, "mlp", 1, blocks=2,
+                               configs={step_cost.NONFINITE: {"breakpoints": [nonfinite()]}})
+    assert list(result["configs"]) == [step_cost.CONTROL, step_cost.NONFINITE]
+    assert result["configs"][step_cost.NONFINITE]["kernels_added"] > 0
+    rows = probes[-1].read()
+    assert len(rows["updated"]) == 2 * step_cost.BLOCK
+    assert (rows["updated"] == 1).all() and (rows["_hit"] == 0).all() and (rows["_held"] == 0).all()
