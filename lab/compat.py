@@ -180,6 +180,51 @@ def isolated(tensors):
     return tensors
 
 
+# Elementwise arithmetic that Grappler's arithmetic optimizer regroups (a
+# product of a product, a sum of sums) where the inner result has one reader.
+_REGROUPED = frozenset({"Mul", "Add", "AddV2", "AddN", "Sub", "Neg", "RealDiv", "Div"})
+_PASSED_ON = frozenset({"Identity", "IdentityN", "Snapshot"})
+
+
+def regrouped_through(gradient):
+    """Whether TensorFlow's graph optimizer (Grappler) may compute the
+    update made of graph tensor `gradient` differently once the lab reads
+    it (`gradient`'s optimizer ops already built, the lab's reads not yet).
+
+    Grappler regroups elementwise arithmetic across an intermediate result
+    only while that result has one reader: BatchNormalization's gamma
+    gradient is a product, and plain SGD's `gradient * learning_rate` is
+    its one reader, so a bare step computes `a * (b * learning_rate)`; a
+    second reader (a norm) keeps `(a * b) * learning_rate`, an ulp apart
+    (seen with TF 2.16-2.21; Adam reads a gradient twice, and nothing
+    changes). So: a gradient made by such arithmetic (seen through the
+    Identity ops the tape adds, and into the step from a cond branch the
+    lab's breakpoints put the update in), read by one such op alone.
+    Eager execution and XLA (whose own case `lab.probes.XLA_NOTE` covers)
+    are never regrouped by Grappler."""
+    if tf.executing_eagerly() or in_xla_trace() or not hasattr(gradient, "consumers"):
+        return False
+    readers = gradient.consumers()
+    if len(readers) != 1 or readers[0].type not in _REGROUPED:
+        return False
+    made = gradient
+    while True:
+        if made.op.type in _PASSED_ON and made.op.inputs:
+            made = made.op.inputs[made.value_index if made.op.type == "IdentityN" else 0]
+        elif made.op.type == "Placeholder" and _captured(made) is not None:
+            made = _captured(made)
+        else:
+            return made.op.type in _REGROUPED
+
+
+def _captured(tensor):
+    """The outer tensor that function-graph input `tensor` captures (a cond branch's input), or None."""
+    for external, internal in getattr(tensor.graph, "captures", ()):
+        if internal is tensor:
+            return external
+    return None
+
+
 def rarely(usual, condition, branch, inputs):
     """`usual()` where the scalar bool `condition` holds, else
     `branch(inputs)`: a `tf.cond` for a branch that rarely runs, over many

@@ -42,7 +42,8 @@ import tensorflow as tf
 from lab import schema
 from lab.buffer import StepBuffer
 from lab.compat import SCALES_LOSS_BY_REPLICAS as KERAS_SCALES_LOSS
-from lab.compat import in_xla_trace, isolated, rarely, slow_xla_cpu_trace, unscale_loss_for_distribution
+from lab.compat import (in_xla_trace, isolated, rarely, regrouped_through, slow_xla_cpu_trace,
+                        unscale_loss_for_distribution)
 from lab.hooks import hooks_for
 
 XLA_NOTE = (
@@ -50,6 +51,15 @@ XLA_NOTE = (
     "round the step's own computations differently than without them, so weights can "
     "differ from a fit without the lab by float rounding. Compile with jit_compile=False "
     "for training bit for bit as without the lab.")
+
+REGROUPED_NOTE = (
+    "TensorFlow's graph optimizer (Grappler) may compute the update of {variables} differently "
+    "once the lab reads their gradients: it regroups the optimizer's arithmetic with the "
+    "gradient's own (plain SGD's gradient * learning_rate with BatchNormalization's gamma "
+    "gradient, for one) only while the update is the gradient's one reader. Their weights can "
+    "then differ from a fit without the lab by float rounding. Record without gradients=True "
+    "and without device breakpoints (weights=True reads no gradient) for training bit for bit "
+    "as without the lab.")
 
 ALREADY_WATCHED = (
     "This model is already watched by another lab Recorder or Dashboard. "
@@ -582,6 +592,7 @@ class Probe:
         self.record_errors = []  # why steps could not be recorded (the lab's own failures)
         self.infinite = {}  # of the last read: norm columns the host finished as inf -> first row
         self.traced_in_xla = False  # a step with these hooks was compiled by XLA (see XLA_NOTE)
+        self.regrouped = []  # variable keys whose update Grappler may compute differently (REGROUPED_NOTE)
         self.busy = lambda: False  # the owner's "training right now", for the layer's claim
         self._hooks = hooks_for(model)
         self._nonfinite_index = next((i for i, b in enumerate(self.breakpoints) if b.name == "nonfinite"), None)
@@ -660,6 +671,27 @@ class Probe:
             run.metadata[schema.XLA_TRACED] = True
             run.add_event("warning", XLA_NOTE, step=step)
 
+    def note_regrouped(self, run, step):
+        """Says once in `run`, for the variables not named yet, that reading
+        their gradients may change how Grappler computes their update (`REGROUPED_NOTE`)."""
+        told = run.metadata.get(schema.REGROUPED_TOLD, "")
+        new = [key for key in self.regrouped if key not in told.split("\n")]
+        if new:
+            run.metadata[schema.REGROUPED_TOLD] = "\n".join([t for t in told.split("\n") if t] + new)
+            shown = ", ".join(new[:4]) + (f" and {len(new) - 4} more" if len(new) > 4 else "")
+            run.add_event("warning", REGROUPED_NOTE.format(variables=shown), step=step)
+
+    def _note_regrouped(self, variables, grads):
+        """Notes (at trace time, the update built) the variables whose update
+        Grappler may compute differently once the lab reads their gradients."""
+        if not (self.gradients or self.breakpoints):
+            return
+        for variable, gradient in zip(variables, grads):
+            if gradient is not None and regrouped_through(gradient):
+                key = self._key(variable)
+                if key not in self.regrouped:
+                    self.regrouped.append(key)
+
     def _could_not_record(self, error):
         """The lab's own code failed on this step: the step runs as Keras
         wrote it, without a row, and the run is told (`record_errors`)."""
@@ -730,6 +762,7 @@ class Probe:
             result = original(grads, trainable_variables, learning_rate)
             applied = state.pending if state.pending is not None else list(grads)
             state.pending = None
+            probe._note_regrouped(variables, applied)
             probe._emit_update(state, name, variables, applied, learning_rate, before)
             return result
 

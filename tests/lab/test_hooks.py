@@ -698,3 +698,62 @@ def test_a_watched_loop_that_applies_twice_per_step_covers_both_applies():
     for index, variable in enumerate(model.trainable_variables):
         expected = np.sqrt(sum(np.sum(step[index].astype(np.float64) ** 2) for step in applied))
         assert np.isclose(row[f"grad_norm/{variable.path}"], expected, rtol=1e-5)
+
+
+# ---- where a read of a gradient can change how Grappler computes the update ----------
+
+
+def make_normalized_regressor(optimizer):
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.BatchNormalization(), keras.layers.Dense(1)])
+    model.compile(optimizer=optimizer(), loss="mse")
+    return model
+
+
+def regression_batches():
+    r = np.random.default_rng(0)
+    return r.normal(size=(96, 8)).astype("float32"), r.normal(size=(96, 1)).astype("float32")
+
+
+def fit_bare_and_watched(optimizer, recorder, epochs=2):
+    x, y = regression_batches()
+    models = []
+    for callbacks in ([], [recorder]):
+        model = make_normalized_regressor(optimizer)
+        model.fit(x, y, batch_size=32, epochs=epochs, shuffle=False, verbose=0, callbacks=callbacks)
+        models.append(model)
+    differ = [a.path for a, b in zip(models[1].weights, models[0].weights) if not np.array_equal(a.numpy(), b.numpy())]
+    warned = [d for d in recorder.run.events().query("kind == 'warning'")["detail"] if "Grappler" in d]
+    return models[1], differ, warned
+
+
+@pytest.mark.parametrize("kwargs", [{"gradients": True}, {"breakpoints": [lab.breakpoints.nonfinite()]}],
+                         ids=["gradients", "nonfinite"])
+def test_where_reading_a_gradient_may_change_how_grappler_computes_the_update_the_run_says_so(kwargs, tmp_path):
+    # Plain SGD's gradient * learning_rate is the one reader of BatchNormalization's
+    # gamma gradient, a product: Grappler regroups the two in a bare step, and not
+    # once the lab reads the gradient (TF 2.16-2.21: the weights an ulp apart).
+    rec = lab.Recorder(**kwargs)
+    model, differ, warned = fit_bare_and_watched(lambda: keras.optimizers.SGD(0.3), rec)
+    gamma = next(v.path for v in model.weights if v.path.endswith("gamma"))
+    assert len(warned) == 1 and gamma in warned[0] and "gradients=True" in warned[0]
+    assert not differ or warned  # the weights differ from bare only where the run says they may
+    # Said once per run, however many fits; kept by a saved run.
+    x, y = regression_batches()
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0, callbacks=[rec])
+    events = rec.run.events()
+    assert sum("Grappler" in d for d in events["detail"]) == 1
+    rec.run.save(tmp_path / "run.h5")
+    assert sum("Grappler" in d for d in lab.Run.load(tmp_path / "run.h5").events()["detail"]) == 1
+
+
+@pytest.mark.parametrize(("optimizer", "kwargs"), [
+    (keras.optimizers.Adam, {"gradients": True, "weights": True}),
+    (keras.optimizers.Adam, {"breakpoints": [lab.breakpoints.nonfinite()]}),
+    (lambda: keras.optimizers.SGD(0.3), {"weights": True}),
+], ids=["adam-gradients", "adam-nonfinite", "sgd-weights-only"])
+def test_where_no_read_can_change_the_update_the_training_is_bare_and_nothing_is_said(optimizer, kwargs):
+    # Adam reads each gradient twice (no regrouping to lose); weights=True alone reads no gradient.
+    _, differ, warned = fit_bare_and_watched(optimizer, lab.Recorder(**kwargs))
+    assert differ == [] and warned == []
