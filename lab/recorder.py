@@ -216,6 +216,11 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self.flush()
+        # Every step of the epoch has run and been read: host-side guesses
+        # left are steps that never ran. Keras 3.11+ reports a last, partial
+        # execution (10 batches at steps_per_execution=4: 4, 4 and 2 steps)
+        # by its full span, and those guesses would label the next epoch's rows.
+        self._pending = []
         self.run.append_epoch(epoch, logs)
         if self.path:
             self._save()

@@ -336,3 +336,19 @@ def test_a_step_that_never_updates_the_loss_tracker_is_named(digits):
     messages = [str(w.message) for w in caught if "loss tracker" in str(w.message)]
     assert len(messages) == 1 and "never updates the loss tracker" in messages[0]
     assert "compiled_metrics" not in messages[0]
+
+
+def test_a_partial_last_execution_of_each_epoch_leaves_every_row_its_own_epoch_and_batch():
+    # 10 batches at steps_per_execution=4: executions of 4, 4 and 2 steps. Keras
+    # 3.11+ reports the last one by its full span (batch 11), as if 4 steps ran.
+    r = np.random.default_rng(0)
+    x = r.normal(size=(320, 4)).astype("float32")
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=4)
+    rec = lab.Recorder()
+    model.fit(x, x.sum(1, keepdims=True), batch_size=32, epochs=3, verbose=0, shuffle=False, callbacks=[rec])
+    rows = rec.run.batches()
+    assert rows["step"].tolist() == list(range(30))
+    assert rows["epoch"].tolist() == [e for e in range(3) for _ in range(10)]
+    assert rows["batch"].tolist() == list(range(10)) * 3
