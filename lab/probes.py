@@ -548,6 +548,7 @@ class StepState:
         self.totals = {}  # id(mean metric) -> its (total, count) before the batch
         self.results = {}  # id(tensor a metric's result() returned) -> (metric, tensor)
         self.applies = {}  # optimizer name -> applies traced in this step
+        self.decaying = {}  # optimizer name -> its variables' values before its weight decay
 
     def nested(self):
         return self.graph is not None and tf.compat.v1.get_default_graph() is not self.graph
@@ -630,6 +631,8 @@ class Probe:
                 if getattr(inner, "gradient_accumulation_steps", None) and self.gradients:
                     # Updates happen every k-th step; each row still shows its batch's gradient.
                     self._patch(inner, "_backend_apply_gradients", self._wrap_accumulating)
+                if self.weights and getattr(inner, "weight_decay", None) is not None:
+                    self._patch(inner, "_apply_weight_decay", lambda f, n=name: self._wrap_weight_decay(n, f))
                 self._patch(inner, "_backend_update_step", lambda f, n=name: self._wrap_update_step(n, f))
                 if hasattr(inner, "_all_reduce_sum_gradients"):
                     self._patch(inner, "_all_reduce_sum_gradients", self._wrap_all_reduce)
@@ -756,7 +759,10 @@ class Probe:
             state.pending = None
             state.applies[name] = state.applies.get(name, 0) + 1
             # A read is a snapshot: the update copies the buffer rather than change it.
-            before = [tf.convert_to_tensor(v.value) for v in variables] if probe.weights else None
+            # Taken before the weight decay where the optimizer decays (the update is the whole change).
+            before = state.decaying.pop(name, None)
+            if probe.weights and (before is None or len(before) != len(variables)):
+                before = [tf.convert_to_tensor(v.value) for v in variables]
             if not state.nested():
                 probe._emit_local_square(state, grads)
             result = original(grads, trainable_variables, learning_rate)
@@ -767,6 +773,21 @@ class Probe:
             return result
 
         return _backend_update_step
+
+    def _wrap_weight_decay(self, name, original):
+        """Keras decays the weights (AdamW, `weight_decay=...`) before its
+        update step, in the same apply: the snapshot for `update_ratio` is
+        taken before the decay, so that the update is the weights' whole change."""
+        probe = self
+
+        def _apply_weight_decay(variables):
+            state = getattr(probe._local, "state", None)
+            if state is not None:
+                variables = list(variables)
+                state.decaying[name] = [tf.convert_to_tensor(v.value) for v in variables]
+            return original(variables)
+
+        return _apply_weight_decay
 
     def _wrap_accumulating(self, original):
         probe = self

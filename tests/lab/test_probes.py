@@ -740,3 +740,42 @@ def test_a_watched_loop_reads_a_sparse_gradient_as_it_is(monkeypatch):
     key = model.trainable_variables[0].path
     np.testing.assert_allclose(row[f"grad_norm/{key}"], np.linalg.norm(tf.convert_to_tensor(sparse).numpy()),
                                rtol=1e-6)
+
+
+# ---- the update of an optimizer that decays the weights ----------------------------
+
+
+class WeightsAround(keras.callbacks.Callback):
+    """Each batch's weights before and after its step."""
+
+    def on_train_begin(self, logs=None):
+        self.steps = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.before = [v.numpy().astype(np.float64) for v in self.model.trainable_variables]
+
+    def on_train_batch_end(self, batch, logs=None):
+        after = [v.numpy().astype(np.float64) for v in self.model.trainable_variables]
+        self.steps.append([np.linalg.norm(a - b) / np.linalg.norm(a) for a, b in zip(after, self.before)])
+
+
+@pytest.mark.parametrize("optimizer", [lambda: keras.optimizers.AdamW(0.01, weight_decay=0.5),
+                                       lambda: keras.optimizers.SGD(0.05, weight_decay=0.5)], ids=["adamw", "sgd"])
+def test_update_ratios_of_an_optimizer_that_decays_the_weights_include_the_decay(digits, optimizer):
+    # Keras decays the weights before its update step: the update the row shows
+    # is the weights' whole change over the step, and training is the bare one.
+    x, y = digits
+    trained = []
+    for callbacks in ([], [lab.Recorder(weights=True), WeightsAround()]):
+        model = make_mlp()
+        model.compile(optimizer=optimizer(), loss=LOSS)
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+        trained.append(model)
+    for a, b in zip(trained[1].weights, trained[0].weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert "_apply_weight_decay" not in vars(trained[1].optimizer)  # the hook is off again
+    rec, around = callbacks
+    rows = rec.run.batches()
+    keys = [v.path for v in trained[1].trainable_variables]
+    np.testing.assert_allclose(rows[[f"update_ratio/{k}" for k in keys]].to_numpy(np.float64),
+                               np.array(around.steps), rtol=1e-4)
