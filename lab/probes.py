@@ -61,6 +61,11 @@ REGROUPED_NOTE = (
     "and without device breakpoints (weights=True reads no gradient) for training bit for bit "
     "as without the lab.")
 
+CHANGED_AFTER_NOTE = (
+    "weight_norm and update_ratio of {variables} are read where the optimizer's update step "
+    "ends, and {what} changes those weights after it in the same step: on such steps they are "
+    "not the values the weights end the step with. Training is not affected.")
+
 ALREADY_WATCHED = (
     "This model is already watched by another lab Recorder or Dashboard. "
     "Pass one of them to fit(), or call `.detach()` on the other first."
@@ -593,7 +598,8 @@ class Probe:
         self.record_errors = []  # why steps could not be recorded (the lab's own failures)
         self.infinite = {}  # of the last read: norm columns the host finished as inf -> first row
         self.traced_in_xla = False  # a step with these hooks was compiled by XLA (see XLA_NOTE)
-        self.regrouped = []  # variable keys whose update Grappler may compute differently (REGROUPED_NOTE)
+        # Trace-time facts the run is told of once per variable: note -> {variable key: text}.
+        self.trace_notes = {REGROUPED_NOTE: {}, CHANGED_AFTER_NOTE: {}}
         self.busy = lambda: False  # the owner's "training right now", for the layer's claim
         self._hooks = hooks_for(model)
         self._nonfinite_index = next((i for i, b in enumerate(self.breakpoints) if b.name == "nonfinite"), None)
@@ -633,7 +639,7 @@ class Probe:
                     self._patch(inner, "_backend_apply_gradients", self._wrap_accumulating)
                 if self.weights and getattr(inner, "weight_decay", None) is not None:
                     self._patch(inner, "_apply_weight_decay", lambda f, n=name: self._wrap_weight_decay(n, f))
-                self._patch(inner, "_backend_update_step", lambda f, n=name: self._wrap_update_step(n, f))
+                self._patch(inner, "_backend_update_step", lambda f, n=name, o=inner: self._wrap_update_step(n, f, o))
                 if hasattr(inner, "_all_reduce_sum_gradients"):
                     self._patch(inner, "_all_reduce_sum_gradients", self._wrap_all_reduce)
         except BaseException:
@@ -674,15 +680,26 @@ class Probe:
             run.metadata[schema.XLA_TRACED] = True
             run.add_event("warning", XLA_NOTE, step=step)
 
-    def note_regrouped(self, run, step):
-        """Says once in `run`, for the variables not named yet, that reading
-        their gradients may change how Grappler computes their update (`REGROUPED_NOTE`)."""
-        told = run.metadata.get(schema.REGROUPED_TOLD, "")
-        new = [key for key in self.regrouped if key not in told.split("\n")]
-        if new:
-            run.metadata[schema.REGROUPED_TOLD] = "\n".join([t for t in told.split("\n") if t] + new)
+    @property
+    def regrouped(self):
+        """Variable keys whose update Grappler may compute differently once the lab reads their gradients."""
+        return list(self.trace_notes[REGROUPED_NOTE])
+
+    def note_trace_facts(self, run, step):
+        """Says once in `run`, for each variable not named yet, what a trace
+        found: that reading its gradient may change how Grappler computes its
+        update (`REGROUPED_NOTE`), or that the optimizer changes it after the
+        lab's read (`CHANGED_AFTER_NOTE`)."""
+        for index, (note, found) in enumerate(self.trace_notes.items()):
+            key = f"{schema.TOLD_PREFIX}{index}"
+            told = [t for t in run.metadata.get(key, "").split("\n") if t]
+            new = [name for name in found if name not in told]
+            if not new:
+                continue
+            run.metadata[key] = "\n".join(told + new)
             shown = ", ".join(new[:4]) + (f" and {len(new) - 4} more" if len(new) > 4 else "")
-            run.add_event("warning", REGROUPED_NOTE.format(variables=shown), step=step)
+            what = sorted({found[name] for name in new})
+            run.add_event("warning", note.format(variables=shown, what=" and ".join(what)), step=step)
 
     def _note_regrouped(self, variables, grads):
         """Notes (at trace time, the update built) the variables whose update
@@ -691,9 +708,20 @@ class Probe:
             return
         for variable, gradient in zip(variables, grads):
             if gradient is not None and regrouped_through(gradient):
-                key = self._key(variable)
-                if key not in self.regrouped:
-                    self.regrouped.append(key)
+                self.trace_notes[REGROUPED_NOTE].setdefault(self._key(variable), "")
+
+    def _note_changed_after(self, optimizer, variables):
+        """Notes (at trace time) the variables Keras changes after its update
+        step, in the same apply: an EMA that overwrites the weights, a
+        variable's constraint."""
+        if not self.weights:
+            return
+        found = self.trace_notes[CHANGED_AFTER_NOTE]
+        for variable in variables:
+            if getattr(optimizer, "use_ema", False) and getattr(optimizer, "ema_overwrite_frequency", None):
+                found.setdefault(self._key(variable), "the optimizer's moving average (use_ema)")
+            elif getattr(variable, "constraint", None) is not None:
+                found.setdefault(self._key(variable), "its constraint")
 
     def _could_not_record(self, error):
         """The lab's own code failed on this step: the step runs as Keras
@@ -748,7 +776,7 @@ class Probe:
 
         return compute_loss
 
-    def _wrap_update_step(self, name, original):
+    def _wrap_update_step(self, name, original, optimizer=None):
         probe = self
 
         def _backend_update_step(grads, trainable_variables, learning_rate):
@@ -769,6 +797,7 @@ class Probe:
             applied = state.pending if state.pending is not None else list(grads)
             state.pending = None
             probe._note_regrouped(variables, applied)
+            probe._note_changed_after(optimizer, variables)
             probe._emit_update(state, name, variables, applied, learning_rate, before)
             return result
 

@@ -288,7 +288,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self.run.append_batches(columns)
         self._note_running_values()
         self._probe.note_xla(self.run, self.run.next_step - 1)
-        self._probe.note_regrouped(self.run, self.run.next_step - 1)
+        self._probe.note_trace_facts(self.run, self.run.next_step - 1)
         self._check_old_style(rows)
         if hit_row is not None:
             self._on_device_hit(hit_row)

@@ -37,7 +37,7 @@ BATCH = "batch"
 RUNNING = "running"
 RUNNING_VALUES = "running_values"  # run.metadata key: columns holding running values
 XLA_TRACED = "traced_in_xla"  # run.metadata key: XLA compiled the lab's reads with the step (probes.XLA_NOTE)
-REGROUPED_TOLD = "regrouped_told"  # run.metadata key: variables named in a probes.REGROUPED_NOTE event, one a line
+TOLD_PREFIX = "told_"  # run.metadata keys: variables named in a probe's trace-time warning, one a line
 
 # Columns starting with "_" are the probe's bookkeeping, never shown or saved.
 INTERNAL = "_"

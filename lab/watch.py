@@ -243,7 +243,7 @@ class WatchedRun(StatusReporter, Run):
             self.append_batches(columns)
             self._check_constant_metrics()
             self.probe.note_xla(self, len(self) - 1)
-            self.probe.note_regrouped(self, len(self) - 1)
+            self.probe.note_trace_facts(self, len(self) - 1)
             return len(pending)
         finally:
             self._flush_lock.release()

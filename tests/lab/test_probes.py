@@ -779,3 +779,39 @@ def test_update_ratios_of_an_optimizer_that_decays_the_weights_include_the_decay
     keys = [v.path for v in trained[1].trainable_variables]
     np.testing.assert_allclose(rows[[f"update_ratio/{k}" for k in keys]].to_numpy(np.float64),
                                np.array(around.steps), rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["ema", "constraint"])
+def test_weights_the_optimizer_changes_after_its_update_step_are_named_in_the_run(digits, case):
+    # An EMA that overwrites the weights, and a variable's constraint, change the
+    # weights after the update step, where the lab reads them: the run says
+    # which variables, once, and the training is the bare one.
+    x, y = digits
+    trained = []
+    for callbacks in ([], [lab.Recorder(weights=True)]):
+        keras.utils.set_random_seed(0)
+        constraint = keras.constraints.MaxNorm(0.5) if case == "constraint" else None
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(12, kernel_constraint=constraint),
+                                  keras.layers.Dense(10)])
+        optimizer = keras.optimizers.Adam(use_ema=True, ema_overwrite_frequency=2) if case == "ema" else "adam"
+        model.compile(optimizer=optimizer, loss=LOSS)
+        model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
+        trained.append(model)
+    for a, b in zip(trained[1].weights, trained[0].weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    events = callbacks[0].run.events()
+    said = [d for d in events.query("kind == 'warning'")["detail"] if "update step" in d]
+    kernel = trained[1].trainable_variables[0].path
+    assert len(said) == 1 and kernel in said[0]
+    assert ("use_ema" in said[0]) == (case == "ema") and ("constraint" in said[0]) == (case == "constraint")
+    if case == "constraint":  # only the constrained variable
+        assert trained[1].trainable_variables[2].path not in said[0]
+
+
+def test_an_optimizer_that_changes_nothing_after_its_update_step_gets_no_such_warning(digits):
+    x, y = digits
+    model = make_mlp()
+    model.compile(optimizer="adam", loss=LOSS)
+    rec = lab.Recorder(gradients=True, weights=True)
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[rec])
+    assert not any("update step" in d or "Grappler" in d for d in rec.run.events()["detail"])
