@@ -598,8 +598,8 @@ class Probe:
         self.record_errors = []  # why steps could not be recorded (the lab's own failures)
         self.infinite = {}  # of the last read: norm columns the host finished as inf -> first row
         self.traced_in_xla = False  # a step with these hooks was compiled by XLA (see XLA_NOTE)
-        # Trace-time facts the run is told of once per variable: note -> {variable key: text}.
-        self.trace_notes = {REGROUPED_NOTE: {}, CHANGED_AFTER_NOTE: {}}
+        # Trace-time facts the run is told of once per variable: kind -> {variable key: text}.
+        self.trace_notes = {"regrouped": {}, "changed_after": {}}
         self.busy = lambda: False  # the owner's "training right now", for the layer's claim
         self._hooks = hooks_for(model)
         self._nonfinite_index = next((i for i, b in enumerate(self.breakpoints) if b.name == "nonfinite"), None)
@@ -680,26 +680,22 @@ class Probe:
             run.metadata[schema.XLA_TRACED] = True
             run.add_event("warning", XLA_NOTE, step=step)
 
-    @property
-    def regrouped(self):
-        """Variable keys whose update Grappler may compute differently once the lab reads their gradients."""
-        return list(self.trace_notes[REGROUPED_NOTE])
-
     def note_trace_facts(self, run, step):
         """Says once in `run`, for each variable not named yet, what a trace
         found: that reading its gradient may change how Grappler computes its
         update (`REGROUPED_NOTE`), or that the optimizer changes it after the
         lab's read (`CHANGED_AFTER_NOTE`)."""
-        for index, (note, found) in enumerate(self.trace_notes.items()):
-            key = f"{schema.TOLD_PREFIX}{index}"
+        for kind, found in self.trace_notes.items():
+            key = f"{schema.TOLD_PREFIX}{kind}"
             told = [t for t in run.metadata.get(key, "").split("\n") if t]
             new = [name for name in found if name not in told]
             if not new:
                 continue
             run.metadata[key] = "\n".join(told + new)
             shown = ", ".join(new[:4]) + (f" and {len(new) - 4} more" if len(new) > 4 else "")
-            what = sorted({found[name] for name in new})
-            run.add_event("warning", note.format(variables=shown, what=" and ".join(what)), step=step)
+            what = " and ".join(sorted({found[name] for name in new}))
+            note = REGROUPED_NOTE if kind == "regrouped" else CHANGED_AFTER_NOTE
+            run.add_event("warning", note.format(variables=shown, what=what), step=step)
 
     def _note_regrouped(self, variables, grads):
         """Notes (at trace time, the update built) the variables whose update
@@ -708,7 +704,7 @@ class Probe:
             return
         for variable, gradient in zip(variables, grads):
             if gradient is not None and regrouped_through(gradient):
-                self.trace_notes[REGROUPED_NOTE].setdefault(self._key(variable), "")
+                self.trace_notes["regrouped"].setdefault(self._key(variable), "")
 
     def _note_changed_after(self, optimizer, variables):
         """Notes (at trace time) the variables Keras changes after its update
@@ -716,7 +712,7 @@ class Probe:
         variable's constraint."""
         if not self.weights:
             return
-        found = self.trace_notes[CHANGED_AFTER_NOTE]
+        found = self.trace_notes["changed_after"]
         for variable in variables:
             if getattr(optimizer, "use_ema", False) and getattr(optimizer, "ema_overwrite_frequency", None):
                 found.setdefault(self._key(variable), "the optimizer's moving average (use_ema)")
