@@ -226,7 +226,11 @@ def dataset(flat, batches):
     on one CPU, by how many epochs stalled, and the ratios compared those
     counts. Off, no batch waited over 20 ms (scratch timings, 2026-12-02).
     The steps are those of fit() on the arrays, without the shuffle."""
-    x, y = data(flat, batches)
+    return batched(*data(flat, batches))
+
+
+def batched(x, y):
+    """Arrays `x` and `y` in batches of `BATCH_SIZE`, tf.data's autotuning off (`dataset`)."""
     options = tf.data.Options()
     options.autotune.enabled = False
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH_SIZE).with_options(options)

@@ -76,13 +76,12 @@ BLOCK = 8  # steps per turn
 
 
 def build(overhead, key, steps_per_execution, jit_compile=False):
-    """A compiled model of `overhead.MODELS[key]` (compiled by XLA with
-    `jit_compile`) with its optimizer built,
-    an endless iterator of its batches (tf.data's autotuning off, as in
-    `overhead.dataset`) and one batch for tracing."""
+    """A compiled model of `overhead.MODELS[key]` or `SPARSE_MODELS[key]`
+    (compiled by XLA with `jit_compile`) with its optimizer built, an endless
+    iterator of its batches (tf.data's autotuning off, `overhead.batched`)
+    and one batch for tracing."""
     import keras
     import numpy as np
-    import tensorflow as tf
 
     keras.utils.set_random_seed(0)
     if key in SPARSE_MODELS:
@@ -91,9 +90,7 @@ def build(overhead, key, steps_per_execution, jit_compile=False):
         samples = 208 * overhead.BATCH_SIZE
         x = draw.integers(0, VOCABULARY, (samples, TOKENS)).astype("int32")
         y = draw.integers(0, 10, samples)
-        options = tf.data.Options()
-        options.autotune.enabled = False  # as in overhead.dataset
-        batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(overhead.BATCH_SIZE).with_options(options)
+        batches = overhead.batched(x, y)
     else:
         _, make, flat = overhead.MODELS[key]
         model, optimizer = make(), "adam"

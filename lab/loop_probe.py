@@ -293,12 +293,7 @@ class LoopProbe(Probe):
                 return self._wrap_checks(name, optimizer, apply)
 
             self._patch(optimizer, "apply", checked_apply)
-            inner = getattr(optimizer, "inner_optimizer", None) or optimizer
-            if self.weights and getattr(inner, "weight_decay", None) is not None:
-                self._patch(inner, "_apply_weight_decay", lambda f, n=name: self._wrap_weight_decay(n, f))
-            self._patch(inner, "_backend_update_step", lambda f, n=name, o=inner: self._wrap_update_step(n, f, o))
-            if hasattr(inner, "_all_reduce_sum_gradients"):
-                self._patch(inner, "_all_reduce_sum_gradients", self._wrap_all_reduce)
+            self._patch_update(name, getattr(optimizer, "inner_optimizer", None) or optimizer)
         self._slots.active.assign(1.0)
 
     def uninstall(self):

@@ -637,14 +637,20 @@ class Probe:
                 if getattr(inner, "gradient_accumulation_steps", None) and self.gradients:
                     # Updates happen every k-th step; each row still shows its batch's gradient.
                     self._patch(inner, "_backend_apply_gradients", self._wrap_accumulating)
-                if self.weights and getattr(inner, "weight_decay", None) is not None:
-                    self._patch(inner, "_apply_weight_decay", lambda f, n=name: self._wrap_weight_decay(n, f))
-                self._patch(inner, "_backend_update_step", lambda f, n=name, o=inner: self._wrap_update_step(n, f, o))
-                if hasattr(inner, "_all_reduce_sum_gradients"):
-                    self._patch(inner, "_all_reduce_sum_gradients", self._wrap_all_reduce)
+                self._patch_update(name, inner)
         except BaseException:
             self.uninstall()
             raise
+
+    def _patch_update(self, name, inner):
+        """The hooks on the optimizer (`inner`: the one a LossScaleOptimizer
+        wraps) that bracket its update: the weight decay before it (with
+        weights), the update step and the cross-replica sum of gradients."""
+        if self.weights and getattr(inner, "weight_decay", None) is not None:
+            self._patch(inner, "_apply_weight_decay", lambda f: self._wrap_weight_decay(name, f))
+        self._patch(inner, "_backend_update_step", lambda f: self._wrap_update_step(name, f, inner))
+        if hasattr(inner, "_all_reduce_sum_gradients"):
+            self._patch(inner, "_all_reduce_sum_gradients", self._wrap_all_reduce)
 
     def uninstall(self):
         """Takes every wrapper off again (never raises)."""
@@ -686,6 +692,8 @@ class Probe:
         update (`REGROUPED_NOTE`), or that the optimizer changes it after the
         lab's read (`CHANGED_AFTER_NOTE`)."""
         for kind, found in self.trace_notes.items():
+            if not found:
+                continue
             key = f"{schema.TOLD_PREFIX}{kind}"
             told = [t for t in run.metadata.get(key, "").split("\n") if t]
             new = [name for name in found if name not in told]

@@ -679,15 +679,21 @@ def dense_conversions(caught):
     return [str(w.message) for w in caught if "Converting sparse IndexedSlices" in str(w.message)]
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_an_embeddings_sparse_gradient_is_not_made_dense_by_the_lab(optimizer, monkeypatch):
+@pytest.fixture
+def warn_at_every_dense_conversion(monkeypatch):
     # TensorFlow warns where it turns a sparse gradient into a dense tensor of
     # 1e8 elements or more (an Embedding of a large vocabulary: the whole table
-    # at every step). At 1 it warns at every conversion, so that the bare
-    # fit's count is the reference: plain SGD applies the slices as they are.
+    # at every step). At 1 it warns at every conversion.
     from tensorflow.python.framework import indexed_slices
 
     monkeypatch.setattr(indexed_slices, "_LARGE_SPARSE_NUM_ELEMENTS", 1)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.usefixtures("warn_at_every_dense_conversion")
+def test_an_embeddings_sparse_gradient_is_not_made_dense_by_the_lab(optimizer):
+    # The bare fit's count of dense conversions is the reference: plain SGD
+    # applies the slices as they are.
     x, y = token_batches()
     fits = {}
     for name, callbacks in [("bare", []), ("lab", [lab.Recorder(gradients=True, weights=True,
@@ -713,10 +719,8 @@ def test_an_embeddings_sparse_gradient_is_not_made_dense_by_the_lab(optimizer, m
     assert not np.isclose(recorded, np.linalg.norm(sparse.values.numpy()), rtol=1e-3)
 
 
-def test_a_watched_loop_reads_a_sparse_gradient_as_it_is(monkeypatch):
-    from tensorflow.python.framework import indexed_slices
-
-    monkeypatch.setattr(indexed_slices, "_LARGE_SPARSE_NUM_ELEMENTS", 1)
+@pytest.mark.usefixtures("warn_at_every_dense_conversion")
+def test_a_watched_loop_reads_a_sparse_gradient_as_it_is():
     x, y = token_batches(16)
     model = make_embedding_classifier("sgd")
     optimizer = keras.optimizers.SGD(0.5)
