@@ -359,3 +359,29 @@ def _lowered(op):
     """Whether a graph runs the If `op` as Switch and Merge nodes."""
     attr = op.node_def.attr.get("_lower_using_switch_merge")
     return attr is not None and attr.b
+
+
+# TensorFlow's random ops whose stream lives in the kernel: a graph traced
+# again makes new kernels, which start their streams again (`tf.random.normal`,
+# `tf.random.uniform`, `tf.nn.dropout`, `tf.image.random_*`, ...). Keras'
+# random ops (a SeedGenerator's variable) and `tf.random.Generator` keep
+# their state in a variable and go on.
+STATEFUL_RANDOM_OPS = frozenset((
+    "RandomStandardNormal", "RandomUniform", "RandomUniformInt", "TruncatedNormal",
+    "ParameterizedTruncatedNormal", "RandomShuffle", "RandomGamma", "RandomPoisson",
+    "RandomPoissonV2", "Multinomial", "RandomCrop"))
+
+
+def stateful_random_ops(graph):
+    """The names of the ops of `graph` (and of the functions it calls) that
+    draw from a stream kept in their kernel (`STATEFUL_RANDOM_OPS`), in
+    graph order."""
+    found, seen, graphs = [], set(), [graph]
+    while graphs:
+        graph = graphs.pop(0)
+        found.extend(op.name for op in graph.get_operations() if op.type in STATEFUL_RANDOM_OPS)
+        for name, function in getattr(graph, "_functions", {}).items():
+            if name not in seen and hasattr(function, "graph"):
+                seen.add(name)
+                graphs.append(function.graph)
+    return found

@@ -43,7 +43,7 @@ from lab import schema
 from lab.buffer import StepBuffer
 from lab.compat import SCALES_LOSS_BY_REPLICAS as KERAS_SCALES_LOSS
 from lab.compat import (in_xla_trace, isolated, rarely, regrouped_through, slow_xla_cpu_trace,
-                        unscale_loss_for_distribution)
+                        stateful_random_ops, unscale_loss_for_distribution)
 from lab.hooks import hooks_for
 
 XLA_NOTE = (
@@ -65,6 +65,18 @@ CHANGED_AFTER_NOTE = (
     "weight_norm and update_ratio of {variables} are read where the optimizer's update step "
     "ends, and {what} changes those weights after it in the same step: on such steps they are "
     "not the values the weights end the step with. Training is not affected.")
+
+RANDOM_NOTE = (
+    "The step draws from TensorFlow random ops that keep their stream in the traced graph "
+    "({variables}): each new trace of the step starts those streams again. The lab traces "
+    "the step anew with its reads in it, and a later fit() without the lab traces it once "
+    "more, so from a fit that follows another on this model these draws, and the training "
+    "that uses them, differ from fits without the lab (as they do after a recompile). For "
+    "draws that go on across traces, use keras.random with a keras.random.SeedGenerator "
+    "(or seed=None), or a tf.random.Generator.")
+
+# The run's warning for each kind of `Probe.trace_notes`.
+TRACE_NOTES = {"regrouped": REGROUPED_NOTE, "changed_after": CHANGED_AFTER_NOTE, "random": RANDOM_NOTE}
 
 ALREADY_WATCHED = (
     "This model is already watched by another lab Recorder or Dashboard. "
@@ -599,7 +611,7 @@ class Probe:
         self.infinite = {}  # of the last read: norm columns the host finished as inf -> first row
         self.traced_in_xla = False  # a step with these hooks was compiled by XLA (see XLA_NOTE)
         # Trace-time facts the run is told of once per variable: kind -> {variable key: text}.
-        self.trace_notes = {"regrouped": {}, "changed_after": {}}
+        self.trace_notes = {kind: {} for kind in TRACE_NOTES}
         self.busy = lambda: False  # the owner's "training right now", for the layer's claim
         self._hooks = hooks_for(model)
         self._nonfinite_index = next((i for i, b in enumerate(self.breakpoints) if b.name == "nonfinite"), None)
@@ -671,6 +683,9 @@ class Probe:
                 totals = state.totals = probe._metric_totals()
                 logs = original(data)
                 try:
+                    if not tf.executing_eagerly():
+                        for name in stateful_random_ops(tf.compat.v1.get_default_graph()):
+                            probe.trace_notes["random"].setdefault(name, "")
                     probe._record(state, totals, logs, _batch_size(data))
                 except Exception as error:  # noqa: BLE001 - training never dies of the lab
                     probe._could_not_record(error)
@@ -687,10 +702,11 @@ class Probe:
             run.add_event("warning", XLA_NOTE, step=step)
 
     def note_trace_facts(self, run, step):
-        """Says once in `run`, for each variable not named yet, what a trace
-        found: that reading its gradient may change how Grappler computes its
-        update (`REGROUPED_NOTE`), or that the optimizer changes it after the
-        lab's read (`CHANGED_AFTER_NOTE`)."""
+        """Says once in `run`, for each variable (or op) not named yet, what a
+        trace found: that reading its gradient may change how Grappler
+        computes its update (`REGROUPED_NOTE`), that the optimizer changes it
+        after the lab's read (`CHANGED_AFTER_NOTE`), or that the step draws
+        from a random op that the lab's trace starts again (`RANDOM_NOTE`)."""
         for kind, found in self.trace_notes.items():
             if not found:
                 continue
@@ -702,8 +718,7 @@ class Probe:
             run.metadata[key] = "\n".join(told + new)
             shown = ", ".join(new[:4]) + (f" and {len(new) - 4} more" if len(new) > 4 else "")
             what = " and ".join(sorted({found[name] for name in new}))
-            note = REGROUPED_NOTE if kind == "regrouped" else CHANGED_AFTER_NOTE
-            run.add_event("warning", note.format(variables=shown, what=what), step=step)
+            run.add_event("warning", TRACE_NOTES[kind].format(variables=shown, what=what), step=step)
 
     def _note_regrouped(self, variables, grads):
         """Notes (at trace time, the update built) the variables whose update

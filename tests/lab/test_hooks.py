@@ -757,3 +757,70 @@ def test_where_no_read_can_change_the_update_the_training_is_bare_and_nothing_is
     # Adam reads each gradient twice (no regrouping to lose); weights=True alone reads no gradient.
     _, differ, warned = fit_bare_and_watched(optimizer, lab.Recorder(**kwargs))
     assert differ == [] and warned == []
+
+
+# ---- where a trace of the step starts a random op's stream again ----------------------
+
+
+class NoisyRegressor(keras.Model):
+    """A train_step that adds noise to its inputs, drawn as `draw` says."""
+
+    def __init__(self, draw, **kwargs):
+        super().__init__(**kwargs)
+        self.draw, self.noise = draw, keras.random.SeedGenerator(3)
+
+    def train_step(self, data):
+        x, y = data
+        if self.draw == "tf.random":
+            x = x + tf.random.normal(tf.shape(x))
+        elif self.draw == "tf.nn.dropout":
+            x = tf.nn.dropout(x, 0.5)
+        else:  # keras.random and its SeedGenerator: the stream is a variable
+            x = x + keras.random.normal(tf.shape(x), seed=self.noise)
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, self.trainable_variables), self.trainable_variables))
+        for metric in self.metrics:
+            metric.update_state(loss)
+        return {m.name: m.result() for m in self.metrics}
+
+
+def fits_in_turn(draw, callbacks):
+    """The weights after one fit() per entry of `callbacks` (None: bare) on one noisy model."""
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((8,))
+    model = NoisyRegressor(draw, inputs=inputs, outputs=keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = regression_batches()
+    for callback in callbacks:
+        model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[callback] if callback is not None else [])
+    return [w.numpy() for w in model.weights]
+
+
+def random_warnings(recorder):
+    return [d for d in recorder.run.events().query("kind == 'warning'")["detail"] if "random ops" in d]
+
+
+@pytest.mark.parametrize(("draw", "op"), [("tf.random", "RandomStandardNormal"), ("tf.nn.dropout", "RandomUniform")])
+def test_where_the_labs_trace_starts_a_random_ops_stream_again_the_run_says_so(draw, op):
+    # Such an op keeps its stream in its kernel: the lab's fit, which traces the
+    # step anew, draws other numbers than a second bare fit would (and a later
+    # bare fit, which traces again, too). No exact fix exists; the run says so.
+    bare = fits_in_turn(draw, [None, None])
+    recorder = lab.Recorder()
+    watched_second = fits_in_turn(draw, [None, recorder])
+    watched_first = fits_in_turn(draw, [lab.Recorder(), None])
+    assert not all(np.array_equal(a, b) for a, b in zip(watched_second, bare))
+    assert not all(np.array_equal(a, b) for a, b in zip(watched_first, bare))
+    warned = random_warnings(recorder)
+    assert len(warned) == 1 and op in warned[0] and "keras.random.SeedGenerator" in warned[0]
+
+
+def test_where_the_step_draws_from_a_seed_generator_fits_with_and_without_the_lab_train_alike_and_nothing_is_said():
+    bare = fits_in_turn("keras.random", [None, None, None])
+    for turns in ([None, "lab", None], ["lab", None, "lab"]):
+        recorder = lab.Recorder()
+        watched = fits_in_turn("keras.random", [recorder if turn else None for turn in turns])
+        assert all(np.array_equal(a, b) for a, b in zip(watched, bare))
+        assert random_warnings(recorder) == []
