@@ -84,6 +84,15 @@ ALREADY_WATCHED = (
 )
 
 
+def read_value(variable):
+    """The value of a Keras variable (its `.value`: never cast by a mixed
+    precision autocast scope) or of a `tf.Variable` (an optimizer may train
+    one that no model holds, the image of a style transfer)."""
+    if isinstance(variable, keras.Variable):
+        return tf.convert_to_tensor(variable.value)
+    return tf.convert_to_tensor(variable)
+
+
 def scaled_norm(tensor):
     """The Euclidean norm of `tensor` in float32, finite whenever it fits in
     float32: computed as `m * sqrt(sum((x / m)^2))` with `m = max |x|`, where
@@ -809,7 +818,7 @@ class Probe:
             # Taken before the weight decay where the optimizer decays (the update is the whole change).
             before = state.decaying.pop(name, None)
             if probe.weights and (before is None or len(before) != len(variables)):
-                before = [tf.convert_to_tensor(v.value) for v in variables]
+                before = [read_value(v) for v in variables]
             if not state.nested():
                 probe._emit_local_square(state, grads)
             result = original(grads, trainable_variables, learning_rate)
@@ -832,7 +841,7 @@ class Probe:
             state = getattr(probe._local, "state", None)
             if state is not None:
                 variables = list(variables)
-                state.decaying[name] = [tf.convert_to_tensor(v.value) for v in variables]
+                state.decaying[name] = [read_value(v) for v in variables]
             return original(variables)
 
         return _apply_weight_decay
@@ -893,11 +902,11 @@ class Probe:
                     return tf.constant(False)
                 # nonfinite() keeps weights *and* optimizer state finite: a
                 # finite gradient can still overflow a slot (Adam's g*g).
-                saved = [tf.convert_to_tensor(v.value) for v in watched]  # reads are snapshots
+                saved = [read_value(v) for v in watched]  # reads are snapshots
                 with tf.control_dependencies(saved):
                     original(grads, trainable_variables)
                 finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(v)) for v in isolated(
-                    v.value for v in watched if v.dtype in ("float16", "bfloat16", "float32", "float64"))])
+                    read_value(v) for v in watched if v.dtype in ("float16", "bfloat16", "float32", "float64"))])
 
                 def put_back():
                     for variable, value in zip(watched, saved):
@@ -1114,7 +1123,7 @@ class Probe:
         tensors = [summed_rows(grads[i]) for i in present]
         if not (self.weights and variables):
             return isolated(tensors)
-        values = [tf.convert_to_tensor(v.value) for v in variables]
+        values = [read_value(v) for v in variables]
         read = isolated(tensors + values + list(before or []))
         tensors = read[:len(present) + len(values)]
         if before is not None:

@@ -1,6 +1,7 @@
 """Gradient and weight probes: the gradients the optimizer applied, for any step."""
 
 import collections
+import contextlib
 import functools
 import warnings
 
@@ -744,6 +745,48 @@ def test_a_watched_loop_reads_a_sparse_gradient_as_it_is():
     key = model.trainable_variables[0].path
     np.testing.assert_allclose(row[f"grad_norm/{key}"], np.linalg.norm(tf.convert_to_tensor(sparse).numpy()),
                                rtol=1e-6)
+
+
+# ---- an optimizer that trains a tf.Variable no model holds -------------------------
+
+
+def style_transfer_loop(watch_kwargs=None, steps=3):
+    """keras-io's neural style transfer, in small: an SGD trains a plain
+    `tf.Variable` image through a frozen feature extractor, in a
+    tf.function. With `watch_kwargs`, in a `lab.watch` block. Returns the
+    image after each step, and the run."""
+    keras.utils.set_random_seed(4)
+    extractor = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    image = tf.Variable(np.random.default_rng(2).normal(size=(2, 6)).astype("float32"))
+    optimizer = keras.optimizers.SGD(keras.optimizers.schedules.ExponentialDecay(0.5, 100, 0.96))
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(extractor(image)))
+        optimizer.apply_gradients([(tape.gradient(loss, image), image)])
+        return loss
+
+    images, run = [], None
+    with (lab.watch(extractor, optimizer, **watch_kwargs) if watch_kwargs is not None
+          else contextlib.nullcontext()) as run:
+        for _ in range(steps):
+            loss = step()
+            if run is not None:
+                run.step(loss=loss)
+            images.append(image.numpy())
+    return images, run
+
+
+def test_a_watched_loop_that_trains_a_plain_tf_variable_keeps_its_weights_and_reads_them():
+    # tf.Variable.value is a method (a Keras variable's is a property): the
+    # lab read it as a property with weights=True or nonfinite(), and the
+    # watched step failed inside apply_gradients.
+    bare, _ = style_transfer_loop()
+    images, run = style_transfer_loop({"weights": True, "breakpoints": [lab.breakpoints.nonfinite()]})
+    assert all(np.array_equal(a, b) for a, b in zip(images, bare))
+    column = next(c for c in run.batches().columns if c.startswith("weight_norm/"))
+    np.testing.assert_allclose(run.batches()[column], [np.linalg.norm(image) for image in images], rtol=1e-6)
 
 
 # ---- the update of an optimizer that decays the weights ----------------------------
