@@ -75,13 +75,29 @@ RANDOM_NOTE = (
     "draws that go on across traces, use keras.random with a keras.random.SeedGenerator "
     "(or seed=None), or a tf.random.Generator.")
 
+UPDATE_STEP_NOTE = (
+    "The update_step of {variables} is not Keras' own, and Keras calls it after the lab "
+    "has read the gradients: the gradient columns hold the gradients handed to update_step, and the "
+    "update may use others (a gradient centralized in update_step, for one). Change "
+    "gradients in apply() or apply_gradients() for columns that hold what is applied.")
+
 # The run's warning for each kind of `Probe.trace_notes`.
-TRACE_NOTES = {"regrouped": REGROUPED_NOTE, "changed_after": CHANGED_AFTER_NOTE, "random": RANDOM_NOTE}
+TRACE_NOTES = {"regrouped": REGROUPED_NOTE, "changed_after": CHANGED_AFTER_NOTE, "random": RANDOM_NOTE,
+               "update_step": UPDATE_STEP_NOTE}
 
 ALREADY_WATCHED = (
     "This model is already watched by another lab Recorder or Dashboard. "
     "Pass one of them to fit(), or call `.detach()` on the other first."
 )
+
+
+def defined_outside_keras(obj, name):
+    """The class that defines the method `name` of `obj` where it is not
+    Keras' own (a subclass of the user's overrides it), else None."""
+    for cls in type(obj).__mro__:
+        if name in vars(cls):
+            return None if cls.__module__.split(".")[0] in ("keras", "tf_keras") else cls
+    return None
 
 
 def read_value(variable):
@@ -669,6 +685,9 @@ class Probe:
         weights), the update step and the cross-replica sum of gradients."""
         if self.weights and getattr(inner, "weight_decay", None) is not None:
             self._patch(inner, "_apply_weight_decay", lambda f: self._wrap_weight_decay(name, f))
+        overriding = defined_outside_keras(inner, "update_step")
+        if overriding is not None and self.gradients:
+            self.trace_notes["update_step"].setdefault(overriding.__qualname__, "")
         self._patch(inner, "_backend_update_step", lambda f: self._wrap_update_step(name, f, inner))
         if hasattr(inner, "_all_reduce_sum_gradients"):
             self._patch(inner, "_all_reduce_sum_gradients", self._wrap_all_reduce)
@@ -895,8 +914,16 @@ class Probe:
             ctx = _replica_context()
             guarded = probe._nonfinite_index is not None and ctx is None
             watched = probe._state_variables(optimizer, trainable_variables) if guarded else []
+            # An apply() of the user's own may change some gradients inside
+            # the gate's branch and pass others on as they came: give it
+            # gradients of the branch's graph, so that all those it hands on
+            # are of one graph (Keras' cross-replica sum requires it).
+            localized = defined_outside_keras(optimizer, "apply") is not None
 
             def update():
+                nonlocal grads
+                if localized:
+                    grads = [None if g is None else tf.identity(g) for g in grads]
                 if not guarded:
                     original(grads, trainable_variables)
                     return tf.constant(False)

@@ -789,6 +789,68 @@ def test_a_watched_loop_that_trains_a_plain_tf_variable_keeps_its_weights_and_re
     np.testing.assert_allclose(run.batches()[column], [np.linalg.norm(image) for image in images], rtol=1e-6)
 
 
+# ---- an optimizer subclass that changes the gradients (gradient centralization) ----
+
+
+def centralized(gradient):
+    """keras-io's gradient centralization: a kernel's gradient less its mean over the inputs."""
+    if len(gradient.shape) > 1:
+        return gradient - tf.reduce_mean(gradient, axis=list(range(len(gradient.shape) - 1)), keepdims=True)
+    return gradient
+
+
+class CentralizingApply(keras.optimizers.RMSprop):
+    def apply(self, grads, trainable_variables=None):
+        return super().apply([centralized(g) for g in grads], trainable_variables)
+
+
+class CentralizingUpdateStep(keras.optimizers.SGD):
+    def update_step(self, gradient, variable, learning_rate):
+        return super().update_step(centralized(gradient), variable, learning_rate)
+
+
+def fit_centralizing(optimizer, recorder=None):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+    model.compile(optimizer=optimizer(0.01), loss="mse")
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+    model.fit(x, x.sum(1, keepdims=True), batch_size=8, epochs=1, shuffle=False, verbose=0,
+              callbacks=[recorder] if recorder else [])
+    return model, x
+
+
+def test_an_optimizer_whose_own_apply_changes_the_gradients_trains_as_bare_under_breakpoints_and_is_read_as_applied():
+    # Its apply() centralized the kernels' gradients inside the gate's branch
+    # and passed the biases' on from outside it: Keras' cross-replica sum
+    # failed ("All custom_gradient outputs should be from the same graph").
+    bare, x = fit_centralizing(CentralizingApply)
+    recorder = lab.Recorder(gradients=True, breakpoints=[lab.breakpoints.nonfinite()])
+    watched, _ = fit_centralizing(CentralizingApply, recorder)
+    assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(watched.weights, bare.weights))
+    # The columns hold the gradients applied: the first batch's, centralized.
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(keras.losses.mean_squared_error(x[:8].sum(1, keepdims=True), model(x[:8])))
+    kernel = tape.gradient(loss, model.layers[0].kernel)
+    row = recorder.run.batches().iloc[0]
+    np.testing.assert_allclose(row[f"grad_norm/{watched.layers[0].kernel.path}"],
+                               np.linalg.norm(centralized(kernel).numpy()), rtol=1e-5)
+
+
+def test_an_optimizer_whose_own_update_step_may_change_the_gradients_is_named_in_the_run():
+    bare, _ = fit_centralizing(CentralizingUpdateStep)
+    recorder = lab.Recorder(gradients=True)
+    watched, _ = fit_centralizing(CentralizingUpdateStep, recorder)
+    assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(watched.weights, bare.weights))
+    warned = [d for d in recorder.run.events()["detail"] if "update_step" in d]
+    assert len(warned) == 1 and "CentralizingUpdateStep" in warned[0] and "apply_gradients()" in warned[0]
+    # Keras' own optimizers, which all define update_step, are not named.
+    plain = lab.Recorder(gradients=True)
+    fit_centralizing(keras.optimizers.SGD, plain)
+    assert not any("update_step" in d for d in plain.run.events()["detail"])
+
+
 # ---- the update of an optimizer that decays the weights ----------------------------
 
 
