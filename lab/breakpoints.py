@@ -231,7 +231,11 @@ def nonfinite():
     """Stops at the first batch whose loss or any applied gradient is NaN or infinite.
 
     Evaluated on the device inside the step: that batch's update is kept out
-    of the weights.
+    of the weights and the optimizer's state. In `fit()`, what the batch's
+    forward pass assigned is put back too (BatchNormalization's moving
+    statistics, which a NaN batch makes NaN); in a `lab.watch` loop, only
+    the update is kept out. With several optimizers in one step, those
+    applied before the hit keep their update (the event names them).
 
     Example:
 

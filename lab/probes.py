@@ -591,6 +591,8 @@ class StepState:
         self.results = {}  # id(tensor a metric's result() returned) -> (metric, tensor)
         self.applies = {}  # optimizer name -> applies traced in this step
         self.decaying = {}  # optimizer name -> its variables' values before its weight decay
+        self.forward_state = []  # (variable, value before the step) the forward pass may assign
+        self.kept_out = []  # per gated apply: whether its update was kept out
 
     def nested(self):
         return self.graph is not None and tf.compat.v1.get_default_graph() is not self.graph
@@ -635,6 +637,10 @@ class Probe:
         self.record_errors = []  # why steps could not be recorded (the lab's own failures)
         self.infinite = {}  # of the last read: norm columns the host finished as inf -> first row
         self.traced_in_xla = False  # a step with these hooks was compiled by XLA (see XLA_NOTE)
+        # Columns a traced step gives a value (others, such as the gradient
+        # norm of a variable no optimizer updates, are only padding: NaN).
+        self.stepped_columns = set()
+        self.loss_of_tracker = False  # the loss column is Keras' loss tracker's (the step logs none)
         # Trace-time facts the run is told of once per variable: kind -> {variable key: text}.
         self.trace_notes = {kind: {} for kind in TRACE_NOTES}
         self.busy = lambda: False  # the owner's "training right now", for the layer's claim
@@ -709,7 +715,10 @@ class Probe:
             probe._local.state = state
             try:
                 totals = state.totals = probe._metric_totals()
+                if probe.breakpoints and _replica_context() is None:
+                    state.forward_state = [(v, read_value(v)) for v in probe._forward_state_variables()]
                 logs = original(data)
+                probe._keep_out_forward_state(state)
                 try:
                     if not tf.executing_eagerly():
                         for name in stateful_random_ops(tf.compat.v1.get_default_graph()):
@@ -946,6 +955,8 @@ class Probe:
                 overflowed = tf.cond(skip, lambda: tf.constant(False), update)
                 if guarded:
                     probe._note_overflow(state, overflowed)
+                if not state.nested():
+                    state.kept_out.append(tf.logical_or(skip, overflowed))
                 probe._emit(state, f"_applied/{name}", 1.0 - tf.cast(tf.logical_or(skip, overflowed), tf.float32),
                             reset=0.0, accumulate=True)
             else:
@@ -967,6 +978,35 @@ class Probe:
                 probe._emit(state, f"_applied/{name}", 1.0 - tf.cast(skip, tf.float32), reset=0.0, accumulate=True)
 
         return apply
+
+    def _forward_state_variables(self):
+        """The float variables the forward pass of a trainable layer may
+        assign: those it made non-trainable (BatchNormalization's moving
+        statistics). A frozen layer's weights are not among them."""
+        found, seen = [], set()
+        for layer in self.model._flatten_layers(include_self=True, recursive=True):
+            if not layer.trainable:
+                continue
+            for variable in layer._non_trainable_variables:
+                if id(variable) not in seen and variable.dtype in ("float16", "bfloat16", "float32", "float64"):
+                    seen.add(id(variable))
+                    found.append(variable)
+        return found
+
+    def _keep_out_forward_state(self, state):
+        """Where a device breakpoint kept the step's update out, puts back
+        what its forward pass assigned too (moving statistics that a NaN
+        batch made NaN), after anything the step did with them (an EMA copy)."""
+        if not (state.forward_state and state.kept_out):
+            return
+        kept_out = tf.reduce_any(tf.stack(state.kept_out))
+
+        def put_back():
+            for variable, value in state.forward_state:
+                variable.assign(value)
+            return tf.constant(True)
+
+        tf.cond(kept_out, put_back, lambda: tf.constant(False))
 
     def _state_variables(self, optimizer, trainable_variables):
         """The variables one update may change: the weights it updates and
@@ -1284,6 +1324,7 @@ class Probe:
                 values["_tracker_loss"] = tracker_loss
         elif "loss" not in logged and tracker_loss is not None:
             values["loss"] = tracker_loss
+            self.loss_of_tracker = True
         for key, value in logged.items():
             if key in values:
                 continue
@@ -1318,6 +1359,7 @@ class Probe:
                 else:
                     produced[name] = scalar(produced[name]) + scalar(value)
         self._finish_row(state, values, produced)
+        self.stepped_columns.update(name[len(ENCODED):] if name.startswith(ENCODED) else name for name in values)
         self._write(values)
 
     def _finish_row(self, state, values, produced):

@@ -346,9 +346,14 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
     def _on_device_hit(self, row):
         point = self._probe.breakpoints[int(row["_hit"]) - 1]
         step = self.run.next_step - 1
+        # A column that holds NaN for "no value" names no culprit: the norm of
+        # a variable that no optimizer updated, a loss tracker that the step
+        # never updates (its loss is NaN in every row).
+        stepped = self._probe.stepped_columns
         culprits = [name.split("/", 1)[1] for name, value in row.items()
-                    if name.startswith("grad_norm/") and not np.isfinite(value)]
-        if "loss" in row and not np.isfinite(row["loss"]):
+                    if name.startswith("grad_norm/") and name in stepped and not np.isfinite(value)]
+        if "loss" in row and not np.isfinite(row["loss"]) and not (
+                self._probe.loss_of_tracker and not np.isfinite(self.run.batches()["loss"]).any()):
             culprits.insert(0, "loss")
         detail = f"{point.name} at step {step}; " + _updates_detail(row)
         if culprits:

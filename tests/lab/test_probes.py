@@ -338,6 +338,62 @@ def test_nonfinite_breakpoint_keeps_the_bad_update_out(digits, steps_per_executi
     assert int(model.optimizer.iterations.numpy()) > 2
 
 
+class EmaRegressor(keras.Model):
+    """keras-io's DDIM in small: a network with BatchNormalization trained
+    by hand, and an EMA copy of all its weights (moving statistics too)
+    that no optimizer updates; the step logs its own loss only."""
+
+    def __init__(self):
+        super().__init__()
+        self.network = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.BatchNormalization(),
+                                         keras.layers.Dense(1)], name="network")
+        self.ema_network = keras.models.clone_model(self.network)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self.network(x, training=True) - y))
+        gradients = tape.gradient(loss, self.network.trainable_weights)
+        self.optimizer.apply_gradients(zip(gradients, self.network.trainable_weights))
+        for weight, ema_weight in zip(self.network.weights, self.ema_network.weights):
+            ema_weight.assign(0.9 * ema_weight + 0.1 * weight)
+        return {"n_loss": loss}
+
+
+def fit_ema_regressor(x, y, recorder=None):
+    keras.utils.set_random_seed(0)
+    model = EmaRegressor()
+    model.compile(optimizer=keras.optimizers.Adam(1e-2))
+    model.fit(x, y, batch_size=4, shuffle=False, verbose=0, callbacks=[recorder] if recorder else [])
+    return model
+
+
+def test_a_nonfinite_hit_keeps_the_batch_out_of_the_moving_statistics_and_names_only_the_values_the_step_gave():
+    # The optimizer's update was kept out, but BatchNormalization's moving
+    # statistics (assigned by the forward pass) took the NaN batch in, and the
+    # EMA copy took them: the model predicted NaN after a "clean" stop. The
+    # event named the EMA copy's variables (no gradient: NaN for "none") and
+    # Keras' unused loss tracker as not finite.
+    x = np.random.default_rng(0).normal(size=(12, 4)).astype("float32")
+    y = x.sum(1, keepdims=True)
+    bad = x.copy()
+    bad[9, 2] = np.nan  # the third batch
+    good = fit_ema_regressor(x[:8], y[:8])
+    recorder = lab.Recorder(gradients=True, breakpoints=[lab.breakpoints.nonfinite()])
+    model = fit_ema_regressor(bad, y, recorder)
+    # The network and its statistics are those of the good batches alone; the
+    # EMA copy took one more step of those weights (the step's own code ran),
+    # and its statistics are put back with the network's.
+    for got, want in zip(model.network.weights + model.ema_network.non_trainable_weights,
+                         good.network.weights + good.ema_network.non_trainable_weights):
+        np.testing.assert_array_equal(got.numpy(), want.numpy(), err_msg=got.path)
+    assert all(np.isfinite(v.numpy()).all() for v in model.weights)
+    assert np.isfinite(model.ema_network.predict(x, verbose=0)).all()
+    event = recorder.run.events().query("kind == 'nonfinite'")["detail"].iloc[0]
+    named = event.split("not finite: ")[1].split(", ")
+    assert sorted(named) == sorted(v.path for v in model.network.trainable_weights)
+
+
 def test_loss_spike_stops_before_the_spiking_update(digits):
     x, y = digits
     keras.utils.set_random_seed(0)
