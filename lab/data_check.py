@@ -11,6 +11,7 @@ compiled loss on that one batch and names the problem and its fix.
 """
 
 import collections
+import difflib
 import math
 import numbers
 import re
@@ -124,7 +125,9 @@ def inspect_data(x, y=None, sample_weight=None, batch_size=None, model=None, val
         sample_weight: array or None, one weight per example (arrays only).
         batch_size: int or None, for arrays (fit()'s default is 32).
         model: keras.Model or None; when given, the first batch is run through
-            the model and its compiled loss.
+            the model and its compiled loss in a `keras.StatelessScope`: no
+            variable of the model changes (seed generators, moving statistics
+            and metrics included), so a later fit() trains exactly as without it.
         validation_split: float in [0, 1), share of the arrays fit() holds out
             (the last examples).
         steps_per_epoch: int or None, as fit()'s.
@@ -211,6 +214,8 @@ def _training_arrays(report, x, y, sample_weight, validation_split):
         report.problems.append(Problem("structure", "sample_weight was given without y.",
                                        "pass the targets too: fit(x, y, sample_weight=w)."))
         return None
+    if _weights_unlike_y(report, y, sample_weight):
+        return None
     lengths = {}
     for name, part in zip(_PARTS, data):
         for path, leaf in _leaves(part, name):
@@ -234,6 +239,35 @@ def _training_arrays(report, x, y, sample_weight, validation_split):
                             f"of {count} examples (before any shuffle); {split_at} remain for training.")
         data = keras.tree.map_structure(lambda a: np.asarray(a)[:split_at], data)
     return data
+
+
+def _weights_unlike_y(report, y, sample_weight):
+    """fit()'s array adapter takes per-output sample weights only in y's structure."""
+    if not keras.tree.is_nested(y) or not isinstance(sample_weight, (list, tuple, dict)):
+        return False
+    try:
+        keras.tree.assert_same_structure(y, sample_weight)
+        return False
+    except ValueError:
+        pass
+    missing = [key for key in y if key not in sample_weight] if isinstance(y, dict) else []
+    if missing and isinstance(sample_weight, dict):
+        message = (f"sample_weight has no key {missing[0]!r} (its keys are {sorted(sample_weight, key=str)}), "
+                   f"but y has keys {sorted(y, key=str)}")
+    else:
+        message = f"sample_weight is {_container(sample_weight)}, but y is {_container(y)}"
+    like_y = ("{" + ", ".join(f"{key!r}: ..." for key in y) + "}" if isinstance(y, dict) else
+              f"a {type(y).__name__} of {len(y)} arrays")
+    report.problems.append(Problem(
+        "sample_weight", f"{message}: fit() takes one sample-weight array per output, in y's structure.",
+        f"give sample_weight the structure of y: {like_y} (or a single array, used for every output)."))
+    return True
+
+
+def _container(value):
+    if isinstance(value, dict):
+        return f"a dict with keys {sorted(value, key=str)}"
+    return f"a {type(value).__name__} of {len(value)}"
 
 
 def _count_batches(report, x, data, batch_size, steps_per_epoch):
@@ -327,32 +361,47 @@ def _check_against_model(report, model):
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(report.batch)
     if not _check_inputs(report, model, x):
         return
-    try:
-        y_pred = model(x, training=False)
-    except Exception as error:  # the model's own message, whatever its type
-        report.problems.append(Problem(
-            "input", f"The model cannot take x: {error_line(error)}",
-            "give x the shape the model's first layer expects, or change that layer."))
-        return
-    if y is None or not getattr(model, "compiled", False) or getattr(model, "loss", None) is None:
-        return
-    _check_loss(report, model, x, y, y_pred, sample_weight)
+    # Inside a StatelessScope Keras keeps every variable update (seed generators,
+    # moving statistics, loss trackers) in the scope, even when the call raises,
+    # and gives variables the call creates (an unbuilt model's) their initial
+    # values on the way out: fit() later starts from exactly the state it would
+    # have had without inspect_data. The scope also collects the losses layers
+    # add, which compute_loss reads.
+    with keras.StatelessScope(collect_losses=True):
+        try:
+            y_pred = model(x, training=False)
+        except Exception as error:  # the model's own message, whatever its type
+            report.problems.append(_call_problem(error, x))
+            return
+        if y is None or not getattr(model, "compiled", False) or getattr(model, "loss", None) is None:
+            return
+        _check_loss(report, model, x, y, y_pred, sample_weight)
+
+
+def _call_problem(error, x):
+    found, key = _missing_key(error)
+    if found and isinstance(x, dict) and key not in x:
+        keys = sorted(x, key=str)
+        close = difflib.get_close_matches(str(key), [str(k) for k in keys], n=1)
+        fix = (f"rename x[{close[0]!r}] to x[{key!r}], or make call() read the keys x has." if close else
+               f"give x the key {key!r} that call() reads, or make call() read the keys x has.")
+        return Problem("input names", f"The model's call() reads x[{key!r}], but x has no key {key!r} "
+                       f"(its keys are {keys}).", fix)
+    return Problem("input", f"The model cannot take x: {error_line(error)}",
+                   "give x the structure and shapes the model's call() expects, or change the model.")
 
 
 def _check_inputs(report, model, x):
-    try:
-        inputs = list(model.inputs or [])
-    except (AttributeError, ValueError):
-        inputs = []
+    names, inputs = _model_inputs(model)
     if not inputs:
         return True
-    names = [tensor.name for tensor in inputs]
     if isinstance(x, dict):
         missing = [name for name in names if name not in x]
         if missing:
+            keys = ", ".join(f"{name!r}: ..." for name in names)
             report.problems.append(Problem(
                 "input names", f"x is a dict with keys {sorted(x)}, but the model's inputs are named {names}.",
-                f"name the keys after the model's inputs (keras.Input(name=...)): {{{', '.join(repr(n) for n in names)}: ...}}."))
+                f"name the keys after the model's inputs (keras.Input(name=...)): {{{keys}}}."))
             return False
         leaves = [x[name] for name in names]
     else:
@@ -366,19 +415,51 @@ def _check_inputs(report, model, x):
         # Keras numbers unnamed inputs ("keras_tensor_7"): name only what the user named.
         name = "" if name.startswith("keras_tensor") else f" {name!r}"
         expected, got = tuple(tensor.shape), tuple(leaf.shape)
+        if _takes(expected, got):
+            continue
         if len(got) == len(expected) - 1 and _fits(expected[1:], got):
             report.problems.append(Problem(
                 "unbatched", f"x is one example of shape {got}, but the model's input{name} takes "
                 f"batches of shape {expected}.",
                 "batch the data: dataset.batch(32) (a tf.data.Dataset is not batched by fit())."))
-            return False
-        if len(got) != len(expected) or not _fits(expected[1:], got[1:]):
+        else:
             report.problems.append(Problem(
                 "input shape", f"x has shape {got} per batch, but the model's input{name} takes {expected}.",
                 f"reshape x to {_without_batch(expected)} per example (x.reshape(len(x), ...)), or build "
                 f"the model with keras.Input(shape={got[1:]})."))
-            return False
+        return False
     return True
+
+
+def _model_inputs(model):
+    """(names, input tensors) the way a functional model matches a dict x to its inputs."""
+    try:
+        inputs = list(model.inputs or [])
+        structure = model.input
+    except (AttributeError, ValueError):
+        return [], []
+    if isinstance(structure, dict) and all(isinstance(v, keras.KerasTensor) for v in structure.values()):
+        # A model built on a dict of Inputs takes x by the dict's keys, not the Inputs' names.
+        names = sorted(structure)
+        return names, [structure[name] for name in names]
+    return [tensor.name for tensor in inputs], inputs
+
+
+def _takes(expected, got):
+    """Keras' own rule for a functional model's input shape (3.5 to 3.15 alike).
+
+    From keras/src/models/functional.py, `input_spec` (with
+    `allow_last_axis_squeeze`) then `_adjust_input_rank`: the spec compares
+    the shapes after dropping one trailing 1 from each; then, where the ranks
+    differ by one, the model squeezes a trailing 1 from x or adds one where
+    its input ends in 1.
+    """
+    spec = expected[:-1] if expected and expected[-1] == 1 else expected
+    shape = got[:-1] if got and got[-1] == 1 else got
+    if any(e is not None and g is not None and e != g for e, g in zip(spec, shape)):
+        return False
+    return (len(got) == len(expected) or (len(got) == len(expected) + 1 and got[-1] == 1)
+            or (len(got) == len(expected) - 1 and expected[-1] == 1))
 
 
 def _fits(expected, got):
@@ -395,20 +476,14 @@ def _check_loss(report, model, x, y, y_pred, sample_weight):
         single = None
     else:
         single = (tuple(y.shape), tuple(y_pred.shape))
-    states = [(v, v.numpy()) for metric in model.metrics for v in metric.variables]
     try:
         model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)
         error = None
     except Exception as caught:  # the loss's own message, whatever its type
         error = caught
-    finally:
-        # Older Keras updates the loss tracker inside compute_loss: leave no trace.
-        for variable, value in states:
-            variable.assign(value)
-    if single is None:
+    if single is None or (error is not None and _missing_key(error)[0]):
         if error is not None:
-            report.problems.append(Problem("loss", f"The loss fails on this batch: {error_line(error)}",
-                                           "give y the structure and shapes of the model's outputs."))
+            report.problems.append(_loss_problem(error, model, y, y_pred, sample_weight))
         return
     y_shape, out_shape = single
     sparse = "sparse" in loss_name
@@ -430,6 +505,41 @@ def _check_loss(report, model, x, y, y_pred, sample_weight):
             f"{loss_name} cannot compare them{why}.",
             f"give y the output's shape {_without_batch(out_shape)} per example, or change the model's "
             "last layer or the loss."))
+
+
+def _loss_problem(error, model, y, y_pred, sample_weight):
+    found, key = _missing_key(error)
+    for part, value in (("sample_weight", sample_weight), ("y", y)):
+        if found and _lacks(value, key):
+            return _key_problem(part, value, key, model, y, y_pred)
+    return Problem("loss", f"The loss fails on this batch: {error_line(error)}",
+                   "give y the structure and shapes of the model's outputs.")
+
+
+def _lacks(value, key):
+    if isinstance(value, dict):
+        return key not in value
+    if isinstance(value, (list, tuple)):
+        return not isinstance(key, int) or not -len(value) <= key < len(value)
+    return False
+
+
+def _key_problem(part, value, key, model, y, y_pred):
+    """The loss looks up y or sample_weight by the model's outputs: by name or by position."""
+    have = f"its keys are {sorted(value, key=str)}" if isinstance(value, dict) else f"it is a list of {len(value)}"
+    if isinstance(y_pred, dict):
+        names = list(y_pred)
+        keys = ", ".join(f"{name!r}: ..." for name in names)
+        return Problem("loss", f"{part} has no key {key!r} ({have}), and the loss looks {part} up by the "
+                       f"model's output names {names}.",
+                       f"key {part} by the model's output names: {{{keys}}}.")
+    names = list(getattr(model, "output_names", None) or range(len(keras.tree.flatten(y_pred))))
+    keys = ", ".join(f"{name!r}: ..." for name in names)
+    both = " (and y too: fit() takes y and sample_weight in one structure)" if isinstance(y, dict) else ""
+    return Problem("loss", f"{part} has no entry {key!r} ({have}): the model's outputs are a list "
+                   f"({names}), and the loss looks {part} up by position.",
+                   f"give {part} as a list in the order of the model's outputs{both}, or build the model "
+                   f"with named outputs: keras.Model(inputs, {{{keys}}}).")
 
 
 def _broadcasts(y_shape, out_shape):
@@ -454,6 +564,10 @@ def error_line(error):
     Returns:
         str, at most 300 characters.
     """
+    found, key = _missing_key(error)
+    if found:
+        # str() of a KeyError is the repr of its key (or of Keras' whole wrapped message).
+        return f"KeyError: {key!r}"[:300]
     lines = [_strip_ansi(line).strip() for line in str(error).splitlines()]
     lines = [line for line in lines if line]
     if lines and lines[0].startswith("Graph execution error"):
@@ -470,3 +584,20 @@ def error_line(error):
 def _strip_ansi(text):
     # TensorFlow prefixes op errors with "{{function_node ...}}"; Keras bolds with ANSI codes.
     return re.sub(r"\{\{[^}]*\}\}\s*|\x1b\[[0-9;]*m|\s*\[Op:[^\]]*\]( name:\s*\S*)?", "", text)
+
+
+def _missing_key(error):
+    """(True, key) when error is a KeyError, else (False, None).
+
+    Keras re-raises a layer's error as the same type with the call's arguments
+    added to the message; the original, with the key itself, is its context.
+    """
+    while isinstance(error, KeyError):
+        wrapped = bool(error.args) and str(error.args[0]).startswith("Exception encountered")
+        if not wrapped:
+            return True, error.args[0] if error.args else None
+        if not isinstance(error.__context__, KeyError):
+            bold = re.search(r"\x1b\[1m(.*?)\x1b\[0m", error.args[0], re.DOTALL)
+            return True, bold.group(1) if bold else None
+        error = error.__context__
+    return False, None

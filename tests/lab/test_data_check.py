@@ -31,6 +31,35 @@ def only_problem(report, kind):
     return report.problems[0]
 
 
+class Noise(keras.layers.Layer):
+    """Draws in every mode from its own SeedGenerator, like keras-io's VAE `Sampling` layer."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed_generator = keras.random.SeedGenerator(7)
+
+    def call(self, inputs):
+        return inputs + keras.random.normal(keras.ops.shape(inputs), stddev=0.1, seed=self.seed_generator)
+
+
+class MCDropout(keras.layers.Dropout):
+    """Monte Carlo dropout: drops at inference too."""
+
+    def call(self, inputs, training=None):
+        return super().call(inputs, training=True)
+
+
+def model_state(model):
+    """Every variable: the layers' (seed generators included), the metrics' and the optimizer's."""
+    variables = {id(v): v for v in model.variables + model.optimizer.variables}
+    variables.update({id(v): v for metric in model.metrics for v in metric.variables})
+    return [np.array(v.numpy()) for v in variables.values()]
+
+
+def same_state(a, b):
+    return len(a) == len(b) and all(np.array_equal(u, v) for u, v in zip(a, b))
+
+
 # ---- data forms ---------------------------------------------------------------
 
 
@@ -220,6 +249,108 @@ def test_checking_against_a_model_leaves_no_trace(arrays):
     assert all(float(v.numpy()) == 0 for metric in model.metrics for v in metric.variables)
 
 
+@pytest.mark.parametrize("noise", [Noise, lambda: MCDropout(0.5)], ids=["seed_generator", "mc_dropout"])
+def test_checking_against_a_model_leaves_what_fit_trains_unchanged(arrays, noise):
+    x, y = arrays
+
+    def model():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((FEATURES,))
+        hidden = keras.layers.BatchNormalization()(noise()(keras.layers.Dense(8)(inputs)))
+        model = keras.Model(inputs, keras.layers.Dense(CLASSES)(hidden))
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        return model
+
+    def trained(model):
+        model.fit(x, y, batch_size=50, epochs=1, shuffle=False, verbose=0)
+        return model_state(model)
+
+    checked = model()
+    before = model_state(checked)
+    assert lab.inspect_data(x, y, model=checked).ok
+    assert same_state(model_state(checked), before)
+    assert same_state(trained(checked), trained(model()))
+
+
+def test_a_model_that_reads_a_key_x_lacks_is_named_and_left_unchanged(arrays):
+    x, y = arrays
+
+    class Masked(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.noise, self.dense = Noise(), keras.layers.Dense(1)
+
+        def call(self, inputs):
+            return self.dense(self.noise(inputs["pixels"]) * inputs["mask"])
+
+    model = Masked()
+    model.compile(optimizer="sgd", loss="mse")
+    seed_state = model.noise.seed_generator.state.numpy()
+    report = lab.inspect_data({"pixels": x, "masks": np.ones_like(x)}, y, model=model)
+    problem = only_problem(report, "input names")
+    assert problem.message == ("The model's call() reads x['mask'], but x has no key 'mask' "
+                               "(its keys are ['masks', 'pixels']).")
+    assert problem.fix.startswith("rename x['masks'] to x['mask']")
+    assert np.array_equal(model.noise.seed_generator.state.numpy(), seed_state)
+
+
+def test_the_fix_for_wrong_input_keys_names_every_input(arrays):
+    x, y = arrays
+    first, second = keras.Input((FEATURES,), name="a"), keras.Input((FEATURES,), name="b")
+    model = keras.Model([first, second], keras.layers.Dense(1)(keras.layers.concatenate([first, second])))
+    model.compile(optimizer="sgd", loss="mse")
+    problem = only_problem(lab.inspect_data({"a": x, "c": x}, y, model=model), "input names")
+    assert problem.fix.endswith("{'a': ..., 'b': ...}.")
+
+
+def two_outputs(named):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((FEATURES,))
+    outputs = [keras.layers.Dense(1, name="p")(inputs), keras.layers.Dense(1, name="q")(inputs)]
+    model = keras.Model(inputs, dict(zip("pq", outputs)) if named else outputs)
+    model.compile(optimizer="sgd", loss={"p": "mse", "q": "mse"})
+    return model
+
+
+def test_sample_weights_keyed_unlike_y_are_named_with_the_fix(arrays):
+    x, y = arrays[0], arrays[1].astype(np.float32)
+    args, kwargs = (x, {"p": y, "q": y}), {"sample_weight": {"p": np.ones(len(x)), "r": np.ones(len(x))}}
+    problem = only_problem(lab.inspect_data(*args, model=two_outputs(True), **kwargs), "sample_weight")
+    assert problem.message == ("sample_weight has no key 'q' (its keys are ['p', 'r']), but y has keys ['p', 'q']: "
+                               "fit() takes one sample-weight array per output, in y's structure.")
+    assert problem.fix.startswith("give sample_weight the structure of y: {'p': ..., 'q': ...}")
+    assert _fit_fails(two_outputs(True), *args, **kwargs)
+
+
+def test_sample_weights_keyed_unlike_the_outputs_are_named_with_the_fix(arrays):
+    x, y = arrays[0], arrays[1].astype(np.float32)
+    weights = np.ones(len(x))
+    dataset = tf.data.Dataset.from_tensor_slices((x, {"p": y, "q": y}, {"p": weights, "r": weights})).batch(32)
+    report = lab.inspect_data(dataset, model=two_outputs(True))
+    if not _fit_fails(two_outputs(True), dataset):  # Keras 3.5 takes them by position
+        assert report.ok, report
+        return
+    problem = only_problem(report, "loss")
+    assert problem.message == ("sample_weight has no key 'q' (its keys are ['p', 'r']), and the loss looks "
+                               "sample_weight up by the model's output names ['p', 'q'].")
+    assert problem.fix == "key sample_weight by the model's output names: {'p': ..., 'q': ...}."
+
+
+def test_dict_sample_weights_for_a_list_of_outputs(arrays):
+    x, y = arrays[0], arrays[1].astype(np.float32)
+    args, kwargs = (x, {"p": y, "q": y}), {"sample_weight": {"p": np.ones(len(x)), "q": np.ones(len(x))}}
+    report = lab.inspect_data(*args, model=two_outputs(False), **kwargs)
+    if not _fit_fails(two_outputs(False), *args, **kwargs):  # Keras 3.5 takes them by output name
+        assert report.ok, report
+        return
+    problem = only_problem(report, "loss")
+    assert problem.message == ("sample_weight has no entry 0 (its keys are ['p', 'q']): the model's outputs "
+                               "are a list (['p', 'q']), and the loss looks sample_weight up by position.")
+    assert problem.fix.startswith("give sample_weight as a list in the order of the model's outputs (and y too")
+    assert "keras.Model(inputs, {'p': ..., 'q': ...})" in problem.fix
+    assert not _fit_fails(two_outputs(False), x, [y, y], sample_weight=[np.ones(len(x))] * 2)
+
+
 # ---- the report agrees with fit() -----------------------------------------------
 
 
@@ -250,6 +381,28 @@ def test_every_problem_named_is_one_fit_fails_on(arrays, case):
         args = (x.reshape(40, 2, 4), y)
     assert not lab.inspect_data(*args, model=model, **kwargs).ok
     assert _fit_fails(model, *args, **kwargs)
+
+
+@pytest.mark.parametrize("x_shape, input_shape", [((40,), (1,)), ((40, FEATURES, 1), (FEATURES,)),
+                                                 ((40, FEATURES), (FEATURES, 1))])
+def test_a_trailing_1_that_keras_adds_or_squeezes_is_no_problem(arrays, x_shape, input_shape):
+    x, y = np.ones(x_shape, np.float32), arrays[1][:40]
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input(input_shape, name="x")
+    model = keras.Model(inputs, keras.layers.Dense(CLASSES)(keras.layers.Flatten()(inputs)))
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    assert lab.inspect_data(x, y, model=model).ok
+    assert not _fit_fails(model, x, y)
+
+
+def test_a_model_built_on_a_dict_of_inputs_takes_x_by_the_dict_keys(arrays):
+    x, y = arrays
+    inputs = keras.Input((FEATURES,), name="pixels")
+    with pytest.warns(UserWarning, match="keys in the dict must match"):
+        model = keras.Model({"image": inputs}, keras.layers.Dense(CLASSES)(inputs))
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    assert lab.inspect_data({"image": x}, y, model=model).ok
+    assert not _fit_fails(model, {"image": x}, y)
 
 
 def test_a_problem_prints_as_its_message_and_fix(arrays):
