@@ -20,6 +20,7 @@ import dataclasses
 import numbers
 import time
 import traceback as traceback_module
+import warnings
 
 import keras
 import numpy as np
@@ -33,6 +34,16 @@ from lab.hooks import CompiledState, hooks_for
 from lab.probes import find_optimizers, is_mean, leaf_metrics, variable_keys
 from lab.state import raw_variable, read_variables, same_array, training_variables
 from lab.step_capture import StepCapture, hint
+
+
+UNREPEATABLE_MESSAGE = (
+    "Step {step}, taken again after a rewind from the same weights on the same batch, "
+    "ended with other weights ({variables}) than the first time. Unless something that "
+    "rewind does not cover changed meanwhile (a Python attribute the step reads), the step "
+    "draws random numbers that rewind cannot restore: TensorFlow's own random ops (tf.random.normal, "
+    "tf.nn.dropout, tf.image.random_*), whose streams live outside the model. Draw with "
+    "keras.random and a keras.random.SeedGenerator held by the model (its state is "
+    "rewound) for steps that replay exactly.")
 
 
 @dataclasses.dataclass
@@ -184,6 +195,8 @@ class Stepper:
         self._condition_state = {}
         self._step_function = _step_fn  # from_step: the user's step instead of train_step
         self._extra_optimizers = list(_optimizers)
+        self._replayed = {}  # step index -> the weights a rewound step ended with
+        self._told_unrepeatable = False
         self.last_trace = None
 
     # ---- public ------------------------------------------------------------
@@ -303,8 +316,11 @@ class Stepper:
         """Restores the model and data position to before the last `n` steps.
 
         Weights, optimizer slots and iterations, metric state and random-seed
-        state are restored; the rewound batches come next again; their traces
-        are dropped.
+        state (Keras' SeedGenerators) are restored; the rewound batches come
+        next again; their traces are dropped. TensorFlow's own random ops
+        (`tf.random.normal`, ...) keep their streams outside the model: a
+        replayed step that draws from them ends otherwise than the first
+        time, and the stepper says so (a `warning` event and a RuntimeWarning).
 
         Args:
             n: int, steps to undo.
@@ -341,6 +357,8 @@ class Stepper:
                 "is gone. Nothing was restored; the history was dropped. Step again to start a new history."
             )
         undone = [self._snapshots.pop() for _ in range(n)]
+        for snapshot in undone:  # newest first: a step rewound twice keeps its first ending
+            self._replayed[snapshot.trace.index] = snapshot.trace.weights_after
         restore = {}
         for snapshot in undone:  # newest first, so the oldest value wins
             restore.update(snapshot.before)
@@ -359,6 +377,7 @@ class Stepper:
     def sync(self):
         """Re-reads the model's state after something else changed it; drops the history."""
         self._snapshots.clear()
+        self._replayed.clear()
         self._state = {}
         self._refresh_state()
 
@@ -370,6 +389,7 @@ class Stepper:
         if changed_outside:
             # The model moved (a fit(), set_weights): older snapshots no longer apply.
             self._snapshots.clear()
+            self._replayed.clear()
         before_state = dict(self._state)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(to_numpy(fed.data))
         trace = StepTrace(index=self._index, epoch=fed.epoch, batch=fed.batch, x=x, y=y,
@@ -402,12 +422,31 @@ class Stepper:
         # Variables built inside this step: their initial values are the "before".
         trace.weights_before = self._trainable_arrays({**self._created, **before_state})
         trace.weights_after = self._trainable_arrays(after)
+        self._check_replay(trace)
         self._snapshots.append(_Snapshot(trace, fed, changed, CompiledState(self.model)))
         self._index += 1
         if self.run is not None:
             self._append_row(trace)
         self.last_trace = trace
         return trace
+
+    def _check_replay(self, trace):
+        """A step taken again after a rewind, from the same state on the same
+        batch, ends as it did the first time unless it draws from random
+        numbers that rewind cannot restore: then the stepper says so, once."""
+        first = self._replayed.pop(trace.index, None)
+        if first is None or self._told_unrepeatable:
+            return
+        differ = [key for key, array in trace.weights_after.items()
+                  if key in first and not same_array(first[key], array)]
+        if not differ:
+            return
+        self._told_unrepeatable = True
+        message = UNREPEATABLE_MESSAGE.format(step=trace.index, variables=", ".join(differ[:4])
+                                              + (f" and {len(differ) - 4} more" if len(differ) > 4 else ""))
+        if self.run is not None:
+            self.run.add_event("warning", message, step=trace.index)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
 
     def _failed(self, trace, error, fed, before_state, capture, start):
         if not trace.seconds == trace.seconds:  # NaN: failed before the step returned

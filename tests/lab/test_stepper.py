@@ -1,5 +1,7 @@
 """Stepper: train_step one batch at a time, rewind, errors inside a step."""
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -182,6 +184,53 @@ def test_rewind_then_step_reproduces_the_same_steps_bit_for_bit():
         for key in a.gradients:
             np.testing.assert_array_equal(a.gradients[key], b.gradients[key])
         assert a.logs == b.logs  # metric state was restored too
+
+
+class NoisyModel(keras.Model):
+    """A train_step that adds noise to its inputs, drawn by TensorFlow's own
+    random op (`draw="tf"`) or by keras.random with the model's SeedGenerator."""
+
+    def __init__(self, draw):
+        super().__init__()
+        self.draw, self.dense, self.noise = draw, keras.layers.Dense(1), keras.random.SeedGenerator(1)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def train_step(self, data):
+        x, y = data
+        noise = (tf.random.normal(tf.shape(x)) if self.draw == "tf"
+                 else keras.random.normal(tf.shape(x), seed=self.noise))
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self(x + noise) - y))
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, self.trainable_weights), self.trainable_weights))
+        return {"loss": loss}
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("draw", ["tf", "keras"])
+def test_a_replay_after_rewind_that_ends_otherwise_than_the_first_time_is_said(draw, mode):
+    # tf.random's stream is not state rewind can restore: the replayed step
+    # trained on other noise, and nothing said so.
+    keras.utils.set_random_seed(0)
+    model = NoisyModel(draw)
+    model.compile(optimizer="sgd")
+    model(X[:1])
+    run = lab.Run()
+    stepper = lab.Stepper(model, (X, X.sum(1, keepdims=True)), batch_size=8, shuffle=False, mode=mode, run=run)
+    assert stepper.step(2).error is None
+    first = [v.numpy() for v in model.weights]
+    stepper.rewind(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stepper.step()
+    replayed = all(np.array_equal(a, v.numpy()) for a, v in zip(first, model.weights))
+    said = [d for d in run.events().query("kind == 'warning'")["detail"] if "after a rewind" in d]
+    assert replayed == (draw == "keras")
+    assert len(said) == (0 if replayed else 1)
+    assert len([w for w in caught if "after a rewind" in str(w.message)]) == len(said)
+    if said:
+        assert "Step 1" in said[0] and "keras.random.SeedGenerator" in said[0]
 
 
 def test_rewind_across_an_epoch_boundary_restores_metrics():
