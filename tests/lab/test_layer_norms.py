@@ -2,7 +2,9 @@
 
 import keras
 import numpy as np
+import pandas as pd
 import pytest
+import tensorflow as tf
 
 import lab
 
@@ -78,3 +80,89 @@ def test_a_part_matching_nothing_names_the_paths_the_run_has():
         lab.layer_norms(run, {"head": "head"})
     with pytest.raises(TypeError, match="expected a layer, a model, a path prefix"):
         lab.layer_norms(run, {"head": 3})
+
+
+class _WithEMA(keras.Model):
+    """keras-io's DDIM shape: an EMA copy with the trained network's variable paths."""
+
+    def __init__(self, built=True):
+        super().__init__()
+
+        def layers():
+            return ([keras.Input((3,))] if built else []) + [keras.layers.Dense(2, name="d")]
+        # Declared first, so the copy's variables are `net/d/...` and the trained
+        # network's `net/d/...#2`: a part's own paths cannot say which.
+        self.ema_network = keras.Sequential(layers(), name="net")
+        self.network = keras.Sequential(layers(), name="net")
+
+    def train_step(self, data):
+        x, y = data
+        self.ema_network(x)
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean(keras.ops.square(self.network(x) - y))
+        variables = self.network.trainable_variables
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        return {"loss": loss}
+
+
+def _ema_columns(kernel, bias, kernel2, bias2):
+    return {"grad_norm/net/d/kernel": [kernel], "grad_norm/net/d/bias": [bias],
+            "grad_norm/net/d/kernel#2": [kernel2], "grad_norm/net/d/bias#2": [bias2]}
+
+
+def test_an_ema_clone_gets_its_own_norms_in_a_recorded_fit_given_the_model():
+    # Built inside fit(): the run keys variables that did not exist at install.
+    keras.utils.set_random_seed(0)
+    model = _WithEMA(built=False)
+    model.compile(optimizer="sgd")
+    rec = lab.Recorder(gradients=True)
+    model.fit(np.ones((8, 3), "float32"), np.zeros((8, 2), "float32"), batch_size=4, verbose=0,
+              callbacks=[rec])
+    norms = lab.layer_norms(rec.run, {"network": model.network, "ema": model.ema_network}, model=model)
+    rows = rec.run.batches()
+    assert len(norms) == 2
+    # Only the network trained: its norm is the whole step's, from the `#2` columns.
+    np.testing.assert_allclose(norms["network"], rows["grad_norm"], rtol=1e-5)
+    np.testing.assert_allclose(norms["network"], np.hypot(rows["grad_norm/net/d/kernel#2"],
+                                                          rows["grad_norm/net/d/bias#2"]), rtol=1e-5)
+    assert norms["ema"].isna().all()
+
+
+def test_namesakes_are_told_apart_by_position_in_the_model():
+    model = _WithEMA()
+    parts = {"network": model.network, "ema": model.ema_network}
+    norms = lab.layer_norms(run_with(_ema_columns(np.nan, np.nan, 3.0, 4.0)), parts, model=model)
+    assert norms["network"].iloc[0] == 5.0 and np.isnan(norms["ema"].iloc[0])
+    norms = lab.layer_norms(run_with(_ema_columns(6.0, 8.0, 3.0, 4.0)), parts, model=model)
+    assert list(norms.iloc[0]) == [5.0, 10.0]
+
+
+def test_namesakes_without_the_model_raise_naming_the_paths_and_the_fix():
+    model = _WithEMA()
+    run = run_with(_ema_columns(np.nan, np.nan, 3.0, 4.0))
+    with pytest.raises(ValueError, match=r"Part 'network' holds some, not all, of the variables named "
+                                         r"'net/d/kernel', 'net/d/bias'.*model=model"):
+        lab.layer_norms(run, {"network": model.network, "ema": model.ema_network})
+    # A trace has no column for a variable without a gradient: the parts still show the namesakes.
+    trace_row = pd.DataFrame({"grad_norm/net/d/kernel#2": [3.0], "grad_norm/net/d/bias#2": [4.0]})
+    with pytest.raises(ValueError, match="model=model"):
+        lab.layer_norms(trace_row, {"network": model.network, "ema": model.ema_network})
+    norms = lab.layer_norms(trace_row, {"network": model.network, "ema": model.ema_network}, model=model)
+    assert norms["network"].iloc[0] == 5.0 and np.isnan(norms["ema"].iloc[0])
+    # A part holding every namesake, a prefix and a column's key need no model.
+    norms = lab.layer_norms(run, {"all": model, "net": "net", "copy": "net/d/kernel#2"})
+    assert list(norms.iloc[0]) == [5.0, 5.0, 3.0]
+
+
+def test_a_model_whose_namesakes_are_no_longer_trainable_raises():
+    model = _WithEMA()
+    run = run_with(_ema_columns(np.nan, np.nan, 3.0, 4.0))
+    model.network.trainable = False  # the EMA copy's variables would now be keyed `net/d/...#1`
+    with pytest.raises(ValueError, match=r"2 keys of 'net/d/kernel'.*trainable_variables` only 1"):
+        lab.layer_norms(run, {"ema": model.ema_network}, model=model)
+
+
+def test_by_layer_keeps_namesake_layers_apart():
+    norms = lab.layer_norms(run_with(_ema_columns(np.nan, np.nan, 3.0, 4.0)))
+    assert sorted(norms.columns) == ["net/d", "net/d#2"]
+    assert np.isnan(norms["net/d"].iloc[0]) and norms["net/d#2"].iloc[0] == 5.0
