@@ -154,11 +154,31 @@ class _LoopSlots:
         return told
 
     def add(self, name, reset=np.nan):
-        """Gives `name` a free slot; None when none is left (its reset applies from the next reset on)."""
+        """Gives `name` a free slot, which holds `reset` in every row from now
+        on; None when none is left."""
         if name not in self.index and len(self.index) < self.width:
-            self.index[name] = len(self.index)
-            self.resets[self.index[name]] = reset
+            index = self.index[name] = len(self.index)
+            self.resets[index] = reset
+            if not np.isnan(reset):
+                self._fill(index, reset)
         return self.index.get(name)
+
+    def _fill(self, index, value):
+        """Writes `value` into slot `index` of every row, now.
+
+        A free slot holds NaN in every row. A gradient's slot, added while a
+        step is traced (a variable the model did not list when watching
+        began), adds its squares onto what its row holds: left NaN until the
+        rows were read and reset, one lap of the ring later, it gave NaN
+        norms for the ring's first 1,025 steps. Run eagerly, also from inside
+        a trace (`init_scope`), on every copy of a mirrored ring.
+        """
+        with tf.init_scope():
+            indices = tf.constant(np.arange(self.rows, dtype=np.int64) * self.width + index)
+            values = tf.constant(np.full(self.rows, value, np.float32))
+            copies = self.vector.values if isinstance(self.vector, tf.distribute.DistributedValues) else [self.vector]
+            for copy in copies:
+                tf.raw_ops.ResourceScatterUpdate(resource=copy.handle, indices=indices, updates=values)
 
     def _reset_rows(self, count):
         """`count` rows of reset values, flat (numpy)."""
@@ -259,6 +279,7 @@ class LoopProbe(Probe):
         self._writes = threading.local()
         self._slots = None
         self._frozen = None
+        self._seen = set()  # the slots this block writes: its columns (`freeze`)
         self._traces = {}
         self._warned = set()
         self._infinite_told = set()  # norm columns whose inf was told of
@@ -329,6 +350,7 @@ class LoopProbe(Probe):
         for name, reset in names:
             slots.add(name, reset)
         slots.reset()
+        self._seen = {name for name, _ in names}
         self._slots = slots
         self._hold = slots.hold
 
@@ -336,12 +358,11 @@ class LoopProbe(Probe):
 
     def _index(self, name, reset):
         index = self._slots.index.get(name)
-        if index is not None:
-            return index
-        if self._frozen is None:
+        if index is None and self._frozen is None:
             index = self._slots.add(name, reset)
-            if index is not None:
-                return index
+        if index is not None:
+            self._seen.add(name)
+            return index
         self.warn_once(("slot", name), (
             f"The lab cannot record {name!r}: it appeared after recording started or "
             "there are too many variables. Build the model (call it on one batch) "
@@ -586,11 +607,25 @@ class LoopProbe(Probe):
         self._traces.clear()
 
     def freeze(self):
-        """Fixes which slots become columns (names appearing later are not recorded)."""
+        """Fixes which slots become columns (names appearing later are not recorded).
+
+        Only this block's: the ring keeps the slots of every variable an
+        earlier block saw (a variable no model holds, a model's part another
+        optimizer trained), which this run would show as columns of NaN. A
+        step traced in an earlier block writes without passing through this
+        one's `_index`: the variables of the optimizers watched are this
+        block's too.
+        """
+        variables = list(self.model.trainable_variables)
+        for optimizer in self.optimizers.values():
+            inner = getattr(optimizer, "inner_optimizer", None) or optimizer
+            variables += list(getattr(inner, "_trainable_variables", None) or ())
+        keys = self._keys(variables)
+        self._seen.update(f"{kind}{key}" for kind in (_GRAD_HALF, _WEIGHT_HALF, _UPDATE_HALF) for key in keys)
         several = len(self.optimizers) > 1
         self._frozen = {}
         for name, index in self._slots.index.items():
-            if self._records(name):
+            if name in self._seen and self._records(name):
                 if name.startswith("_lr/"):
                     name = f"learning_rate/{name[4:]}" if several else "learning_rate"
                 self._frozen[name] = index

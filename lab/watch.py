@@ -14,8 +14,10 @@ one block: on a timer, every `capacity` steps, when the run is read and at the e
 While watching, the lab also names the fix for the mistakes hand-written
 steps are known for: a loss computed outside the tape (no gradient at all),
 `apply_gradients` with `None` gradients, a metric that is never updated, a
-`tf.function` that traces again on every call, and a step traced before the
-lab was watching.
+`tf.function` that traces again on every call, a step traced before the
+lab was watching, and an optimizer watched that the loop never applies. A
+first argument that is no model, or a model with no optimizer to watch, is
+refused at the `watch(...)` call.
 """
 
 import contextlib
@@ -46,6 +48,13 @@ _NUMBER_DTYPES = frozenset(dtype for dtype in (tf.as_dtype(name) for name in (
     "uint8", "uint16", "uint32", "uint64", "bool")))
 # Steps after which a metric that never changed is reported.
 CONSTANT_METRIC_STEPS = 10
+# Steps of a block with no apply by any watched optimizer after which the run
+# says so (and at the block's end, however few). Applies are counted (see
+# `_applies`), not updates: one that only accumulates (Keras'
+# `gradient_accumulation_steps`, whatever its k) counts. Only a loop that calls
+# `apply_gradients` less often than once in 32 steps (its own accumulation over
+# more than 32 batches, past the usual 2 to 16) is told wrongly.
+UNAPPLIED_STEPS = 32
 _RESERVED = ("step", "seconds", "mode", "updated", "grad_norm", "learning_rate")
 _HOST_COLUMNS = ("epoch", "batch")
 
@@ -61,6 +70,35 @@ UNSEEN_UPDATE_MESSAGE = (
     "this model, so its graph has no probes. Enter `with lab.watch(...)` before the "
     "first call of the step, or wrap it anew inside the block: "
     "`train_step = tf.function(train_step.python_function)`."
+)
+UNAPPLIED_MESSAGE = (
+    "{watched} in {steps} steps, so the run has no gradient norms and `updated` is 0. Pass "
+    "the optimizer your loop applies: `lab.watch(model, optimizer)` (`lab.watch(model)` "
+    "watches the model's own, such as the default one `model.compile()` makes, also when "
+    "the loop applies another). A loop that updates without an optimizer (gradient ascent "
+    "by hand, `img += lr * grads`) gives lab.watch nothing to record but what run.step is "
+    "given. A loop that applies its gradients less often than once in {steps} steps "
+    "(accumulating them by hand) may ignore this."
+)
+NO_MODEL_MESSAGE = (
+    "lab.watch takes the keras.Model (or Layer) your loop trains first, then the optimizers "
+    "it applies: `lab.watch(model, optimizer)`; got {got}.{hint}"
+)
+VARIABLE_HINT = (
+    " A loop that trains a variable no model holds (neural style transfer's image) is "
+    "watched through the model that computes its loss: `lab.watch(feature_extractor, "
+    "optimizer)` records the variable's gradient norm as `grad_norm/<its name>` beside "
+    "the optimizer's learning rate and updates."
+)
+NO_OPTIMIZER_MESSAGE = (
+    "lab.watch found no optimizer on the model {model!r} (not compiled with one, no optimizer "
+    "attribute): it records what the optimizers of a loop apply, so it needs the one your loop "
+    "calls `apply_gradients` on: `lab.watch(model, optimizer)`. A loop that updates by hand, "
+    "without an optimizer (deep dream's gradient ascent, `img += lr * grads`), has nothing for "
+    "lab.watch to record: make the update an optimizer's (`img` a `tf.Variable`, "
+    "`optimizer = keras.optimizers.SGD(lr)`, `optimizer.apply_gradients([(-grads, img)])`, "
+    "then watch the model with it), or keep the losses in a `lab.Run` yourself: "
+    "`run = lab.Run()`, then `run.append_batches({{'loss': [float(loss)]}})` at each step."
 )
 UNGATED_MESSAGE = (
     "This step updated the weights without the device breakpoints being checked: the "
@@ -122,6 +160,8 @@ class WatchedRun(StatusReporter, Run):
         self._rows_lock = threading.Lock()
         self._given = None
         self._iterations = None
+        self._first_applies = None
+        self._applied_checked = False
         self._constant_checked = False
         self._closed = False
         self._init_status()
@@ -241,6 +281,8 @@ class WatchedRun(StatusReporter, Run):
             columns.update(rows)
             self._check_unseen_updates(rows, counts)
             self.append_batches(columns)
+            if len(self) >= UNAPPLIED_STEPS:
+                self._check_applied()
             self._check_constant_metrics()
             self.probe.note_xla(self, len(self) - 1)
             self.probe.note_trace_facts(self, len(self) - 1)
@@ -309,6 +351,20 @@ class WatchedRun(StatusReporter, Run):
                                       RuntimeWarning)
         self._note_warnings()
 
+    def _check_applied(self):
+        """Warns once when no watched optimizer applied in the block's steps so far; checked once."""
+        if self._applied_checked:
+            return
+        self._applied_checked = True
+        if any(_applies(o) > self._first_applies[name] for name, o in self.probe.optimizers.items()):
+            return
+        named = [f"{name!r} ({type(o).__name__})" for name, o in self.probe.optimizers.items()]
+        watched = (f"The optimizer {named[0]} that lab.watch watches applied no update" if len(named) == 1
+                   else f"None of the optimizers lab.watch watches ({', '.join(named)}) applied an update")
+        self.probe.warn_once("unapplied", UNAPPLIED_MESSAGE.format(watched=watched, steps=len(self)), UserWarning,
+                             step=len(self) - 1)
+        self._note_warnings()
+
     def _check_constant_metrics(self):
         if self._constant_checked or len(self) < CONSTANT_METRIC_STEPS:
             return
@@ -327,6 +383,7 @@ class WatchedRun(StatusReporter, Run):
 
     def _begin(self):
         self._iterations = {name: int(o.iterations.numpy()) for name, o in self.probe.optimizers.items()}
+        self._first_applies = {name: _applies(o) for name, o in self.probe.optimizers.items()}
         self._last = time.perf_counter()
         self._set_status("running")
 
@@ -337,6 +394,8 @@ class WatchedRun(StatusReporter, Run):
             self.probe.uninstall()
             self.probe.end_block()
             self._closed = True
+        if self._steps > 0 and error is None:
+            self._check_applied()
         if self._steps == 0 and error is None:
             updates = self.probe.updates_waiting()
             if updates > 0:
@@ -356,6 +415,17 @@ class WatchedRun(StatusReporter, Run):
             self._set_status("failed", message)
         else:
             self._set_status("finished")
+
+
+def _applies(optimizer):
+    """How many times `optimizer` was applied (waits for the device).
+
+    Its public `iterations` counts updates: with Keras' gradient accumulation,
+    an apply that only accumulates is not one. The count of applies is the
+    private `_iterations` (Keras 3.0 on), read where it exists.
+    """
+    inner = getattr(optimizer, "inner_optimizer", None) or optimizer
+    return int(getattr(inner, "_iterations", inner.iterations).numpy())
 
 
 def _to_numpy(values):
@@ -402,6 +472,39 @@ def _value(name, value):
             f"{type(value).__name__}.") from None
 
 
+def _check_model(model):
+    """Refuses a first argument that is no keras Layer, naming what to pass instead."""
+    if isinstance(model, keras.layers.Layer):
+        return
+    hint = ""
+    if isinstance(model, keras.optimizers.Optimizer):
+        got = f"a keras optimizer ({type(model).__name__}) first"
+    elif isinstance(model, (tf.Variable, keras.Variable)):
+        got, hint = f"a {_kind(model)} ({model.name!r})", VARIABLE_HINT
+    elif isinstance(model, (list, tuple)):
+        kinds = sorted({_kind(item) for item in model})
+        got = f"a {type(model).__name__} of {', '.join(kinds)}" if kinds else f"an empty {type(model).__name__}"
+        if any(isinstance(item, (tf.Variable, keras.Variable)) for item in model):
+            hint = VARIABLE_HINT
+        elif any(isinstance(item, keras.layers.Layer) for item in model):
+            hint = (" To watch several models trained together, pass one model that holds them all (a GAN "
+                    "with its generator and discriminator as attributes) and each optimizer: "
+                    "`lab.watch(gan, g_opt, d_opt)`.")
+    elif model is None:
+        got, hint = "None", VARIABLE_HINT
+    else:
+        got = f"a {_kind(model)}"
+    raise TypeError(NO_MODEL_MESSAGE.format(got=got, hint=hint))
+
+
+def _kind(value):
+    if isinstance(value, keras.Variable):
+        return "keras.Variable"
+    if isinstance(value, tf.Variable):
+        return "tf.Variable"
+    return type(value).__name__
+
+
 def _name_optimizers(model, optimizers, named):
     attributes = {id(v): k for k, v in vars(model).items()
                   if isinstance(v, keras.optimizers.Optimizer) and k != "_optimizer"}
@@ -428,15 +531,12 @@ def _name_optimizers(model, optimizers, named):
     if not result:
         result = find_optimizers(model)
     if not result:
-        raise ValueError(
-            "lab.watch found no optimizer: pass the one your loop uses, "
-            "`lab.watch(model, optimizer)`.")
+        raise ValueError(NO_OPTIMIZER_MESSAGE.format(model=model.name))
     if len({id(o) for o in result.values()}) < len(result):
         raise ValueError("lab.watch got the same optimizer twice; pass each one once.")
     return result
 
 
-@contextlib.contextmanager
 def watch(model, *optimizers, gradients=True, weights=False, breakpoints=(), flush_every=0.25,
           capacity=1024, **named_optimizers):
     """Watches a training loop you wrote; yields a `lab.Run`.
@@ -477,6 +577,13 @@ def watch(model, *optimizers, gradients=True, weights=False, breakpoints=(), flu
         capacity: int, steps kept on the device between reads.
         **named_optimizers: name -> keras optimizer.
 
+    Returns:
+        A context manager; entering it installs the probes and yields the run.
+
+    Raises:
+        TypeError, ValueError: at the call, for a first argument that is no
+            keras Model or Layer, no optimizer to watch, or a bad setting.
+
     Example:
 
     ```python
@@ -487,6 +594,7 @@ def watch(model, *optimizers, gradients=True, weights=False, breakpoints=(), flu
     run.batches()
     ```
     """
+    _check_model(model)
     check_number("lab.watch", "capacity", capacity, numbers.Integral, lambda v: v >= 1,
                  "a positive whole number of steps", "capacity=1024: the steps kept on the device between reads")
     check_seconds("lab.watch", "flush_every", flush_every, "flush_every=0.25: read the device four times a second")
@@ -502,8 +610,14 @@ def watch(model, *optimizers, gradients=True, weights=False, breakpoints=(), flu
                 f"breakpoints must be lab.Breakpoint objects (or lab.breakpoints.nonfinite()); "
                 f"got {type(point).__name__}.")
     chosen = _name_optimizers(model, optimizers, named_optimizers)
+    return _watching(model, chosen, points, gradients, weights, flush_every, int(capacity))
+
+
+@contextlib.contextmanager
+def _watching(model, chosen, points, gradients, weights, flush_every, capacity):
+    """The block of `watch`, its arguments checked."""
     probe = LoopProbe(model, chosen, gradients=gradients, weights=weights,
-                      breakpoints=[p for p in points if getattr(p, "on_device", False)], capacity=int(capacity))
+                      breakpoints=[p for p in points if getattr(p, "on_device", False)], capacity=capacity)
     run = WatchedRun(probe, points, flush_every=flush_every)
     run.metadata.update(model=model.name, model_class=type(model).__name__, loop="watch",
                         optimizer=", ".join(f"{k}: {type(o).__name__}" for k, o in chosen.items()),

@@ -347,7 +347,7 @@ def test_bad_arguments_name_the_fix():
     with pytest.raises(TypeError, match="unexpected keyword gradient=bool"):
         with lab.watch(model, keras.optimizers.SGD(), gradient=True):
             pass
-    with pytest.raises(ValueError, match="pass the one your loop uses"):
+    with pytest.raises(ValueError, match="needs the one your loop calls `apply_gradients` on"):
         with lab.watch(model):
             pass
     with pytest.raises(ValueError, match=r"lab.Breakpoint\(lambda row"):
@@ -371,6 +371,178 @@ def test_bad_arguments_name_the_fix():
         with pytest.raises(error, match=r"lab.watch\(flush_every=\.\.\.\) must be a number of seconds, 0 or"):
             with lab.watch(model, keras.optimizers.SGD(), flush_every=bad):
                 pass
+
+
+class Subclassed(keras.Model):
+    """A subclassed model, built by its first call (in the loop's first step)."""
+
+    def __init__(self):
+        super().__init__(name="subclassed")
+        self.hidden = keras.layers.Dense(8, activation="tanh", name="hidden")
+        self.logits = keras.layers.Dense(10, name="logits")
+
+    def call(self, x):
+        return self.logits(self.hidden(x))
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_variables_the_model_did_not_list_when_watching_began_get_the_tapes_norms_from_the_first_step(digits, mode):
+    # A subclassed model built by its first step, and a tf.Variable no model
+    # holds (neural style transfer's image, its own optimizer's): their slots
+    # were added while the step ran, onto rows holding NaN, and read NaN for
+    # the ring's whole first lap (1,025 steps).
+    keras.utils.set_random_seed(0)
+    model, optimizer, image_optimizer = Subclassed(), keras.optimizers.SGD(0.05), keras.optimizers.SGD(0.01)
+    image = tf.Variable(np.random.default_rng(0).normal(size=(3, 64)).astype("float32"), name="image")
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = LOSS(y, model(x, training=True)) + tf.reduce_sum(tf.square(model(image)))
+        grads = tape.gradient(loss, model.trainable_variables + [image])
+        optimizer.apply_gradients(zip(grads[:-1], model.trainable_variables))
+        image_optimizer.apply_gradients([(grads[-1], image)])
+        return loss, grads
+
+    step = step if mode == "eager" else tf.function(step)
+    expected = []
+    with lab.watch(model, optimizer, image_optimizer, flush_every=3600) as run:
+        for x, y in batches(*digits, 3):
+            loss, grads = step(x, y)
+            expected.append([float(tf.norm(g)) for g in grads] + [float(tf.linalg.global_norm(grads))])
+            run.step(loss=loss)
+    frame = run.batches()
+    paths = [v.path for v in model.trainable_variables] + ["image:0"]
+    got = frame[[f"grad_norm/{p}" for p in paths] + ["grad_norm"]].to_numpy()
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("make_first, named", [
+    (lambda: tf.Variable(np.zeros((2, 3), np.float32)), r"got a tf.Variable \('Variable:0'\)"),
+    (lambda: None, "got None"),
+    (lambda: [tf.Variable(np.zeros((2, 3), np.float32))], "got a list of tf.Variable"),
+    (lambda: keras.optimizers.SGD(0.1), r"got a keras optimizer \(SGD\) first"),
+], ids=["variable", "none", "list", "optimizer"])
+def test_a_first_argument_that_is_no_model_is_refused_at_the_call_with_the_fix(make_first, named):
+    first, optimizer = make_first(), keras.optimizers.SGD(0.1)
+    with pytest.raises(TypeError, match=named) as caught:
+        lab.watch(first, optimizer)  # not entered: refused at the call
+    message = str(caught.value)
+    assert message.startswith("lab.watch takes the keras.Model (or Layer) your loop trains first")
+    assert "`lab.watch(model, optimizer)`" in message
+    if not isinstance(first, keras.optimizers.Optimizer):
+        # What works for a variable no model holds: the model computing the loss.
+        assert "`lab.watch(feature_extractor, optimizer)` records the variable's gradient norm" in message
+
+
+def test_a_model_with_no_optimizer_is_refused_at_the_call_with_what_to_do_instead():
+    # Deep dream: gradient ascent by hand, no optimizer anywhere.
+    model = make_mlp()
+    with pytest.raises(ValueError, match=f"found no optimizer on the model '{model.name}'") as caught:
+        lab.watch(model)
+    message = str(caught.value)
+    assert "`lab.watch(model, optimizer)`" in message
+    assert "`optimizer.apply_gradients([(-grads, img)])`" in message  # or make the update an optimizer's
+    assert "`run.append_batches({'loss': [float(loss)]})`" in message  # or keep a lab.Run
+
+
+def events_about(run, text):
+    return [d for d in run.events()["detail"] if text in d]
+
+
+def test_a_watched_optimizer_the_loop_never_applies_is_reported_once_and_an_accumulating_loop_is_not(digits):
+    from lab.watch import UNAPPLIED_STEPS
+
+    # keras-io's reptile: `lab.watch(model)` watches the RMSprop `compile()`
+    # made, while the loop applies its own SGD; the weights change every step.
+    model = make_mlp()
+    model.compile()
+    sgd = keras.optimizers.SGD(0.05)
+    step = make_step(model, sgd, "graph")
+    data = batches(*digits, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with lab.watch(model, flush_every=0) as run:
+            for index in range(UNAPPLIED_STEPS + 4):
+                run.step(loss=step(*data[index % 4]))
+            # Told while the loop runs, at the step the run noticed.
+            told = events_about(run, "Pass the optimizer your loop applies: `lab.watch(model, optimizer)`")
+            assert len(told) == 1 and run.events()["step"].iloc[-1] == UNAPPLIED_STEPS - 1
+    assert told[0].startswith(f"The optimizer 'optimizer' (RMSprop) that lab.watch watches applied no update "
+                              f"in {UNAPPLIED_STEPS} steps")
+    assert [str(w.message) for w in caught if "no update" in str(w.message)] == told
+    assert (run.batches()["updated"] == 0).all()
+
+    # Deep dream with an optimizer that never applies, fewer steps: told at the block's end.
+    model, unused = make_mlp(), keras.optimizers.SGD(0.01)
+    with pytest.warns(UserWarning, match="applied no update in 3 steps"):
+        with lab.watch(model, unused) as run:
+            for _ in range(3):
+                run.step(loss=1.0)
+    assert len(events_about(run, "no update")) == 1
+
+    # Gradients accumulated by hand over 8 batches, or by Keras over 64: not told.
+    for every, optimizer in ((8, keras.optimizers.SGD(0.05)),
+                             (None, keras.optimizers.SGD(0.05, gradient_accumulation_steps=64))):
+        model = make_mlp()
+        sums = [tf.Variable(tf.zeros_like(v)) for v in model.trainable_variables]
+
+        @tf.function
+        def accumulate(x, y, apply):
+            with tf.GradientTape() as tape:
+                loss = LOSS(y, model(x, training=True))
+            grads = tape.gradient(loss, model.trainable_variables)
+            if every is None:
+                optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            elif apply:
+                optimizer.apply_gradients(zip([s + g for s, g in zip(sums, grads)], model.trainable_variables))
+                for total in sums:
+                    total.assign(tf.zeros_like(total))
+            else:
+                for total, grad in zip(sums, grads):
+                    total.assign_add(grad)
+            return loss
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with lab.watch(model, optimizer, flush_every=0) as run:
+                for index in range(UNAPPLIED_STEPS + 8):
+                    run.step(loss=accumulate(*data[index % 4], apply=every is not None and index % every == every - 1))
+        assert not events_about(run, "no update") and not [w for w in caught if "no update" in str(w.message)]
+        assert run.batches()["updated"].sum() == (5 if every else 0)
+
+
+def test_a_run_has_columns_only_for_the_variables_its_block_saw(digits):
+    # The model's ring keeps every slot an earlier block added; a later run
+    # showed them as columns of NaN.
+    model, optimizer, extra_optimizer = make_mlp(), keras.optimizers.SGD(0.05), keras.optimizers.SGD(0.01)
+    extra = tf.Variable(np.ones((3, 64), np.float32), name="extra")
+
+    @tf.function
+    def with_extra(x, y):
+        with tf.GradientTape() as tape:
+            loss = LOSS(y, model(x, training=True)) + tf.reduce_sum(tf.square(model(extra)))
+        grads = tape.gradient(loss, model.trainable_variables + [extra])
+        optimizer.apply_gradients(zip(grads[:-1], model.trainable_variables))
+        extra_optimizer.apply_gradients([(grads[-1], extra)])
+        return loss
+
+    data = batches(*digits, 2)
+    with lab.watch(model, optimizer, extra_optimizer) as first:
+        for x, y in data:
+            first.step(loss=with_extra(x, y))
+    assert first.batches()["grad_norm/extra:0"].notna().all()
+    other = keras.optimizers.SGD(0.05)
+    step = make_step(model, other, "graph")
+    with lab.watch(model, other) as second:
+        for x, y in data:
+            second.step(loss=step(x, y))
+    grads = [c for c in second.batches() if c.startswith("grad_norm/")]
+    assert sorted(grads) == sorted(f"grad_norm/{v.path}" for v in model.trainable_variables)
+    assert second.batches()[grads].notna().all().all()
+    # The step traced in the first block, not traced again: its optimizer's variables are the block's.
+    with lab.watch(model, optimizer, extra_optimizer) as third:
+        third.step(loss=with_extra(*data[0]))
+    assert third.batches()["grad_norm/extra:0"].notna().all()
 
 
 @pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
