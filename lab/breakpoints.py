@@ -235,7 +235,11 @@ def nonfinite():
     forward pass assigned is put back too (BatchNormalization's moving
     statistics, which a NaN batch makes NaN); in a `lab.watch` loop, only
     the update is kept out. With several optimizers in one step, those
-    applied before the hit keep their update (the event names them).
+    applied before the hit keep their update (the event names them). Under
+    a LossScaleOptimizer (mixed precision), scaled gradients that overflow
+    are its own business, as without the lab (it skips that update and
+    lowers its scale): the breakpoint checks the loss, and the update's
+    result.
 
     Example:
 

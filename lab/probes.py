@@ -448,12 +448,43 @@ def leaf_metrics(model):
         if flat is None:
             names.setdefault(metric.name, metric)
             continue
-        for group in list(flat) + list(getattr(metric, "_flat_weighted_metrics", []) or []):
-            if not group:
-                continue
-            for leaf in group.metrics:
-                name = f"{group.output_name}_{leaf.name}" if group.output_name else leaf.name
-                names.setdefault(name, leaf)
+        for name, leaf in _compiled_metric_names(flat, getattr(metric, "_flat_weighted_metrics", None) or []).items():
+            names.setdefault(name, leaf)
+    return names
+
+
+def _compiled_metric_names(flat, weighted):
+    """The names compiled metrics are logged under, each to its metric: as
+    `CompileMetrics.result()` names them (Keras 3.5 to 3.15 alike), a
+    repeated name numbered (`xent_1`) and a weighted metric whose name is
+    taken prefixed (`weighted_accuracy`)."""
+    names, counters = {}, {}
+
+    def prefixed(group, name):
+        return f"{group.output_name}_{name}" if group.output_name else name
+
+    for group in flat:
+        for leaf in (group.metrics if group else []):
+            name = prefixed(group, leaf.name)
+            if name in counters:
+                counters[name] += 1
+                name = f"{name}_{counters[name] - 1}"
+            else:
+                counters[name] = 1
+            names[name] = leaf
+    for group in weighted:
+        for leaf in (group.metrics if group else []):
+            name = prefixed(group, leaf.name)
+            if name in counters:
+                name = prefixed(group, f"weighted_{leaf.name}")
+                if name in counters:
+                    counters[name] += 1
+                    name = f"{name}_{counters[name] - 1}"
+                else:
+                    counters[name] = 1
+            else:
+                counters[name] = 1
+            names[name] = leaf
     return names
 
 
@@ -918,7 +949,11 @@ class Probe:
                     optimizer.build(trainable_variables)
             # Here, not in the gated update: a nested graph's slots keep replica 0's value only.
             probe._emit_local_square(state, grads)
-            skip = probe._gate(state, grads)
+            # A LossScaleOptimizer skips an update whose scaled gradients
+            # overflow and lowers its scale: its own business, as in bare
+            # training. The gate checks the loss; the update's result is
+            # still checked after it.
+            skip = probe._gate(state, [] if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) else grads)
 
             ctx = _replica_context()
             guarded = probe._nonfinite_index is not None and ctx is None

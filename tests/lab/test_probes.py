@@ -394,6 +394,44 @@ def test_a_nonfinite_hit_keeps_the_batch_out_of_the_moving_statistics_and_names_
     assert sorted(named) == sorted(v.path for v in model.network.trainable_weights)
 
 
+def fit_half_precision_regressor(x, y, recorder=None):
+    """A mixed_float16 regressor with BatchNormalization: Keras wraps Adam in
+    a LossScaleOptimizer, whose first scales overflow on this large loss."""
+    keras.utils.set_random_seed(0)
+    previous = keras.config.dtype_policy()
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    try:
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.BatchNormalization(),
+                                  keras.layers.Dense(1, dtype="float32")])
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    finally:
+        keras.mixed_precision.set_dtype_policy(previous)
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[recorder] if recorder else [])
+    return model
+
+
+def test_nonfinite_leaves_a_loss_scale_optimizers_overflows_to_it_and_stops_at_a_nonfinite_loss():
+    # The gate took the overflowing scaled gradients of mixed precision's
+    # first steps for a NaN: it stopped training at step 0, where bare fit()
+    # lets the LossScaleOptimizer skip those updates and lower its scale.
+    x = (np.random.default_rng(0).normal(size=(128, 8)) * 100).astype("float32")
+    y = x.sum(1, keepdims=True) * 50
+    bare = fit_half_precision_regressor(x, y)
+    assert isinstance(bare.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert int(bare.optimizer.iterations.numpy()) < 16  # updates skipped for overflows
+    recorder = lab.Recorder(breakpoints=[lab.breakpoints.nonfinite()])
+    watched = fit_half_precision_regressor(x, y, recorder)
+    assert recorder.run.events().query("kind == 'nonfinite'").empty
+    for got, want in zip(watched.weights + watched.optimizer.variables, bare.weights + bare.optimizer.variables):
+        np.testing.assert_array_equal(got.numpy(), want.numpy(), err_msg=got.path)
+    bad = x.copy()
+    bad[40, 3] = np.nan  # the third batch
+    recorder = lab.Recorder(breakpoints=[lab.breakpoints.nonfinite()])
+    stopped = fit_half_precision_regressor(bad, y, recorder)
+    assert recorder.run.events().query("kind == 'nonfinite'")["step"].tolist() == [2]
+    assert all(np.isfinite(v.numpy()).all() for v in stopped.weights)
+
+
 def test_loss_spike_stops_before_the_spiking_update(digits):
     x, y = digits
     keras.utils.set_random_seed(0)
