@@ -319,18 +319,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
 
     def _note_running_values(self):
         """Says which columns hold Keras' running values, not the batch's own."""
-        running = sorted(self._probe.running_columns)
-        known = self.run.metadata.get(schema.RUNNING_VALUES, [])
-        new = [name for name in running if name not in known]
-        if not new:
-            return
-        self.run.metadata[schema.RUNNING_VALUES] = list(known) + new
-        for name in new:
-            self.run.add_event(
-                "running_value",
-                f"{name!r} is the value Keras reports, a running value since the epoch began: "
-                "its metric is not a mean, so the batch's own value cannot be read off its state",
-                step=self.run.next_step - 1)
+        self.run.note_running_values(self._probe.running_columns, self.run.next_step - 1)
 
     def _cut_at_device_hit(self, columns):
         """Keeps rows up to a device breakpoint's hit; later steps of the same

@@ -12,7 +12,7 @@ import weakref
 import numpy as np
 import pandas as pd
 
-from lab import runfile
+from lab import runfile, schema
 from lab.observers import Observers
 
 _INDEX_COLUMNS = ("step", "epoch", "batch")
@@ -148,6 +148,22 @@ class Run:
         return event
 
     # ---- reading -----------------------------------------------------------
+
+    def note_running_values(self, names, step):
+        """Marks the columns `names` as Keras' running values, not each batch's
+        own (`schema.RUNNING_VALUES`), with one `running_value` event for each
+        not marked before."""
+        known = self.metadata.get(schema.RUNNING_VALUES, [])
+        new = [name for name in sorted(names) if name not in known]
+        if not new:
+            return
+        self.metadata[schema.RUNNING_VALUES] = list(known) + new
+        for name in new:
+            self.add_event(
+                "running_value",
+                f"{name!r} is the value Keras reports, a running value since the epoch began: "
+                "its metric is not a mean, so the batch's own value cannot be read off its state",
+                step=step)
 
     def __len__(self):
         return self._length

@@ -70,6 +70,9 @@ class StepTrace:
             `learning_rate`, `grad_norm/<key>`, `grad_norm`).
         no_gradient: list of str, keys of variables passed to the optimizer with a None gradient.
         sample_weight: ndarray or None.
+        running: list of str, the columns of `row` that hold Keras' running
+            value since the epoch began (a metric that is not a mean, such as
+            AUC), not the batch's own.
 
     Example:
 
@@ -97,6 +100,7 @@ class StepTrace:
     row: dict = dataclasses.field(default_factory=dict)
     no_gradient: list = dataclasses.field(default_factory=list)
     sample_weight: object = None
+    running: list = dataclasses.field(default_factory=list)
 
     @property
     def loss(self):
@@ -581,8 +585,11 @@ class Stepper:
         if "loss" in outputs:
             row["loss"] = float(np.mean(np.asarray(outputs["loss"])))
         metrics = leaf_metrics(self.model)
+        trace.running = []
         for name, value in trace.logs.items():
             metric = metrics.get(name)
+            if metric is not None and not is_mean(metric) and np.ndim(value) == 0:
+                trace.running.append(name)  # its batch value cannot be read off its state
             if metric is not None and is_mean(metric):
                 total = [before.get(id(raw_variable(v))) for v in (metric.total, metric.count)]
                 new = [after.get(id(raw_variable(v))) for v in (metric.total, metric.count)]
@@ -621,6 +628,7 @@ class Stepper:
                    "seconds": [trace.seconds], "mode": [self.mode], "source": ["stepper"]}
         columns.update({k: [v] for k, v in trace.row.items()})
         self.run.append_batches(columns)
+        self.run.note_running_values(trace.running, trace.index)
 
 
 def _check_list_data(model, data):

@@ -449,6 +449,57 @@ def test_a_running_metric_is_declared_running_not_shown_as_the_batch_value():
     assert lab.schema.value_kind(rec.run, "correct_count") == "running"
 
 
+class OwnValues(keras.callbacks.Callback):
+    """Each batch's own logs: the metrics reset before every batch."""
+
+    def on_train_begin(self, logs=None):
+        self.logs = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.model.reset_metrics()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.logs.append({k: float(v) for k, v in logs.items()})
+
+
+def make_renamed_metrics_classifier():
+    # Keras logs the second "xent" as "xent_1" and the weighted "accuracy"
+    # as "weighted_accuracy"; "correct_count" is no mean (a running value).
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="softmax")])
+    xent = lambda: keras.metrics.SparseCategoricalCrossentropy(name="xent")  # noqa: E731
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy", xent(), xent(), CorrectCount()],
+                  weighted_metrics=["accuracy"])
+    return model
+
+
+@pytest.mark.parametrize("recorded_by", ["recorder", "stepper"])
+def test_metrics_keras_logs_under_numbered_or_weighted_names_hold_each_batchs_own_value(recorded_by):
+    # The lab took "weighted_accuracy" and "xent_1" for values the step
+    # returned: it recorded Keras' running epoch value as the batch's own.
+    x, _ = data()
+    y = np.arange(64) % 3
+    weights = np.linspace(0.2, 2.0, 64).astype("float32")
+    own = OwnValues()
+    make_renamed_metrics_classifier().fit(x, y, sample_weight=weights, batch_size=16, shuffle=False, verbose=0,
+                                          callbacks=[own])
+    model = make_renamed_metrics_classifier()
+    if recorded_by == "recorder":
+        rec = lab.Recorder()
+        model.fit(x, y, sample_weight=weights, batch_size=16, shuffle=False, verbose=0, callbacks=[rec])
+        run = rec.run
+    else:
+        run = lab.Run()
+        lab.Stepper(model, (x, y, weights), batch_size=16, shuffle=False, mode="graph", run=run).step(4)
+    rows = run.batches()
+    for name in ("weighted_accuracy", "xent_1", "accuracy", "xent"):
+        np.testing.assert_allclose(rows[name], [logs[name] for logs in own.logs], rtol=1e-6, err_msg=name)
+        assert lab.schema.value_kind(run, name) == "batch"
+    assert lab.schema.value_kind(run, "correct_count") == "running"
+    assert run.metadata["running_values"] == ["correct_count"]
+
+
 # ---- 8. numerics --------------------------------------------------------------------------
 
 
