@@ -56,6 +56,7 @@ class LiveFigure:
         self._traces = {}
         self._sent = {}
         self._layers = ()
+        self._events_panel = "loss"  # the axis the event markers are on
         # The loss trace exists from the start, so it is always trace 0.
         self._trace("loss", "loss", markers=False)
         if "heatmap" in self.rows:
@@ -137,16 +138,23 @@ class LiveFigure:
         # array (about 0.1 ms each, most of a refresh with 50 layers), and
         # these are float32 arrays this module made (`_values`).
         edits, relayout = {}, {}
-        self._add_traces([(panel, series.name, series.markers) for panel, items in panels for series in items])
+        self._add_traces([(_panel_of(panel, series), series.name, series.markers)
+                          for panel, items in panels for series in items])
         for panel, items in panels:
             for series in items:
-                key = (panel, series.name)
+                key = (_panel_of(panel, series), series.name)
                 # Only the series that changed since the last refresh are sent.
                 if self._changed(key, series.x, series.y):
                     edit = edits.setdefault(self._traces[key], {})
                     edit["x"], edit["y"] = _values(series.x), _values(series.y)
                     if series.name == "events":
                         edit["hovertext"] = list(series.text)
+                if series.name == "events" and panel != self._events_panel:
+                    # Events sit on the loss, or on the first metric of a
+                    # run without one: the one trace moves to that axis.
+                    self._events_panel = panel
+                    edit = edits.setdefault(self._traces[key], {})
+                    edit["yaxis"] = self._axes(self.rows["loss"], secondary=panel == "metrics")["yaxis"]
         heat = data.heatmap
         if "heatmap" in self.rows and self._changed(("heatmap", "heatmap"), heat.x, heat.z):
             index = self._traces[("heatmap", "heatmap")]
@@ -182,6 +190,11 @@ class LiveFigure:
     def trace(self, name, panel="loss"):
         """The plotly trace drawing series `name` of `panel` (for tests and notebooks)."""
         return self.figure.data[self._traces[(panel, name)]]
+
+
+def _panel_of(panel, series):
+    """The panel whose trace draws `series`: event markers have one trace whichever axis they are on."""
+    return "loss" if series.name == "events" else panel
 
 
 def _values(array):

@@ -30,6 +30,7 @@ import warnings
 
 import ipywidgets
 import keras
+import numpy as np
 
 import lab
 
@@ -410,7 +411,7 @@ class Dashboard(keras.callbacks.Callback):
             status = self._header_html()
             if view.kind == "html":
                 if self._ghost is not None:  # a new ChartData: the state hands the same one out again
-                    data = dataclasses.replace(data, loss=[data.loss[0], self._ghost, *data.loss[1:]])
+                    data = dataclasses.replace(data, loss=[*data.loss[:1], self._ghost, *data.loss[1:]])
                 if self.status in _TERMINAL:
                     status = self._static_status_html()
             view.send(data, status, final=final)
@@ -511,8 +512,7 @@ class Dashboard(keras.callbacks.Callback):
         """A deterministic text summary of the run (no timings): what text/plain shows."""
         run = self.run
         status = self.status + (f": {self.status_detail}" if self.status_detail else "")
-        series = [c for c in ("loss",) if c in run.columns]
-        data_names = series + _metric_and_val_names(run)
+        data_names = _series_names(run)
         lines = [f"Dashboard ({status})",
                  f"{len(run)} steps, {len(run.epochs())} epochs"]
         if data_names:
@@ -571,8 +571,10 @@ def _ghost_series(run, max_points):
     return Series(f"{run.name} (saved)", x, y)
 
 
-def _metric_and_val_names(run):
-    names = metric_names(run.columns)
+def _series_names(run):
+    """The loss, metrics and validation metrics the charts draw: batch columns with a finite value."""
+    names = [c for c in ("loss", *metric_names(run.columns))
+             if c in run.columns and np.isfinite(run.column(c)).any()]
     epochs = run.epochs()
     names += [c for c in epochs.columns if c.startswith("val_")]
     return names

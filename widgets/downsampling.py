@@ -70,7 +70,9 @@ class Envelope:
 
     Buckets start one step wide and double (pairs merge) whenever there are
     more than `max_buckets`, so memory and the cost of `points()` stay
-    bounded while `extend` costs only the new rows.
+    bounded while `extend` costs only the new rows. The first and the last
+    finite point are kept too: a line starts at the run's first value and
+    ends at its latest one, which a bucket's min and max need not be.
 
     Args:
         max_buckets: int, the most buckets kept.
@@ -83,13 +85,20 @@ class Envelope:
         self.by = np.zeros((0, 2), np.float32)
         self.tail_x = np.zeros(0)
         self.tail_y = np.zeros(0, np.float32)
+        self.first = None  # (step, value) of the first finite point
+        self.last = None  # and of the latest
 
     def extend(self, x, y):
         if not len(self.bx) and not len(self.tail_y):
             self.width = _starting_width(len(y), self.max_buckets)
         finite = np.isfinite(y)
-        x = np.concatenate([self.tail_x, np.asarray(x, np.float64)[finite]])
-        y = np.concatenate([self.tail_y, np.asarray(y, np.float32)[finite]])
+        new_x, new_y = np.asarray(x, np.float64)[finite], np.asarray(y, np.float32)[finite]
+        if len(new_y):
+            if self.first is None:
+                self.first = (new_x[0], new_y[0])
+            self.last = (new_x[-1], new_y[-1])
+        x = np.concatenate([self.tail_x, new_x])
+        y = np.concatenate([self.tail_y, new_y])
         full = len(y) // self.width * self.width
         if full:
             bx, by = x[:full].reshape(-1, self.width), y[:full].reshape(-1, self.width)
@@ -124,6 +133,11 @@ class Envelope:
         keep[1:] = x[1:] != x[:-1]  # a bucket whose min and max are one point
         x = np.concatenate([x[keep], self.tail_x])
         y = np.concatenate([y[keep], self.tail_y])
+        # MinMaxLTTB keeps the first and last points it is given: give it the series' own.
+        if self.first is not None and x[0] != self.first[0]:
+            x, y = np.insert(x, 0, self.first[0]), np.insert(y, 0, self.first[1])
+        if self.last is not None and x[-1] != self.last[0]:
+            x, y = np.append(x, self.last[0]), np.append(y, self.last[1])
         return downsample(x, y, n_out)
 
 

@@ -45,7 +45,8 @@ class Lab(ipywidgets.VBox):
 
     Args:
         model: keras.Model, compiled; None when `build_model` builds it.
-        data: tuple `(x, y)` or `(x, y, sample_weight)` of arrays, or a
+        data: tuple `(x, y)` or `(x, y, sample_weight)` of arrays, the inputs
+            `x` alone (as `fit(x)` takes them: a GAN, an autoencoder), or a
             batched `tf.data.Dataset`: what each Run trains on.
         batch_size: int, for array data.
         epochs: int, epochs per Run.
@@ -321,18 +322,26 @@ def _is_arrays(data):
 
 
 def _checked_data(data):
+    """`data` as `(x, y)`, `(x, y, sample_weight)` or a dataset; x alone, as fit(x) takes it, is `(x, None)`."""
     if isinstance(data, list):
         data = tuple(data)
     if isinstance(data, (tf.data.Dataset, keras.utils.PyDataset)):
         return data
+    if isinstance(data, dict) or hasattr(data, "shape"):
+        data = (data,)  # inputs alone: a model whose train_step needs no targets (a GAN, an autoencoder)
     if not isinstance(data, tuple):
         raise TypeError(
-            f"Lab(model, data): data must be a tuple (x, y) or (x, y, sample_weight) of arrays, or a "
-            f"batched tf.data.Dataset; got {type(data).__name__}. E.g. widgets.Lab(model, (x_train, y_train)).")
+            f"Lab(model, data): data must be a tuple (x, y) or (x, y, sample_weight) of arrays, the inputs x "
+            f"alone, or a batched tf.data.Dataset; got {type(data).__name__}. E.g. widgets.Lab(model, (x_train, "
+            "y_train)), or widgets.Lab(gan, x_train) for a model trained on x alone.")
+    if len(data) == 1:
+        data = (data[0], None)
     if len(data) not in (2, 3):
-        raise ValueError(f"Lab(model, data): data must be (x, y) or (x, y, sample_weight); got a tuple of {len(data)}.")
+        raise ValueError(f"Lab(model, data): data must be x, (x, y) or (x, y, sample_weight); "
+                         f"got a tuple of {len(data)}.")
     if data[0] is None:
-        raise ValueError("Lab(model, data): data's x is None; pass the training inputs as data=(x, y).")
+        raise ValueError("Lab(model, data): data's x is None; pass the training inputs as data=(x, y), "
+                         "or data=x for a model trained on x alone.")
     return data
 
 

@@ -1,17 +1,22 @@
 """RunCompare: several runs overlaid on one step axis, one column at a time."""
 
+import html
+import numbers
+
 import ipywidgets
 import numpy as np
 import pandas as pd
 
 import lab
+from lab.arguments import check_number
+# lab.compare's own naming (`run.name`, `#2` for a repeat), so each run,
+# one without rows too, keeps the name lab.compare gives its rows.
+from lab.compare import _named_runs
 from widgets import static
 from widgets.html_view import HtmlView
-from widgets.series import MAX_POINTS, Series, downsample
+from widgets.series import MAX_POINTS, Series, downsample, is_bookkeeping, metric_names
 from widgets.views import check_view, choose_view
 
-# Batch columns that are bookkeeping, not something to compare.
-_SKIPPED = ("step", "epoch", "batch", "mode", "updated")
 _LOG_SCALE = ("grad_norm", "weight_norm/", "update_ratio/")
 
 
@@ -22,13 +27,17 @@ class RunCompare(ipywidgets.VBox):
     `max_points` with minima and maxima kept), and, where the runs' epoch
     logs have `val_<column>`, that run's validation values as markers at the
     step that ended each epoch. Gradient norms are drawn on a log axis. A run
-    without the chosen column keeps its legend entry, marked "(not recorded)".
+    without the chosen column keeps its legend entry, marked "(not recorded)";
+    a run without any row, marked "(no rows)". Bookkeeping columns (`mode`,
+    `updated/<optimizer>`, ...) are not offered.
 
     Args:
         runs: list of `lab.Run` (or Recorders, or paths of run files), or dict
             name -> run, as `lab.compare` takes them.
-        column: str, the column shown first (default `loss`).
-        max_points: int, the most points drawn per run.
+        column: str or None, the column shown first; None shows `loss`, or
+            where no run has a loss (a GAN's `d_loss` and `g_loss`), the
+            first metric the runs logged.
+        max_points: int, the most points drawn per run (8 or more).
         height: int, pixels.
         view: str, `"plotly"`, `"html"` (SVG in a core `ipywidgets.HTML`,
             for front ends without the plotly widget) or `"auto"`
@@ -41,20 +50,26 @@ class RunCompare(ipywidgets.VBox):
     ```
     """
 
-    def __init__(self, runs, column="loss", max_points=MAX_POINTS, height=360, view="auto"):
+    def __init__(self, runs, column=None, max_points=MAX_POINTS, height=360, view="auto"):
         kind = choose_view(check_view(view))
-        self.batches = lab.compare(runs)
-        self.epochs = lab.compare(runs, table="epochs")
-        self.names = list(dict.fromkeys(self.batches["run"]))
-        if not self.names:
+        check_number("widgets.RunCompare", "max_points", max_points, numbers.Integral, lambda v: v >= 8,
+                     "a whole number of points per run, 8 or more", f"{MAX_POINTS}")
+        named = _named_runs(runs)  # files are read once, for both tables
+        self.batches = lab.compare(named)
+        self.epochs = lab.compare(named, table="epochs")
+        self.names = list(named)
+        if not len(self.batches):
             raise ValueError("RunCompare needs runs with at least one recorded batch; these have none.")
         self.max_points = max_points
         options = [c for c in self.batches.columns
-                   if c not in ("run", *_SKIPPED) and not c.startswith("hist/")
-                   and pd.api.types.is_numeric_dtype(self.batches[c])]
+                   if c != "run" and not is_bookkeeping(c) and pd.api.types.is_numeric_dtype(self.batches[c])]
         # Step times last: the values a comparison is usually about come first.
         options = [c for c in options if c != "seconds"] + [c for c in options if c == "seconds"]
-        if column not in options:
+        if not options:
+            raise ValueError("RunCompare found no numeric value column (loss, metrics, ...) in these runs' batches.")
+        if column is None:
+            column = _first_value_column(self.batches, options)
+        elif column not in options:
             raise ValueError(f"No run has the column {column!r}; choose one of {options}.")
         self.column = ipywidgets.Dropdown(options=options, value=column, description="column")
         self.figure = None
@@ -102,7 +117,12 @@ class RunCompare(ipywidgets.VBox):
             rows = self.batches[self.batches["run"] == name]
             values = rows[column].to_numpy(np.float32)
             x, y = downsample(rows["step"].to_numpy(), values, self.max_points)
-            lines.append(Series(name if np.isfinite(values).any() else f"{name} (not recorded)", x, y))
+            label = name
+            if not len(rows):
+                label = f"{name} (no rows)"
+            elif not np.isfinite(values).any():
+                label = f"{name} (not recorded)"
+            lines.append(Series(label, x, y))
             x = y = np.zeros(0, np.float32)
             if validation in self.epochs:
                 rows = self.epochs[self.epochs["run"] == name]
@@ -126,8 +146,24 @@ class RunCompare(ipywidgets.VBox):
             self.figure.layout.yaxis.type = "log" if column.startswith(_LOG_SCALE) else "linear"
 
 
+def _first_value_column(batches, options):
+    """The column a comparison shows first: `loss`, else the first metric, with a value in some run."""
+    metrics = metric_names(options)
+    for column in ["loss", *metrics, *options]:
+        if column in options and np.isfinite(batches[column].to_numpy(np.float64)).any():
+            return column
+    return options[0]
+
+
 def _compare_page(data, status="", width=640):
-    """The HTML view's page of a comparison: one SVG chart of every run's line and markers."""
+    """The HTML view's page of a comparison: one SVG chart of every run's line and markers.
+
+    The chart's legend holds only what it draws: runs with nothing to draw
+    ("(no rows)", "(not recorded)") are named under it.
+    """
     column, series = data
     chart = static.line_chart(series, column, width=width, height=320, log_y=column.startswith(_LOG_SCALE))
-    return f'<div class="training-lab-run-compare">{status}{chart}</div>'
+    missing = [s.name for s in series if not len(s.x) and not s.markers]
+    note = (f'<p style="font-family:sans-serif;font-size:12px">Not drawn: {html.escape(", ".join(missing))}</p>'
+            if missing else "")
+    return f'<div class="training-lab-run-compare">{status}{chart}{note}</div>'

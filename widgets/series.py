@@ -19,15 +19,21 @@ import dataclasses
 
 import numpy as np
 
+from lab import schema
 from widgets.downsampling import MAX_POINTS, Envelope, StepBins, downsample
 
 HEATMAP_BINS = 200
 MAX_EVENTS = 200
 MARKED_EVENTS = ("nonfinite", "breakpoint", "error", "interrupt")
 
-# Columns of a batch row that are bookkeeping, not values to plot.
-_NOT_METRICS = ("step", "epoch", "batch", "seconds", "mode", "loss", "updated", "source")
-_PREFIXES = ("grad_norm", "weight_norm/", "update_ratio/", "learning_rate", "_", "hist/")
+# Columns of a batch row that say how a step ran, not what it measured:
+# never charted nor compared (`updated/<optimizer>` is 1.0 at every step
+# that applied its update).
+_BOOKKEEPING = (schema.STEP, schema.EPOCH, schema.BATCH_INDEX, schema.MODE, schema.SOURCE, schema.UPDATED)
+_BOOKKEEPING_PREFIXES = (schema.UPDATED_PREFIX, schema.APPLIES_PREFIX, schema.INTERNAL, "hist/")
+# Values with a chart of their own, or none: not drawn on the metrics axis.
+_NOT_METRICS = (schema.LOSS, schema.SECONDS)
+_NOT_METRIC_PREFIXES = (schema.GRAD_NORM, schema.WEIGHT_NORM_PREFIX, schema.UPDATE_RATIO_PREFIX, schema.LEARNING_RATE)
 
 
 @dataclasses.dataclass
@@ -63,9 +69,15 @@ class ChartData:
     steps: int
 
 
+def is_bookkeeping(name):
+    """Whether a batch column records how the step ran (step, mode, `updated/...`) rather than a value."""
+    return name in _BOOKKEEPING or name.startswith(_BOOKKEEPING_PREFIXES)
+
+
 def metric_names(columns):
-    """The per-batch metric columns of a run (accuracy, ...), in their order."""
-    return [c for c in columns if c not in _NOT_METRICS and not c.startswith(_PREFIXES)]
+    """The per-batch metric columns of a run (accuracy, d_loss, ...), in their order."""
+    return [c for c in columns
+            if not is_bookkeeping(c) and c not in _NOT_METRICS and not c.startswith(_NOT_METRIC_PREFIXES)]
 
 
 def layer_of(path):
@@ -226,7 +238,8 @@ class ChartState:
             panels[panel].append(Series(name, *envelope.points(self.max_points)))
         for panel, series in self._validation():
             panels[panel].append(series)
-        panels["loss"].append(self._events(stop))
+        anchor = self._anchor()
+        panels[anchor[0] if anchor else "loss"].append(self._events(stop, anchor))
         columns = self._bins.columns() if self._bin_layers else (np.zeros(0, np.float32),) * 3
         heat = Heatmap(*columns, self._bin_layers)
         return ChartData(panels["loss"], panels["metrics"], panels["gradients"], heat,
@@ -246,26 +259,34 @@ class ChartState:
             self._tables["validation"] = found
         return self._tables["validation"]
 
-    def _events(self, stop):
-        """Markers for events worth seeing on the loss chart, at the loss of their step.
+    def _anchor(self):
+        """The (panel, name) of the line events sit on: the loss, else the first metric, with a finite value."""
+        for key in [("loss", "loss")] + [key for key in self._lines if key[0] == "metrics"]:
+            if key in self._lines and self._lines[key][2].first is not None:
+                return key
+        return None
 
-        Kept until the events change, once every marked step has its row
-        (an event is marked at the last finite loss at or before its step).
+    def _events(self, stop, anchor):
+        """Markers for events worth seeing, on the line `anchor` ((panel, name)) or, with none, at 0.
+
+        An event is marked at the last finite value of `anchor` at or before
+        its step (that step's value is often the non-finite one itself), or
+        at the line's first value when none comes before. A GAN logging only
+        `d_loss` and `g_loss` gets its markers on `d_loss`. Kept until the
+        events or the anchor change, once every marked step has its row.
         """
-        has_loss = "loss" in self.run.columns
         kept = self._tables.get("marked")
-        if kept is not None and kept[1] in (None, stop) and kept[2] == has_loss:
+        if kept is not None and kept[1] in (None, stop) and kept[2] == anchor:
             return kept[0]
         events = self._table("events")
         events = events[events["kind"].isin(MARKED_EVENTS)].tail(MAX_EVENTS)
         x = events["step"].to_numpy().astype(np.float32)
-        y = np.full(len(x), np.nan, np.float32)
-        if has_loss:
+        y = np.zeros(len(x), np.float32)
+        if anchor is not None:
+            y[:] = self._lines[anchor][2].first[1]
             for i, step in enumerate(x.astype(np.int64)):
-                # The loss of the event's step is often the non-finite value
-                # itself: mark the last finite loss at or before it.
                 row = min(int(step), stop - 1)
-                recent = read_rows(self.run, "loss", max(0, row - 63), row + 1) if row >= 0 else []
+                recent = read_rows(self.run, anchor[1], max(0, row - 63), row + 1) if row >= 0 else []
                 finite = np.asarray(recent)[np.isfinite(recent)]
                 if len(finite):
                     y[i] = finite[-1]
@@ -274,7 +295,7 @@ class ChartState:
         # It reads the rows up to the last marked step: once they are all
         # there it cannot change, until they are it changes with each row.
         complete = not len(x) or int(x.max()) < stop
-        self._tables["marked"] = (marked, None if complete else stop, has_loss)
+        self._tables["marked"] = (marked, None if complete else stop, anchor)
         return marked
 
 

@@ -8,6 +8,7 @@ import plotly.graph_objects as go
 
 from lab.stepper import Stepper, trace_condition
 from widgets.png import png_bytes
+from widgets.series import metric_names
 
 MAX_ITEMS = 16  # batch rows or images shown
 MAX_HISTOGRAM_VALUES = 5000  # gradient values sent for the histogram
@@ -168,7 +169,7 @@ class StepperPanel(ipywidgets.VBox):
 
 
 def status_html(trace):
-    """One line: step, epoch, batch, loss, time; or the error, its hint and traceback."""
+    """One line: step, epoch, batch, loss and metrics, time; or the error, its hint and traceback."""
     head = f"<b>step {trace.index}</b> · epoch {trace.epoch} · batch {trace.batch}"
     if trace.error is not None:
         message = html.escape(f"{type(trace.error).__name__}: {trace.error}")
@@ -176,10 +177,10 @@ def status_html(trace):
         return (f"{head} · <span style='color:#b00'>{message}</span>{hint}"
                 f"<details><summary>traceback</summary><pre>{html.escape(trace.traceback)}</pre></details>"
                 "<br>The model is as before this step; fix the step and press Step to run this batch again.")
-    logs = " · ".join(f"{k} {v:.4g}" for k, v in trace.row.items()
-                      if not k.startswith(("grad_norm", "learning_rate")) and k != "loss")
-    return (f"{head} · loss <b>{trace.loss:.4g}</b>" + (f" · {logs}" if logs else "")
-            + f" · {trace.seconds * 1000:.1f} ms")
+    # A step that logs no loss (a GAN's d_loss and g_loss) shows none: "loss nan" would read as divergence.
+    values = [f"loss <b>{trace.loss:.4g}</b>"] if "loss" in trace.row else []
+    values += [f"{name} {trace.row[name]:.4g}" for name in metric_names(trace.row)]
+    return " · ".join([head, *values, f"{trace.seconds * 1000:.1f} ms"])
 
 
 def looks_like_images(x):
@@ -196,12 +197,17 @@ def looks_like_images(x):
 
 
 def batch_html(x, y, y_pred, max_items=MAX_ITEMS):
-    """The batch: images with target and prediction under each, or a table."""
+    """The batch: images with targets and predictions under each, or a table.
+
+    A model with several outputs (y and y_pred dicts or lists) gets each
+    output's target and prediction side by side: `y[cls]`, `ŷ[cls]`, ...
+    """
     if looks_like_images(x):
         images = _as_images(np.asarray(x)[:max_items])
+        outputs = _outputs(y, y_pred, len(images))
         cells = []
         for i, image in enumerate(images):
-            caption = _caption(y, y_pred, i)
+            caption = " ".join(f"{name}={html.escape(values[i])}" for name, values in outputs.items())
             src = "data:image/png;base64," + _b64(png_bytes(image))
             cells.append(
                 f"<figure style='display:inline-block;margin:2px;text-align:center'>"
@@ -240,13 +246,29 @@ def _as_images(x):
     return (255 * (x - low) / np.where(high > low, high - low, 1)).astype(np.uint8)
 
 
-def _caption(y, y_pred, i):
-    parts = []
-    if y is not None and not isinstance(y, (dict, list, tuple)):
-        parts.append(f"y={_value(np.asarray(y)[i])}")
-    if y_pred is not None and not isinstance(y_pred, (dict, list, tuple)):
-        parts.append(f"ŷ={_value(np.asarray(y_pred)[i])}")
-    return " ".join(parts)
+def _parts(value):
+    """{suffix: array} of targets or predictions: `""` for one output, `[name]` or `[i]` for several."""
+    if value is None:
+        return {}
+    if isinstance(value, dict):
+        items = [(f"[{key}]", part) for key, part in value.items()]
+    elif isinstance(value, (list, tuple)):
+        items = [(f"[{i}]", part) for i, part in enumerate(value)]
+    else:
+        items = [("", value)]
+    return {suffix: part for suffix, part in items if part is not None and not isinstance(part, (dict, list, tuple))}
+
+
+def _outputs(y, y_pred, rows):
+    """{column name: `rows` texts}: each output's target (`y`) next to its prediction (`ŷ`)."""
+    targets, predictions = _parts(y), _parts(y_pred)
+    columns = {}
+    for suffix in dict.fromkeys([*targets, *predictions]):
+        for label, parts in (("y", targets), ("ŷ", predictions)):
+            values = np.asarray(parts[suffix]) if suffix in parts else None
+            if values is not None and values.ndim and len(values) >= rows:
+                columns[label + suffix] = [_value(v) for v in values[:rows]]
+    return columns
 
 
 def _value(value):
@@ -272,10 +294,7 @@ def _table_html(x, y, y_pred, max_items):
         columns[f"x[{j}]"] = flat[:, j]
     if flat.shape[1] > 8:
         columns["…"] = ["…"] * len(flat)
-    if y is not None and not isinstance(y, (dict, list, tuple)):
-        columns["y"] = [_value(v) for v in np.asarray(y)[:max_items]]
-    if y_pred is not None and not isinstance(y_pred, (dict, list, tuple)):
-        columns["ŷ"] = [_value(v) for v in np.asarray(y_pred)[:max_items]]
+    columns.update(_outputs(y, y_pred, len(flat)))
     return pd.DataFrame(columns).to_html(float_format=lambda v: f"{v:.3g}", index=False)
 
 

@@ -77,6 +77,39 @@ def make_model():
     return build
 
 
+@pytest.fixture
+def make_x_only_model():
+    """A model trained on inputs alone, as a GAN or an autoencoder is: it logs `recon`, no `loss`."""
+
+    def build(features=6, seed=0):
+        import keras
+        import tensorflow as tf
+
+        class XOnly(keras.Model):
+            def __init__(self):
+                super().__init__()
+                self.dense = keras.layers.Dense(features)
+
+            def call(self, x):
+                return self.dense(x)
+
+            def train_step(self, data):
+                x = data[0] if isinstance(data, tuple) else data
+                with tf.GradientTape() as tape:
+                    recon = tf.reduce_mean(tf.square(self(x) - x))
+                grads = tape.gradient(recon, self.trainable_variables)
+                self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+                return {"recon": recon}
+
+        keras.utils.set_random_seed(seed)
+        model = XOnly()
+        model.compile(keras.optimizers.Adam(1e-3))
+        model(np.zeros((1, features), np.float32))
+        return model
+
+    return build
+
+
 def synthetic_run(steps, variables=("m/dense/kernel", "m/dense/bias", "m/out/kernel"), seed=0):
     """A lab.Run with `steps` rows of loss, accuracy and gradient norms, built without training."""
     import lab

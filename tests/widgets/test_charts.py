@@ -229,3 +229,84 @@ def test_a_first_refresh_adds_its_new_traces_in_one_message_and_draws_them_in_th
         np.testing.assert_array_equal(live.figure.data[index].y, line.y)  # the Python side agrees
     names = [t.name for t in live.figure.data]
     assert names[0] == "loss" and len(set(names)) == len(names)
+
+
+def test_a_long_runs_line_starts_and_ends_at_its_first_and_last_recorded_values():
+    import re
+
+    import lab
+    from widgets import static
+
+    rng = np.random.default_rng(1)
+    steps = 20_000
+    loss = (1 + rng.random(steps)).astype(np.float32)
+    loss[0] = loss[-1] = 1.5  # inside their buckets' ranges: neither a bucket's min nor its max
+    run = lab.Run()
+    state = series.ChartState(run, max_points=2000)
+    for start in range(0, steps, 320):  # appended in blocks, as the recorder does
+        run.append_batches({"loss": loss[start:start + 320]})
+        data = state.update()
+    line = data.loss[0]
+    assert (line.x[0], line.y[0]) == (0, 1.5)
+    assert (line.x[-1], line.y[-1]) == (steps - 1, 1.5)
+    assert line.y.min() == loss.min() and line.y.max() == loss.max()  # the envelope is kept
+    whole = series.chart_data(run).loss[0]
+    assert (whole.x[-1], whole.y[-1]) == (steps - 1, 1.5)
+    svg = static.line_chart(data.loss, "loss")  # the static view redraws it with fewer points
+    assert re.search(r'data-name="loss" data-last="([^"]+)"', svg).group(1) == "1.5"
+
+
+def gan_run(steps=4, loss=None):
+    """A run as a GAN records it: d_loss and g_loss, no loss; the updated/learning-rate bookkeeping."""
+    import lab
+
+    run = lab.Run("gan")
+    columns = {"d_loss": np.linspace(0.6, 0.7, steps, dtype=np.float32),
+               "g_loss": np.linspace(0.5, 0.6, steps, dtype=np.float32),
+               "updated": np.ones(steps, np.float32),
+               "updated/d_optimizer": np.ones(steps, np.float32),
+               "updated/g_optimizer": np.ones(steps, np.float32),
+               "applies/d_optimizer": np.full(steps, 2.0, np.float32),
+               "learning_rate/d_optimizer": np.full(steps, 1e-3, np.float32)}
+    if loss is not None:
+        columns = {"loss": np.full(steps, loss, np.float32), **columns}
+    run.append_batches(columns)
+    return run
+
+
+@pytest.mark.parametrize("loss", [None, np.nan], ids=["no loss column", "loss all NaN"])
+def test_events_of_a_run_without_a_finite_loss_are_marked_on_its_first_metric(comm_log, loss):
+    from widgets import static
+
+    run = gan_run(loss=loss)
+    run.add_event("nonfinite", "d_loss is nan", step=2)
+    data = series.chart_data(run)
+    [events] = [s for s in data.metrics if s.name == "events"]
+    assert events.x.tolist() == [2.0] and events.y.tolist() == [run.column("d_loss")[2]]
+    assert "stroke=\"crimson\"" in static.charts_html(data)  # the static view draws the marker
+    live = charts.LiveFigure(gradients=False)
+    live.update(data)
+    trace = live.trace("events")
+    assert trace.y.tolist() == events.y.tolist()
+    # On the metrics' axis, where d_loss is drawn, not alone on the empty loss axis.
+    assert trace.yaxis == live.trace("d_loss", panel="metrics").yaxis != live.trace("loss").yaxis
+
+
+def test_event_markers_move_to_the_loss_axis_once_the_loss_has_values(comm_log):
+    run = gan_run()
+    run.add_event("breakpoint", "step 1", step=1)
+    live = charts.LiveFigure(gradients=False)
+    state = series.ChartState(run)
+    live.update(state.update())
+    assert live.trace("events").yaxis == "y2"
+    run.append_batches({"loss": np.full(3, 0.25, np.float32), "d_loss": np.full(3, 0.5, np.float32)})
+    live.update(state.update())
+    # The one events trace moved: no second, stale "events" entry stays behind.
+    assert [t.name for t in live.figure.data].count("events") == 1
+    assert live.trace("events").yaxis == live.trace("loss").yaxis == "y"
+
+
+def test_bookkeeping_columns_are_not_charted_as_metrics():
+    data = series.chart_data(gan_run())
+    assert [s.name for s in data.metrics] == ["d_loss", "g_loss", "events"]
+    assert [s.name for s in data.loss] == []

@@ -366,3 +366,11 @@ def test_prediction_progress_shows_in_the_header(comm_log, digits, make_model):
     assert len(batches) == 5 and sum(len(b) for b in batches) == len(x)
     assert "predicted 5/5 batches" in dash.header.value
     np.testing.assert_allclose(np.concatenate(batches), model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+
+
+def test_the_summary_lists_only_series_with_values():
+    run = lab.Run("cyclegan")
+    run.append_batches({"loss": np.full(3, np.nan, np.float32), "G_loss": np.ones(3, np.float32),
+                        "updated/g_opt": np.ones(3, np.float32), "updated/d_opt": np.ones(3, np.float32)})
+    summary = widgets.Dashboard(run=run).summary()
+    assert "series: G_loss\n" in summary + "\n"  # no all-NaN loss, no update bookkeeping

@@ -26,10 +26,10 @@ def panels():
     """Panels made by a test; any training left running is stopped and joined."""
     made = []
 
-    def make(model=None, **kwargs):
+    def make(model=None, data=(X, Y), **kwargs):
         kwargs.setdefault("batch_size", 8)
         kwargs.setdefault("shuffle", False)
-        panel = widgets.Lab(model if model is not None else make_model(), (X, Y), **kwargs)
+        panel = widgets.Lab(model if model is not None else make_model(), data, **kwargs)
         made.append(panel)
         return panel
 
@@ -171,9 +171,21 @@ def test_a_build_function_gives_the_device_picker_and_the_panel_trains_its_model
 
 def test_data_of_the_wrong_shape_is_refused():
     with pytest.raises(ValueError, match=r"\(x, y\)"):
-        widgets.Lab(make_model(), (X,))
+        widgets.Lab(make_model(), (X, Y, None, None))
     with pytest.raises(ValueError, match="build_model"):
         widgets.Lab(None, (X, Y))
+
+
+def test_a_model_trained_on_inputs_alone_takes_them_as_fit_does(panels, make_x_only_model):
+    for data in (X, (X,), (X, None)):
+        panel = widgets.Lab(make_x_only_model(), data, batch_size=8)
+        assert panel.data[0] is X and panel.data[1] is None
+    panel = panels(make_x_only_model(), data=X)
+    panel.start()
+    assert panel.wait(TIMEOUT) and panel.state == "finished"
+    assert len(panel.run) == BATCHES and "series: recon" in panel.summary()
+    with pytest.raises(TypeError, match=r"widgets.Lab\(gan, x_train\)"):
+        widgets.Lab(make_x_only_model(), "x.npy")
 
 
 def test_a_failing_fit_shows_its_error_and_run_is_enabled_again():

@@ -82,3 +82,43 @@ def test_bad_input_names_the_problem():
         RunCompare([])
     with pytest.raises(ValueError, match="at least one recorded batch"):
         RunCompare([lab.Run("empty")])
+
+
+def gan_run(name, d_loss):
+    """A run as a two-optimizer GAN records it: d_loss and g_loss, no loss, per-optimizer bookkeeping."""
+    run = lab.Run(name)
+    n = len(d_loss)
+    run.append_batches({"epoch": [0] * n, "batch": list(range(n)), "mode": ["graph"] * n,
+                        "d_loss": np.array(d_loss, np.float32), "g_loss": np.full(n, 0.5, np.float32),
+                        "updated": np.ones(n, np.float32), "updated/d_optimizer": np.ones(n, np.float32),
+                        "updated/g_optimizer": np.ones(n, np.float32),
+                        "applies/d_optimizer": np.full(n, 2.0, np.float32),
+                        "learning_rate/d_optimizer": np.full(n, 1e-3, np.float32)})
+    return run
+
+
+def test_runs_without_a_loss_open_on_their_first_metric_and_offer_no_bookkeeping():
+    view = RunCompare([gan_run("a", [0.7, 0.6]), gan_run("b", [0.8])])
+    assert view.column.value == "d_loss"
+    assert [list(t.y) for t in view.lines()] == [pytest.approx([0.7, 0.6]), pytest.approx([0.8])]
+    # A learning rate is worth comparing; whether an optimizer updated is bookkeeping.
+    assert view.column.options == ("d_loss", "g_loss", "learning_rate/d_optimizer")
+    mixed = RunCompare({"gan": gan_run("a", [0.7]), "mlp": made_run("m", [1.0, 0.5])})
+    assert mixed.column.value == "loss"
+    assert [t.name for t in mixed.lines()] == ["gan (not recorded)", "mlp"]
+    with pytest.raises(ValueError, match="'loss'.*choose one of"):
+        RunCompare([gan_run("a", [0.7])], column="loss")  # asked for by name: still refused
+
+
+def test_a_run_without_rows_keeps_its_legend_entry():
+    view = RunCompare([lab.Run("empty"), made_run("a", [1.0, 0.5])])
+    assert [t.name for t in view.lines()] == ["empty (no rows)", "a"]
+    assert len(view.lines()[0].y) == 0 and list(view.lines()[1].y) == [1.0, 0.5]
+    page = RunCompare([lab.Run("empty"), made_run("a", [1.0])], view="html").chart_html.value
+    assert "Not drawn: empty (no rows)" in page  # the SVG legend holds only what is drawn
+
+
+def test_max_points_is_checked_when_the_comparison_is_made():
+    for bad in (3, 0, 2.5, True):
+        with pytest.raises((TypeError, ValueError), match=r"RunCompare\(max_points=\.\.\.\).*8 or more"):
+            RunCompare([made_run("a", [1.0] * 20)], max_points=bad)

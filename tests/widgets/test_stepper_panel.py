@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import lab
 import widgets
-from widgets.stepper_panel import batch_html, looks_like_images, png_bytes
+from widgets.stepper_panel import batch_html, looks_like_images, png_bytes, status_html
 
 (DIGITS_X, DIGITS_Y), _ = lab.datasets.digits()
 DIGITS_X, DIGITS_Y = DIGITS_X[:64], DIGITS_Y[:64]
@@ -130,3 +130,23 @@ def test_png_bytes_is_a_png_of_the_image():
     length = struct.unpack(">I", data[idat - 4:idat])[0]
     rows = zlib.decompress(data[idat + 4:idat + 4 + length])
     assert rows == b"".join(b"\x00" + image[r].tobytes() for r in range(3))
+
+
+def test_a_step_that_logs_no_loss_shows_none(make_x_only_model):
+    panel = widgets.StepperPanel(lab.Stepper(make_x_only_model(), (TABLE_X,), batch_size=8))
+    panel.step_button.click()
+    assert "step 0" in panel.status.value and "recon" in panel.status.value
+    assert "loss" not in panel.status.value  # "loss nan" would read as divergence
+    diverged = lab.StepTrace(index=3, epoch=0, batch=3, row={"loss": float("nan"), "accuracy": 0.5}, seconds=0.01)
+    assert "loss <b>nan</b>" in status_html(diverged)  # a loss that is NaN still says so
+
+
+def test_a_model_with_several_outputs_shows_each_outputs_targets_and_predictions():
+    y = {"cls": TABLE_Y[:4], "reg": np.array([[0.5], [1.5], [2.5], [3.5]], np.float32)}
+    y_pred = {"cls": np.eye(3, dtype=np.float32)[[2, 1, 0, 0]], "reg": np.full((4, 1), 0.25, np.float32)}
+    table = batch_html(TABLE_X[:4], y, y_pred)
+    for column in ("y[cls]", "ŷ[cls]", "y[reg]", "ŷ[reg]"):
+        assert f"<th>{column}</th>" in table
+    assert "<td>3.5</td>" in table and "<td>0.25</td>" in table
+    images = batch_html(DIGITS_X[:2], [DIGITS_Y[:2], np.zeros(2)], [np.eye(10)[[4, 7]], np.ones(2)])
+    assert "y[0]=" in images and "ŷ[0]=4" in images and "ŷ[0]=7" in images and "ŷ[1]=1" in images
