@@ -396,17 +396,19 @@ def _hypot(old, new):
     return tf.where(none, new, both)
 
 
-def total_grad_norm(columns, updates):
+def total_grad_norm(columns, updates, stepped=()):
     """The norm of all the gradients of each step, from its per-variable
     `grad_norm/<path>` columns (arrays): the root of their sum of squares,
     on the host in float64 (no overflow), NaN where no update ran or no
-    variable had a gradient. None when there are no such columns."""
-    norms = [values for name, values in columns.items()
-             if name.startswith("grad_norm/") and schema.is_variable_column(name)]
-    if not norms:
+    variable had a gradient. A NaN in a column the step gives a value
+    (`stepped`) is a NaN gradient, and makes the total NaN; in another, it
+    is no gradient. None when there are no such columns."""
+    names = [name for name in columns if name.startswith("grad_norm/") and schema.is_variable_column(name)]
+    if not names:
         return None
-    norms = np.asarray(norms, np.float64)
-    present = ~np.isnan(norms)
+    norms = np.asarray([columns[name] for name in names], np.float64)
+    given = np.array([[name in stepped] for name in names])
+    present = ~np.isnan(norms) | given
     total = np.sqrt(np.sum(np.where(present, norms, 0.0) ** 2, axis=0))
     return np.where((np.asarray(updates) > 0) & present.any(axis=0), total, np.nan).astype(np.float32)
 
@@ -746,7 +748,7 @@ class Probe:
             probe._local.state = state
             try:
                 totals = state.totals = probe._metric_totals()
-                if probe.breakpoints and _replica_context() is None:
+                if probe.breakpoints:
                     state.forward_state = [(v, read_value(v)) for v in probe._forward_state_variables()]
                 logs = original(data)
                 probe._keep_out_forward_state(state)
@@ -1010,6 +1012,8 @@ class Probe:
                 # Each replica's state travels with it: call_for_each_replica runs
                 # the update on other threads, where the thread-local state is unset.
                 ctx.merge_call(merged, args=(skip, grads, trainable_variables, state))
+                if not state.nested():
+                    state.kept_out.append(skip)
                 probe._emit(state, f"_applied/{name}", 1.0 - tf.cast(skip, tf.float32), reset=0.0, accumulate=True)
 
         return apply
@@ -1532,7 +1536,7 @@ class Probe:
         block = self.buffer.read_new()
         rows = self._finish({name: block[:, i] for i, name in enumerate(self.columns)})
         if self.gradients and "grad_norm" not in rows and "_updates" in rows:
-            total = total_grad_norm(rows, rows["_updates"])
+            total = total_grad_norm(rows, rows["_updates"], self.stepped_columns)
             if total is not None:
                 rows["grad_norm"] = total
         return rows

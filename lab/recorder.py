@@ -38,12 +38,27 @@ OLD_STYLE_WARNING = (
 )
 
 
+SCALED_TRACKER_WARNING = (
+    "The loss Keras reports for this model is its loss divided by the {replicas} replicas: "
+    "under a distribution strategy compute_loss returns the loss scaled by 1/{replicas} for "
+    "the gradients, and the train_step updates the loss tracker with that value, where "
+    "Keras' own train_step unscales it first. The lab records the batch's true loss. To "
+    "fix the step, update the tracker with "
+    "`loss * self.distribute_strategy.num_replicas_in_sync`."
+)
+
 TRACKER_UNUSED_WARNING = (
     "This train_step never updates the loss tracker, so Keras reports no loss (or 0) "
     "for it; the lab records the loss compute_loss returned. Update it in the step, "
     "e.g. `for metric in self.metrics: metric.update_state(loss) if metric.name == "
     "'loss' else metric.update_state(y, y_pred)`."
 )
+
+NONFINITE_TRAINING_NOTE = (
+    "Training is not finite from step {step} on: {what}. "
+    "lab.breakpoints.nonfinite() stops at the first such batch with its update kept out: "
+    "`lab.Recorder(breakpoints=[lab.breakpoints.nonfinite()])`.")
+_TOLD_NONFINITE = "told_nonfinite_training"  # run.metadata: the step the run was told of
 
 
 class Recorder(StatusReporter, keras.callbacks.Callback):
@@ -114,6 +129,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self._last_save = 0.0
         self._active = False
         self._mode = None
+        self._step_mode = None  # the mode of the execution running now, read as it was called
         self._hooks = None
 
     # ---- the model's lifecycle --------------------------------------------
@@ -185,7 +201,8 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         elapsed = time.perf_counter() - self._t0 if self._t0 is not None else float("nan")
         steps = self._steps_in_execution(batch)
-        mode = modes.current_mode(self.model)
+        mode = self._step_mode or modes.current_mode(self.model)
+        self._step_mode = None
         if mode != self._mode:
             self.run.add_event("mode", f"{self._mode} -> {mode}", step=self.run.next_step + len(self._pending))
             self._mode = mode
@@ -292,7 +309,43 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self._check_old_style(rows)
         if hit_row is not None:
             self._on_device_hit(hit_row)
+        else:
+            self._note_nonfinite_training(columns, self.run.next_step - len(columns["epoch"]))
         return count
+
+    def _note_nonfinite_training(self, columns, start):
+        """Says once in the run where training first stopped being finite
+        (with no breakpoint to stop it): a non-finite loss, or an update
+        that took in a non-finite gradient. A LossScaleOptimizer's skipped
+        overflow is no such step (no update went in)."""
+        if _TOLD_NONFINITE in self.run.metadata:
+            return
+        stepped = self._probe.stepped_columns
+        count = len(columns["epoch"])
+        bad, why = np.zeros(count, bool), []
+        loss = columns.get("loss")
+        if loss is not None and "loss" in stepped and not self._probe.loss_of_tracker:
+            bad |= ~np.isfinite(loss)
+        updated = np.asarray(columns.get("updated", np.zeros(count))) > 0
+        # A norm the host finished as inf may be a finite gradient's whose
+        # squares overflowed (told apart by `_note_infinite_norms`): only its NaN counts.
+        finished_inf = self._probe.infinite
+        grads = {name: (np.isnan(values) if name in finished_inf else ~np.isfinite(values)) & updated
+                 for name, values in columns.items() if name.startswith("grad_norm/") and name in stepped}
+        for hits in grads.values():
+            bad |= hits
+        if not bad.any():
+            return
+        first = int(np.argmax(bad))
+        if loss is not None and "loss" in stepped and not np.isfinite(loss[first]):
+            why.append(f"the loss is {loss[first]}")
+        names = [name.split("/", 1)[1] for name, hits in grads.items() if hits[first]]
+        if names:
+            shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            why.append(f"the update took in non-finite gradients of {shown}")
+        step = start + first
+        self.run.metadata[_TOLD_NONFINITE] = step
+        self.run.add_event("warning", NONFINITE_TRAINING_NOTE.format(step=step, what="; ".join(why)), step=step)
 
     def _note_infinite_norms(self, count):
         """Warns once per column of a norm the host finished as inf (among
@@ -368,6 +421,13 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
             return
         true, tracked = true[np.isfinite(tracked)], tracked[np.isfinite(tracked)]
         scale = max(1e-6, float(abs(true).max()) if len(true) else 1.0)
+        replicas = self.model.distribute_strategy.num_replicas_in_sync
+        if (compat.SCALES_LOSS_BY_REPLICAS and replicas > 1 and len(true)
+                and float(abs(true / replicas - tracked).max()) <= 1e-3 * scale):
+            _WARNED_OLD_STYLE.add(self.model)
+            self.run.add_event("warning", f"loss tracker fed with the loss scaled by 1/{replicas} (compute_loss)")
+            warnings.warn(SCALED_TRACKER_WARNING.format(replicas=replicas), UserWarning, stacklevel=2)
+            return
         if len(true) and float(abs(true - tracked).max()) > 1e-3 * scale:
             _WARNED_OLD_STYLE.add(self.model)
             self.run.add_event("warning", "loss tracker fed with predictions (compiled_metrics)")
@@ -397,6 +457,9 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         recorder = self
 
         def guarded(iterator):
+            # The mode the step runs in, read as it is called: a callback
+            # ahead of this recorder may switch at batch end for the next.
+            recorder._step_mode = modes.current_mode(recorder.model)
             try:
                 return function(iterator)
             except _END_OF_DATA:

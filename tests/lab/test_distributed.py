@@ -119,6 +119,23 @@ def test_nonfinite_breakpoint_on_one_replica_holds_every_replica(mirrored):
     assert hit["rows"] == 3 and [2, "nonfinite"] in hit["events"]
     assert hit["iterations"] == 2, "the update of the NaN batch must be skipped"
     assert hit["finite_weights"]
+    # Each replica's moving statistics are put back too: they were left NaN
+    # on the replica whose share held the NaN.
+    assert len(hit["finite_statistics"]) == 4 and all(hit["finite_statistics"])
+
+
+def test_the_guides_step_that_feeds_its_tracker_the_scaled_loss_is_told_so_not_blamed_on_compiled_metrics(mirrored):
+    # Keras 3.8+ scales compute_loss's loss by 1/replicas: the guide's step
+    # logs half the loss on two replicas. The lab said the step fed the
+    # tracker predictions (compiled_metrics), and named the step's own form as the fix.
+    assert "fit_error" not in mirrored, mirrored["fit_error"]
+    told = mirrored["guide_step"]
+    assert told["unscaled"] == []
+    if lab.compat.SCALES_LOSS_BY_REPLICAS:
+        assert len(told["as_guide"]) == 1 and "divided by the 2 replicas" in told["as_guide"][0]
+        assert "num_replicas_in_sync" in told["as_guide"][0] and "compiled_metrics" not in told["as_guide"][0]
+    else:
+        assert told["as_guide"] == []
 
 
 def test_gradients_are_recorded_with_breakpoints_on_a_mirrored_model(mirrored):

@@ -432,6 +432,29 @@ def test_nonfinite_leaves_a_loss_scale_optimizers_overflows_to_it_and_stops_at_a
     assert all(np.isfinite(v.numpy()).all() for v in stopped.weights)
 
 
+def test_a_nan_gradient_that_went_into_the_update_makes_the_total_nan_and_is_said_once():
+    # One NaN input row makes only the hidden kernel's gradient NaN (the loss
+    # stays finite): the kernel's column was NaN, read as "no gradient", so
+    # grad_norm showed the other variables' norm, finite, and the run said
+    # nothing while the kernel turned NaN.
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="relu", name="hidden"),
+                              keras.layers.Dense(1, name="out")])
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.random.default_rng(0).normal(size=(96, 4)).astype("float32")
+    x[40] = np.nan  # the second batch
+    recorder = lab.Recorder(gradients=True)
+    model.fit(x, np.ones((96, 1), "float32"), batch_size=32, shuffle=False, verbose=0, callbacks=[recorder])
+    rows = recorder.run.batches()
+    kernel = model.get_layer("hidden").kernel
+    assert np.isnan(kernel.numpy()).any() and np.isfinite(rows["loss"].iloc[1])
+    assert np.isnan(rows[f"grad_norm/{kernel.path}"].iloc[1]) and np.isnan(rows["grad_norm"].iloc[1])
+    assert np.isfinite(rows["grad_norm"].iloc[0])
+    said = [(step, d) for step, d in zip(recorder.run.events()["step"], recorder.run.events()["detail"])
+            if "not finite from step" in d]
+    assert len(said) == 1 and said[0][0] == 1 and kernel.path in said[0][1] and "nonfinite()" in said[0][1]
+
+
 def test_loss_spike_stops_before_the_spiking_update(digits):
     x, y = digits
     keras.utils.set_random_seed(0)

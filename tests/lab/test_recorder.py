@@ -352,3 +352,27 @@ def test_a_partial_last_execution_of_each_epoch_leaves_every_row_its_own_epoch_a
     assert rows["step"].tolist() == list(range(30))
     assert rows["epoch"].tolist() == [e for e in range(3) for _ in range(10)]
     assert rows["batch"].tolist() == list(range(10)) * 3
+
+
+class SwitchAtBatchEnd(keras.callbacks.Callback):
+    """Switches the model to eager at the end of batch `at` (for the next batch)."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at = at
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.at:
+            lab.set_mode(self.model, "eager")
+
+
+def test_each_row_has_the_mode_its_batch_ran_in_when_a_callback_ahead_switches_at_batch_end(digits):
+    # The recorder read the mode at its own batch end, after the callback
+    # ahead of it had switched for the next batch: that batch's row said eager.
+    x, y, _, _ = digits
+    model = compile_(make_mlp())
+    rec = lab.Recorder()
+    model.fit(x[:128], y[:128], batch_size=32, shuffle=False, verbose=0, callbacks=[SwitchAtBatchEnd(1), rec])
+    assert rec.run.batches()["mode"].tolist() == ["graph", "graph", "eager", "eager"]
+    modes_ = rec.run.events().query("kind == 'mode'")
+    assert modes_["step"].tolist() == [2] and modes_["detail"].tolist() == ["graph -> eager"]

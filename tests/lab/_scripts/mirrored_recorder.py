@@ -24,11 +24,13 @@ def errors(call):
     return None
 
 
-def make_model():
+def make_model(normalized=False):
     keras.utils.set_random_seed(1)
     model = keras.Sequential([
         keras.Input((8,)),
-        keras.layers.Dense(6, activation="relu", name="hidden"),
+        # relu(NaN) is 0: the statistics are taken before it, where a NaN reaches them.
+        *([keras.layers.Dense(6, name="hidden"), keras.layers.BatchNormalization(name="bn"),
+           keras.layers.Activation("relu")] if normalized else [keras.layers.Dense(6, activation="relu", name="hidden")]),
         keras.layers.Dense(3, name="logits"),
     ], name="net")  # fixed names: both runs' variables get the same paths
     model.compile(optimizer=keras.optimizers.SGD(0.1),
@@ -53,11 +55,12 @@ def record(strategy, x, y):
 
 def breakpoint_run(strategy, x, y):
     """A NaN in one replica's share of batch 2: the nonfinite breakpoint must
-    catch it, skip that update on every replica and stop fit()."""
+    catch it, skip that update on every replica (the moving statistics of
+    each replica's BatchNormalization too) and stop fit()."""
     x = x.copy()
     x[40] = np.nan
     with strategy.scope():
-        model = make_model()
+        model = make_model(normalized=True)
     recorder = lab.Recorder(gradients=True, breakpoints=[lab.breakpoints.nonfinite()])
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[recorder])
     events = recorder.run.events()
@@ -69,6 +72,8 @@ def breakpoint_run(strategy, x, y):
         "events": events[["step", "kind"]].values.tolist(),
         "iterations": int(model.optimizer.iterations.numpy()),
         "finite_weights": all(bool(np.isfinite(w).all()) for w in model.get_weights()),
+        "finite_statistics": [bool(np.isfinite(copy.numpy()).all()) for variable in model.non_trainable_variables
+                              for copy in getattr(variable.value, "values", [variable.value])],
     }
 
 
@@ -156,6 +161,48 @@ def data():
     return rng.normal(size=(64, 8)).astype("float32"), rng.integers(0, 3, 64).astype("int32")
 
 
+def guide_step_warnings(strategy, x, y):
+    """keras-io's custom train_step guide under the strategy: its step feeds
+    the loss tracker compute_loss's loss, scaled by 1/replicas (Keras 3.8+).
+    The warnings the lab gives, with the tracker fed as it is and unscaled."""
+    import warnings
+
+    import tensorflow as tf
+
+    class CustomModel(keras.Model):
+        unscaled = False
+
+        def train_step(self, data):
+            features, labels = data
+            with tf.GradientTape() as tape:
+                predictions = self(features, training=True)
+                loss = self.compute_loss(y=labels, y_pred=predictions)
+            self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+            for metric in self.metrics:
+                if metric.name == "loss":
+                    # Keras before 3.8 does not scale: the fix applies from 3.8 on.
+                    scaled = self.unscaled and lab.compat.SCALES_LOSS_BY_REPLICAS
+                    metric.update_state(loss * self.distribute_strategy.num_replicas_in_sync if scaled else loss)
+                else:
+                    metric.update_state(labels, predictions)
+            return {m.name: m.result() for m in self.metrics}
+
+    found = {}
+    for unscaled in (False, True):
+        keras.utils.set_random_seed(1)
+        with strategy.scope():
+            inputs = keras.Input((8,))
+            model = CustomModel(inputs, keras.layers.Dense(3)(inputs))
+            model.unscaled = unscaled
+            model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[lab.Recorder()])
+        found["unscaled" if unscaled else "as_guide"] = [str(w.message) for w in caught
+                                                         if "loss Keras reports" in str(w.message)]
+    return found
+
+
 def main():
     out = {}
     frame = lab.devices()
@@ -177,6 +224,7 @@ def main():
             out["mirrored"] = record(mirrored, x, y)
             out["halves"] = half_batches(x, y)
             out["breakpoint"] = breakpoint_run(mirrored, x, y)
+            out["guide_step"] = guide_step_warnings(mirrored, x, y)
             out["loop_one"] = watched_loop(lab.strategy("cpu"), x, y)
             out["loop_mirrored"] = watched_loop(mirrored, x, y)
             out["loop_mirrored_eager"] = watched_loop(mirrored, x, y, compiled=False)
