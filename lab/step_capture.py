@@ -241,6 +241,11 @@ def hint(error, trace, capture):
         )
     if "GradientTape" in message or "tape" in message.lower():
         return "Open the tape with `with tf.GradientTape() as tape:` around the forward pass and loss."
+    if "outside the replica context" in message and tf.distribute.has_strategy():
+        return (
+            "The Stepper runs train_step as one device does, outside the strategy's replicas: "
+            "step outside `with strategy.scope():` (build and compile the model inside it, "
+            "then call `stepper.step()` after the block).")
     return ""
 
 

@@ -467,6 +467,7 @@ class Stepper:
         return trace
 
     def _run(self, data, capture):
+        self._build_optimizer_in_scope()
         if self.mode == "eager":
             return self._traced(data, capture)
         if self.mode != "graph":
@@ -479,6 +480,17 @@ class Stepper:
         outputs = self._graph_step(data)
         capture.no_gradient = capture.no_gradient or getattr(self, "_graph_no_gradient", [])
         return outputs
+
+    def _build_optimizer_in_scope(self):
+        """Under a distribution strategy, builds the compiled optimizer in its
+        scope before the first step, as fit() does: its slots (Adam's
+        moments) cannot be made inside a step."""
+        strategy = self.model.distribute_strategy
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is None or optimizer.built or strategy.num_replicas_in_sync == 1 or not self.model.built:
+            return
+        with strategy.scope():
+            optimizer.build(self.model.trainable_variables)
 
     def _build_for_graph(self, data):
         """Creates the model's and optimizer's variables before tracing, as fit() does

@@ -104,6 +104,10 @@ def test_stepper_and_mode_switch_on_a_mirrored_model(mirrored):
     assert np.isfinite(tools["step_loss"]) and tools["step_gradients"] == 4
     assert tools["traces_after_rewind"] == 1
     assert "XLA under MirroredStrategy" in tools["xla"]
+    # An optimizer with slots (Adam) steps too: it failed, its slots made inside the step.
+    assert tools["adam_step_error"] == "None" and tools["adam_slots"] > 2
+    # Stepped inside the strategy's scope, the step fails with a hint that names where to step.
+    assert "outside `with strategy.scope():`" in tools["in_scope_hint"]
 
 
 def test_eager_recording_on_a_mirrored_model(mirrored):

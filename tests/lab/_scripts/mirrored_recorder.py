@@ -88,6 +88,15 @@ def stepper_and_modes(strategy, x, y):
     out = {"step_index": trace.index, "step_loss": float(trace.logs["loss"]),
            "step_gradients": len(trace.gradients or {}), "step_error": repr(trace.error),
            "traces_after_rewind": len(stepper.traces)}
+    # Adam's slots: made in the scope before the first step, as fit() makes them.
+    with strategy.scope():
+        adam = make_model()
+        adam.compile(optimizer=keras.optimizers.Adam(0.01), loss=model.loss)
+    adam_trace = lab.Stepper(adam, (x, y), batch_size=16, shuffle=False).step()
+    out["adam_step_error"] = repr(adam_trace.error)
+    out["adam_slots"] = len(adam.optimizer.variables)
+    with strategy.scope():  # stepped inside the scope: no replica runs the step
+        out["in_scope_hint"] = lab.Stepper(model, (x, y), batch_size=16, shuffle=False).step().hint
     out["xla"] = errors(lambda: lab.set_mode(model, "xla"))
     lab.set_mode(model, "eager")
     try:
