@@ -210,10 +210,11 @@ def describe(strategy_):
 def batch_split(strategy_, global_batch_size):
     """How a strategy splits one global batch among its replicas.
 
-    tf.distribute gives each replica `global_batch_size // replicas` examples
-    and one more to the first `global_batch_size % replicas` of them; the
-    loss of each replica is divided by the global batch size, so the summed
-    gradients equal those of one device on the whole batch.
+    tf.distribute gives each replica in turn `ceil(global_batch_size /
+    replicas)` examples until the batch runs out: 16 on 3 replicas is 6, 6
+    and 4, and a last batch of 1 is 1, 0 and 0. The loss of each replica is
+    divided by the global batch size, so the summed gradients equal those of
+    one device on the whole batch.
 
     Args:
         strategy_: tf.distribute.Strategy.
@@ -233,18 +234,13 @@ def batch_split(strategy_, global_batch_size):
             or global_batch_size < 1:
         raise ValueError(f"global_batch_size must be a positive integer, got {global_batch_size!r}.")
     replicas = strategy_.num_replicas_in_sync
-    if global_batch_size < replicas:
-        raise ValueError(
-            f"A global batch of {global_batch_size} cannot feed {replicas} replicas: "
-            f"use a batch size of at least {replicas} (a multiple of {replicas} splits evenly)."
-        )
     local = list(getattr(strategy_.extended, "worker_devices", ()) or ())
     names = [_short(d) for d in local] if len(local) == replicas else [f"replica {i}" for i in range(replicas)]
-    base, extra = divmod(int(global_batch_size), replicas)
+    each = -(-int(global_batch_size) // replicas)
     return pd.DataFrame({
         "replica": range(replicas),
         "device": names,
-        "examples": [base + (1 if i < extra else 0) for i in range(replicas)],
+        "examples": [min(each, max(0, int(global_batch_size) - i * each)) for i in range(replicas)],
     })
 
 

@@ -212,6 +212,15 @@ def guide_step_warnings(strategy, x, y):
     return found
 
 
+def tf_split(strategy, n):
+    """The examples each replica gets of one batch of `n`, from tf.distribute itself."""
+    import tensorflow as tf
+
+    batches = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices(np.zeros((n, 2), "float32")).batch(n))
+    return [int(v.shape[0]) for v in strategy.experimental_local_results(next(iter(batches)))]
+
+
 def main():
     out = {}
     frame = lab.devices()
@@ -222,6 +231,7 @@ def main():
     out["same_object"] = lab.strategy("mirrored") is mirrored and lab.strategy("cpu:0,1") is mirrored
     out["cpu1"] = type(lab.strategy("cpu:1")).__name__
     out["split"] = batch_split(mirrored, 33)[["device", "examples"]].values.tolist()
+    out["split_against_tf"] = [(batch_split(mirrored, n)["examples"].tolist(), tf_split(mirrored, n)) for n in (33, 1)]
     out["gpu_error"] = errors(lambda: lab.strategy("gpu"))
     out["cpu2_error"] = errors(lambda: lab.strategy("cpu:2"))
     out["virtual_again"] = errors(lambda: lab.virtual_cpus(2))
