@@ -50,8 +50,9 @@ def layer_norms(run, parts=None, column="grad_norm", model=None):
     rec = lab.Recorder(gradients=True)
     vae.fit(x, epochs=2, callbacks=[rec])
     lab.layer_norms(rec.run, {"encoder": vae.encoder, "decoder": vae.decoder})
-    # A network and its clone: `model` tells their namesake variables apart.
-    lab.layer_norms(rec.run, {"network": ddim.network, "ema": ddim.ema_network}, model=ddim)
+    # `model=` (the model the run recorded) tells namesake variables apart:
+    # a network and its clone (keras.models.clone_model) share their paths.
+    lab.layer_norms(rec.run, {"encoder": vae.encoder, "decoder": vae.decoder}, model=vae)
     ```
     """
     if hasattr(run, "batches"):
