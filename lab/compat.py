@@ -385,3 +385,67 @@ def stateful_random_ops(graph):
                 seen.add(name)
                 graphs.append(function.graph)
     return found
+
+
+# ---- the random streams a training step draws from ----------------------------
+
+# Keras' unseeded `keras.random` draws (`seed=None`, also a layer's) take
+# their seeds from one SeedGenerator, made on first use and kept in Keras'
+# thread-local global state under this name
+# (`keras.src.random.seed_generator.global_seed_generator`, Keras 3.5 to 3.15).
+_KERAS_GLOBAL_SEED_GENERATOR = "global_seed_generator"
+
+
+def keras_global_seed_generator():
+    """Keras' SeedGenerator for unseeded `keras.random` draws on this
+    thread, or None before the first such draw (no generator is made)."""
+    from keras.src.backend.common import global_state
+
+    return global_state.get_global_attribute(_KERAS_GLOBAL_SEED_GENERATOR)
+
+
+def set_keras_global_seed_generator(generator):
+    """Makes `generator` Keras' SeedGenerator for unseeded draws on this
+    thread; None: Keras makes a new one at the next draw, as it does first."""
+    from keras.src.backend.common import global_state
+
+    global_state.set_global_attribute(_KERAS_GLOBAL_SEED_GENERATOR, generator)
+
+
+def eager_op_seeds():
+    """TensorFlow's stream of op seeds for eager random ops given no seed
+    of their own (`tf.random.normal(...)` run eagerly after
+    `tf.random.set_seed`): a `random.Random` on the eager context, made by
+    `set_seed` (`context()._rng`, TF 2.16 and 2.21). None when there is
+    none (no global seed: such ops are not reproducible anyway)."""
+    from tensorflow.python.eager import context
+
+    return getattr(context.context(), "_rng", None)
+
+
+def set_eager_op_seeds(stream):
+    """Makes the `random.Random` `stream` TensorFlow's stream of eager op
+    seeds (see `eager_op_seeds`); the global seed stays as it is."""
+    from tensorflow.python.eager import context
+
+    context.context()._rng = stream
+
+
+def tf_global_generator():
+    """`tf.random.get_global_generator()` without making it: None before its
+    first use (`stateful_random_ops.global_generator`, TF 2.16 and 2.21)."""
+    from tensorflow.python.ops import stateful_random_ops
+
+    return stateful_random_ops.global_generator
+
+
+def array_batches(x, y=None, sample_weight=None, batch_size=32):
+    """Arrays as the `tf.data.Dataset` of batches `fit(x, y, sample_weight,
+    batch_size=..., shuffle=False)` trains on: Keras' own data adapter
+    (`keras.src.trainers.data_adapters.get_data_adapter`, Keras 3.5 to
+    3.15), so `x` alone arrives as the tensor, a list of inputs as a tuple,
+    a dict as a dict, exactly as `fit()` hands them to `train_step`."""
+    from keras.src.trainers.data_adapters import get_data_adapter
+
+    adapter = get_data_adapter(x, y=y, sample_weight=sample_weight, batch_size=batch_size, shuffle=False)
+    return adapter.get_tf_dataset()

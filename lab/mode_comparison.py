@@ -3,10 +3,13 @@
 Each (mode, steps_per_execution) run trains the same cached batches from the
 same copy of the model's state, so the runs differ only in how the step runs.
 The input pipeline is timed alone as well, to say whether the input or the
-model bounds training.
+model bounds training. Comparing does not change what training does next:
+the model's state and every random stream a step draws from are as they
+were.
 """
 
 import math
+import random
 import statistics
 import time
 
@@ -27,7 +30,15 @@ from lab.modes import (
     Settings,
     is_training,
 )
-from lab.compat import symbolic_build
+from lab.compat import (
+    array_batches,
+    eager_op_seeds,
+    keras_global_seed_generator,
+    set_eager_op_seeds,
+    set_keras_global_seed_generator,
+    symbolic_build,
+    tf_global_generator,
+)
 from lab.hooks import hooks_for
 from lab.probes import find_optimizers
 
@@ -39,15 +50,27 @@ def compare_modes(model, data, steps=32, batch_size=None, modes=MODES, steps_per
     batches, starting from a copy of the model's weights, optimizer and metric
     state. The first call of the train function (tracing, XLA compiling) is
     timed apart from the steps after it. The input is timed alone too: the
-    batches per second `data` yields without training, so the result says
-    whether the input or the model bounds the run. Afterwards the model is as it
+    batches per second `data` yields without training (the median of
+    several timings long enough for the clock), so the result says whether
+    the input or the model bounds the run. Afterwards the model is as it
     was: weights, optimizer and metric state, mode, `steps_per_execution` and
-    compiled functions (an unbuilt model or optimizer is left built).
+    compiled functions (an unbuilt model or optimizer is left built), and so
+    are the random streams a step draws from (Python's and NumPy's global
+    ones, Keras' for unseeded `keras.random` draws, TensorFlow's global
+    generator and its op seeds for eager random ops): the next `fit()`
+    trains exactly as it would have. (A Dataset that reshuffles on every
+    pass is read like one more pass, so its next order is not the one it
+    would have had: TensorFlow keeps that order's seed where it cannot be
+    put back. Pass a copy made the same way to keep the original's.)
 
     Args:
         model: keras.Model, compiled.
-        data: tuple `(x, y)` or `(x, y, sample_weight)` of arrays, or a
-            `tf.data.Dataset` of batches (repeated if shorter than `steps`).
+        data: arrays as `fit()` takes them, batched as `fit()` batches them:
+            `(x, y)` or `(x, y, sample_weight)`; `x` alone or `(x,)` for a
+            model trained with `fit(x)` (a VAE, a GAN), whose `train_step`
+            then gets the batch of `x` itself, as from `fit(x)`. Or a
+            `tf.data.Dataset` of batches, whose elements `train_step` gets
+            as they are (repeated if shorter than `steps`).
         steps: int, training steps per run (at least 2); at least twice the
             largest `steps_per_execution`, so each run has a timed call after
             the first.
@@ -99,20 +122,24 @@ def compare_modes(model, data, steps=32, batch_size=None, modes=MODES, steps_per
         )
     if is_training(model):
         raise RuntimeError("compare_modes cannot run while fit() trains this model; call it when training is done.")
-    batches, data_rate = _batches_and_rate(data, batch_size, steps)
-    first = next(iter(batches))
-    created = _build(model, first)
-    state = _State(model, created)
-    rows, losses = [], []
+    streams = _RandomStreams()
     try:
-        for mode in modes:
-            for spe in spes:
-                state.restore_values()
-                row, run_losses = _time_run(model, mode, spe, batches, steps)
-                rows.append(row)
-                losses.append(run_losses)
+        batches, data_rate = _batches_and_rate(_dataset(data, batch_size), steps)
+        first = next(iter(batches))
+        created = _build(model, first)
+        state = _State(model, created)
+        rows, losses = [], []
+        try:
+            for mode in modes:
+                for spe in spes:
+                    state.restore_values()
+                    row, run_losses = _time_run(model, mode, spe, batches, steps)
+                    rows.append(row)
+                    losses.append(run_losses)
+        finally:
+            state.restore()
     finally:
-        state.restore()
+        streams.restore()
     return _comparison_frame(rows, losses, data_rate)
 
 
@@ -147,38 +174,99 @@ def _build(model, batch):
     return created
 
 
-def _batches_and_rate(data, batch_size, steps):
-    """The first `steps` batches of `data`, cached, and the input's batches/s."""
+def _dataset(data, batch_size):
+    """`data` as the Dataset of batches `fit()` would train on."""
     if isinstance(data, tf.data.Dataset):
         if batch_size is not None:
             raise ValueError("batch_size is for arrays; a Dataset is already batched: pass batch_size=None.")
-        dataset = data
-    elif isinstance(data, (tuple, list)) and 1 <= len(data) <= 3:
-        arrays = tuple(data)
-        dataset = tf.data.Dataset.from_tensor_slices(arrays).batch(batch_size or 32)
+        return data
+    if isinstance(data, (tuple, list)):
+        if not 1 <= len(data) <= 3:
+            raise ValueError(
+                f"data is a {type(data).__name__} of {len(data)}; pass (x, y) or (x, y, sample_weight) as "
+                "fit(x, y) takes them, x alone (or (x,)) for a model trained with fit(x), or a batched "
+                "tf.data.Dataset."
+            )
+        x, y, sample_weight = (tuple(data) + (None, None))[:3]
+    elif isinstance(data, dict) or hasattr(data, "shape"):
+        x, y, sample_weight = data, None, None
     else:
         raise ValueError(
-            f"data must be a tuple (x, y) of arrays or a tf.data.Dataset, got {type(data).__name__}."
+            f"data must be arrays or a tf.data.Dataset, got {type(data).__name__}: pass (x, y) or "
+            "(x, y, sample_weight) as fit(x, y) takes them, x alone for a model trained with fit(x), "
+            "or wrap the input in a batched tf.data.Dataset."
         )
-    source = dataset.repeat().take(steps)
-    # The input alone, consumed in C++ as the train function consumes it (a
-    # Python loop over the dataset would add its own per-batch overhead).
-    # Timing n and 2n batches and taking the difference cancels the fixed cost
-    # of starting the pipeline.
-    count_batches = tf.function(lambda ds: ds.reduce(np.int64(0), lambda n, _: n + 1))
-    if int(count_batches(source)) == 0:  # also traces, outside the timing
-        raise ValueError("data yielded no batches.")
-    seconds = []
-    for repeats in (1, 2):
-        start = time.perf_counter()
-        count_batches(dataset.repeat().take(repeats * steps))
-        seconds.append(time.perf_counter() - start)
-    extra = seconds[1] - seconds[0]
-    rate = steps / extra if extra > 0 else 2 * steps / seconds[1]
-    batches = source.cache()
+    return array_batches(x, y, sample_weight, batch_size=batch_size or 32)
+
+
+def _batches_and_rate(dataset, steps):
+    """The first `steps` batches of `dataset`, cached, and the input's batches/s."""
+    rate = _input_rate(dataset)
+    batches = dataset.repeat().take(steps).cache()
     for _ in batches:  # fill the cache: every run then reads the same batches from memory
         pass
     return batches, rate
+
+
+# Each timing of the input takes at least this long (seconds), so that the
+# clock's jitter and a call's fixed cost (a fraction of a millisecond) stay
+# small beside it; the search for that length settles after _RATE_BUDGET.
+_RATE_WINDOW = 0.02
+_RATE_BUDGET = 1.0
+_RATE_SAMPLES = 3
+
+
+@tf.function
+def _pull(iterator, n):
+    """Takes `n` batches from `iterator` inside TensorFlow, as a train function takes them."""
+
+    def take_one(i):
+        with tf.control_dependencies(tf.nest.flatten(iterator.get_next(), expand_composites=True)):
+            return i + 1
+
+    return tf.while_loop(lambda i: i < n, take_one, [tf.constant(0, tf.int64)])
+
+
+def _input_rate(dataset):
+    """Batches per second `dataset` yields once started, taken from one
+    iterator inside TensorFlow as the train function takes them (a Python
+    loop over the dataset would add its own per-batch cost).
+
+    A sample times n and 2n batches back to back and keeps the difference,
+    which cancels a call's fixed cost. n grows until one sample takes
+    `_RATE_WINDOW` seconds; the rate is then the median of `_RATE_SAMPLES`
+    samples at that n, so a stall of the machine during one timing decides
+    nothing (and if it made n look long enough, n grows on).
+    """
+    iterator = iter(dataset.repeat())
+    try:
+        _pull(iterator, tf.constant(1, tf.int64))  # traces and starts the pipeline, outside the timing
+    except tf.errors.OutOfRangeError:
+        raise ValueError("data yielded no batches.") from None
+
+    def sample(n):
+        start = time.perf_counter()
+        _pull(iterator, tf.constant(n, tf.int64))
+        middle = time.perf_counter()
+        _pull(iterator, tf.constant(2 * n, tf.int64))
+        end = time.perf_counter()
+        return (end - middle) - (middle - start), end - middle
+
+    n, began = 1, time.perf_counter()
+    while True:
+        samples = [sample(n)]
+        settled = time.perf_counter() - began > _RATE_BUDGET or n >= 2 ** 20
+        if samples[0][0] >= _RATE_WINDOW or settled:
+            samples += [sample(n) for _ in range(_RATE_SAMPLES - 1)]
+            extra = statistics.median(extra for extra, _ in samples)
+            if extra >= _RATE_WINDOW / 2 or settled:
+                break
+        else:
+            extra = samples[0][0]
+        n *= 2 if extra <= 0 else min(64, max(2, math.ceil(_RATE_WINDOW / extra)))
+    if extra > 0:
+        return n / extra
+    return 2 * n / statistics.median(long for _, long in samples)
 
 
 def _time_run(model, mode, spe, batches, steps):
@@ -304,6 +392,48 @@ class _State:
     def restore(self):
         self.restore_values()
         self.settings.restore(self.model)
+
+
+class _RandomStreams:
+    """The random streams a training step draws from, as they were before comparing.
+
+    Python's and NumPy's global generators, Keras' SeedGenerator for
+    unseeded `keras.random` draws and TensorFlow's global
+    `tf.random.Generator` are copied and put back; one made while comparing
+    is taken away again, so the next step makes it as it would have.
+    TensorFlow's op seeds for eager random ops are another matter: each
+    such op takes a seed from a stream, and TensorFlow keeps a kernel per
+    seed whose numbers go on from where they stopped. Putting that stream
+    back would give the next `fit()` the same seeds again, with kernels the
+    comparison has advanced; so the comparison draws from a stream of its
+    own, and TensorFlow's is never touched.
+    """
+
+    def __init__(self):
+        self.python = random.getstate()
+        self.numpy = np.random.get_state()
+        self.keras = keras_global_seed_generator()
+        self.keras_state = None if self.keras is None else np.array(self.keras.state.numpy(), copy=True)
+        self.tf_generator = tf_global_generator()
+        self.tf_state = None if self.tf_generator is None else np.array(self.tf_generator.state.numpy(), copy=True)
+        self.eager_seeds = eager_op_seeds()
+        if self.eager_seeds is not None:
+            # A stream of its own, the same for the same state, whose seeds
+            # meet those TensorFlow's gives next no more often than two of
+            # TensorFlow's own meet.
+            set_eager_op_seeds(random.Random(f"lab.compare_modes {self.eager_seeds.getstate()}"))
+
+    def restore(self):
+        random.setstate(self.python)
+        np.random.set_state(self.numpy)
+        set_keras_global_seed_generator(self.keras)
+        if self.keras is not None:
+            self.keras.state.assign(self.keras_state)
+        tf.random.set_global_generator(self.tf_generator)
+        if self.tf_generator is not None:
+            self.tf_generator.state.assign(self.tf_state)
+        if self.eager_seeds is not None:
+            set_eager_op_seeds(self.eager_seeds)
 
 
 def _comparison_frame(rows, losses, data_rate):

@@ -12,8 +12,17 @@ widget with training on a background thread) is not applied from the asking
 thread: `request_mode` leaves it pending and the training thread applies it at
 the next batch boundary, through `apply_pending_mode`, called at batch begin by
 a `ModeSwitcher` callback (or by a Recorder or Dashboard).
+
+The train function a switch to graph or XLA builds checks its first step:
+when that step fails because of the mode (a step that needs eager Python,
+an op XLA cannot compile) the previous mode comes back and `ModeError` says
+why. The check is not a hook: it is part of the function `set_mode` builds
+(Keras' own, with the check in front), replaced like any train function by
+the next `compile()` or rebuild, and it takes itself off after the first
+step that runs.
 """
 
+import re
 import threading
 import warnings
 import weakref
@@ -32,6 +41,11 @@ XLA_COMPILE_HINT = (
     "XLA cannot compile an op of this model (tf.py_function, tf.numpy_function "
     "and most tf.strings ops have no XLA kernel). Keep 'graph', or move that op "
     "into the input pipeline."
+)
+GRAPH_TRACE_HINT = (
+    "The step uses a tensor as a Python value, which only eager execution has "
+    "(.numpy(), bool(), float(), a Python loop over it, NumPy on it). Keep "
+    "'eager', or write that part with TensorFlow ops (tf.cond, tf.print)."
 )
 
 _lock = threading.Lock()
@@ -64,9 +78,22 @@ def set_mode(model, mode, steps_per_execution=None):
     functions, so the next batch runs in the new mode. Allowed between batches
     of a running `fit()` (from a callback on the training thread). What can be
     known at the switch is checked there (XLA with op determinism on, under a
-    multi-replica MirroredStrategy, or with a layer that does not support XLA);
-    an op XLA cannot compile shows at the first step, which then raises
-    `ModeError` and puts the previous mode back.
+    multi-replica MirroredStrategy, or with a layer that does not support XLA).
+
+    What shows only when a step runs is checked at the first step after a
+    switch to "graph" or "xla": when it fails because of the mode, the
+    previous mode comes back and `ModeError` says why. The mode is to blame
+    for what TensorFlow raises only while it traces a step into a graph (a
+    tensor used as a Python value: `.numpy()`, `bool()`, `float()`, iterating
+    it, NumPy on it; a variable made at a later trace) and, in "xla", for an
+    op or shape XLA cannot compile. Any other error is the step's own (a
+    wrong input shape, a failed assertion, a NaN check): it is raised
+    unchanged and the new mode stays, so the fixed step runs in the mode
+    asked for. Whether a graph step would also fail eagerly cannot be known
+    without running it eagerly too, which would run the batch twice; only
+    errors that cannot happen eagerly put the previous mode back. "eager"
+    never goes back: it runs any step that runs at all, so a step failing
+    there is failing on its own (and debugging it is why one switches).
 
     Args:
         model: keras.Model, compiled.
@@ -81,7 +108,8 @@ def set_mode(model, mode, steps_per_execution=None):
     Raises:
         ValueError: an unknown mode, an uncompiled model, or a
             `steps_per_execution` change while `fit()` runs.
-        ModeError: the mode cannot run this model; nothing was changed.
+        ModeError: the mode cannot run this model; nothing was changed
+            (raised by the switch, or by the first step after it).
 
     Example:
 
@@ -111,10 +139,13 @@ def set_mode(model, mode, steps_per_execution=None):
         raise ModeError(f"Keras refused to run this model in {mode!r} mode; it stays in {previous!r}.")
     _rebuild(model)
     with _lock:
-        # Reverting goes back to the last mode that ran a step, not to one
-        # switched to and away from before any step.
-        last_good = _unverified.get(model, (saved, previous))
-        _unverified[model] = (last_good[0], last_good[1], mode)
+        if mode == "eager":
+            _unverified.pop(model, None)  # eager runs whatever runs: nothing to check
+        else:
+            # Reverting goes back to the last mode that ran a step (or to
+            # eager), not to one switched to and away from before any step.
+            last_good = _unverified.get(model, (saved, previous))
+            _unverified[model] = (last_good[0], last_good[1], mode)
     guard_first_step(model)
     _notify(model, mode)
     return previous
@@ -155,6 +186,8 @@ def _rebuild(model):
     model.make_train_function(force=True)
     model.make_test_function(force=True)
     model.make_predict_function(force=True)
+    # The lab's wrappers on a running fit() wrap the new function at once.
+    hooks_for(model).sync_train_function()
 
 
 def set_attributes(model, mode, steps_per_execution=None):
@@ -187,67 +220,118 @@ class Settings:
 
 
 def guard_first_step(model):
-    """Makes the first step after a switch revert the switch if it fails.
+    """Puts the check of a switch's first step on the model's train function.
 
-    `set_mode` does this itself, through the instrumentation layer: the check
-    stays on the train function (also one that `fit()` rebuilds) until the
-    new mode has run a step. Calling it again does nothing more.
+    `set_mode` does this itself, and so does `training_began` (a Recorder's
+    or ModeSwitcher's `on_train_begin`): a Recorder has `fit()` build a new
+    train function, which gets the check again while the switch has not run
+    a step. Calling it again, or after that step, does nothing more.
 
     Args:
         model: keras.Model.
     """
     with _lock:
         entry = _unverified.get(model)
+        if entry is not None and current_mode(model) != entry[2]:
+            # compile() or the attributes changed the mode since: nothing to check.
+            _unverified.pop(model, None)
+            entry = None
     if entry is None:
         return
     hooks = hooks_for(model)
-    owner = _first_step_owner(model)
-    hooks.unwrap_train_function(owner)
-    hooks.wrap_train_function(owner, lambda function: _first_step(model, function), role="first_step")
+    function = hooks.train_function_base()  # Keras' function, under any lab wrapper
+    if function is None or isinstance(function, _FirstStepCheck):
+        return
+    model.train_function = _FirstStepCheck(model, function)
+    hooks.sync_train_function()
 
 
-def _first_step(model, function):
-    def first_step(iterator):
+class _FirstStepCheck:
+    """A switch's train function: Keras' own, with the check of its first step in front.
+
+    The first call that returns marks the switch as good and puts Keras'
+    function back as the model's train function. A call that fails because
+    of the mode (see `set_mode`) puts the previous mode back and raises
+    `ModeError`; any other error is raised as it is, and the check stays for
+    the next call.
+
+    Args:
+        model: keras.Model.
+        function: callable, Keras' train function for the new mode.
+    """
+
+    def __init__(self, model, function):
+        self._model = weakref.ref(model)
+        self.function = function
+
+    def __call__(self, iterator):
+        model = self._model()
         with _lock:
-            entry = _unverified.get(model)
+            entry = _unverified.get(model) if model is not None else None
         if entry is None:
-            return function(iterator)
+            return self.function(iterator)
         saved, previous, mode = entry
         try:
-            outputs = function(iterator)
+            outputs = self.function(iterator)
         except END_OF_DATA:
             raise
         except Exception as error:
+            if not mode_failure(mode, error):
+                raise
             _revert(model, saved)
             raise ModeError(_first_step_message(mode, previous, error)) from error
         with _lock:
             _unverified.pop(model, None)
-        hooks_for(model).release(_first_step_owner(model))  # nothing left to check
+        self._take_off(model)
         return outputs
 
-    return first_step
+    def _take_off(self, model):
+        """Keras' function back in this check's place (nothing left to check)."""
+        hooks = hooks_for(model)
+        if hooks.train_function_base() is self:
+            model.train_function = self.function
+            hooks.sync_train_function()
 
 
-class _FirstStepCheck:
-    """The owner of one model's first-step check in the instrumentation layer."""
+# Errors TensorFlow raises only while it traces a step into a graph: a
+# symbolic tensor used as a Python value (`.numpy()`, `float()`, NumPy on
+# it; `bool()` and iterating it raise OperatorNotAllowedInGraphError), or a
+# variable made at a later trace. TF 2.16 and 2.21 word them alike.
+_SYMBOLIC_VALUE = re.compile(r"SymbolicTensor|symbolic `?tf\.Tensor")
+_VARIABLE_AT_LATER_TRACE = "tf.function only supports singleton tf.Variables"
+# What TensorFlow's XLA bridge (tf2xla) says when it cannot compile a traced
+# step: an op without an XLA kernel, a shape XLA needs at compile time.
+_XLA_COMPILE = re.compile(r"tf2xla conversion failed|Detected unsupported operations when trying to compile"
+                          r"|XLA compilation requires")
 
 
-_first_step_owners = weakref.WeakKeyDictionary()
+def mode_failure(mode, error):
+    """Whether `error`, raised by a step in `mode`, is the mode's failure rather than the step's own.
+
+    Args:
+        mode: str, "eager", "graph" or "xla".
+        error: Exception, what the step raised.
+
+    Returns:
+        bool, True for an error that the step run eagerly cannot raise (see
+        `set_mode`); never for "eager".
+    """
+    if mode == "eager":
+        return False
+    text = str(error)
+    if _uses_tensor_as_python_value(error) or _VARIABLE_AT_LATER_TRACE in text:
+        return True
+    return mode == "xla" and isinstance(error, tf.errors.OpError) and bool(_XLA_COMPILE.search(text))
 
 
-def _first_step_owner(model):
-    with _lock:
-        owner = _first_step_owners.get(model)
-        if owner is None:
-            owner = _first_step_owners[model] = _FirstStepCheck()
-        return owner
+def _uses_tensor_as_python_value(error):
+    return isinstance(error, tf.errors.OperatorNotAllowedInGraphError) or bool(_SYMBOLIC_VALUE.search(str(error)))
 
 
 def _revert(model, saved):
     """Back to the settings of the last mode that ran, with freshly built functions."""
     with _lock:
         _unverified.pop(model, None)
-    hooks_for(model).release(_first_step_owner(model))
     saved.restore(model, functions=False)
     _rebuild(model)
     _notify(model, current_mode(model))
@@ -259,6 +343,8 @@ def _first_step_message(mode, previous, error):
     message = f"The first step in {mode!r} mode failed, so the model is back in {previous!r} mode. {first_line}"
     if mode == "xla" and ("XLA" in text or "unsupported op" in text.lower()):
         message += "\n" + XLA_COMPILE_HINT
+    elif _uses_tensor_as_python_value(error):
+        message += "\n" + GRAPH_TRACE_HINT
     return message
 
 
@@ -381,9 +467,12 @@ def apply_pending_mode(model):
 
 
 def training_began(model):
-    """Marks the calling thread as training `model` (call at on_train_begin)."""
+    """Marks the calling thread as training `model` (call at on_train_begin),
+    and checks the first step of a switch that has not run one yet
+    (`guard_first_step`)."""
     with _lock:
         _training[model] = threading.current_thread()
+    guard_first_step(model)
 
 
 def training_ended(model):
@@ -433,7 +522,6 @@ class ModeSwitcher(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         training_began(self.model)
-        guard_first_step(self.model)
 
     def on_train_batch_begin(self, batch, logs=None):
         apply_pending_mode(self.model)

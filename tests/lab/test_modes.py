@@ -1,9 +1,11 @@
 """Execution modes: switching keeps training continuous; comparing leaves the model as it was."""
 
 import os
+import random
 import subprocess
 import sys
 import textwrap
+import time
 
 import keras
 import numpy as np
@@ -199,6 +201,75 @@ def test_xla_with_an_op_it_cannot_compile_fails_at_the_first_step_and_reverts(da
     assert int(model.optimizer.iterations) == 4
 
 
+def test_a_watched_fit_checks_the_first_xla_step_too(data):
+    # A Recorder has fit() build a new train function; it is checked all the same.
+    x, y = data
+    model = make_model(extra=[NumpyIdentity()])
+    lab.set_mode(model, "xla")
+    with pytest.raises(ModeError, match="back in 'graph' mode"):
+        model.fit(x[:16], y[:16], batch_size=8, verbose=0, callbacks=[lab.Recorder()])
+    assert modes.current_mode(model) == "graph"
+
+
+def test_a_step_failing_in_eager_raises_its_own_error_and_stays_in_eager(data):
+    # Eager is where one debugs a failing step: its error is the step's own.
+    x, y = data
+    model = make_model()
+    model.fit(x[:16], y[:16], batch_size=8, verbose=0)
+    lab.set_mode(model, "eager")
+    with pytest.raises(ValueError, match="64"):  # the user's own error, not a ModeError
+        model.fit(x[:16, :63], y[:16], batch_size=8, verbose=0)
+    assert modes.current_mode(model) == "eager"
+
+
+@pytest.mark.parametrize("mode", ["graph", "xla"])
+def test_a_steps_own_error_after_a_switch_is_raised_as_it_is_and_the_mode_stays(data, mode):
+    x, y = data
+    model = make_model()
+    model.fit(x[:16], y[:16], batch_size=8, verbose=0)
+    lab.set_mode(model, "eager")
+    lab.set_mode(model, mode)
+    with pytest.raises(ValueError, match="64"):  # a wrong input width fails in any mode
+        model.fit(x[:16, :63], y[:16], batch_size=8, verbose=0)
+    assert modes.current_mode(model) == mode
+    model.fit(x[:16], y[:16], batch_size=8, verbose=0)  # the fixed input trains in the mode asked for
+    assert modes.current_mode(model) == mode and int(model.optimizer.iterations) == 4
+
+
+class NeedsEager(keras.Sequential):
+    """Reads a tensor's value in Python in its train_step: runs eagerly only."""
+
+    def train_step(self, data):
+        logs = super().train_step(data)
+        self.last_loss = float(logs["loss"])
+        return logs
+
+
+def test_a_step_that_needs_eager_fails_its_first_graph_step_and_goes_back(data):
+    x, y = data
+    model = make_model(NeedsEager)
+    lab.set_mode(model, "eager")
+    model.fit(x[:16], y[:16], batch_size=8, verbose=0)
+    lab.set_mode(model, "graph")
+    with pytest.raises(ModeError, match="back in 'eager' mode") as failure:
+        model.fit(x[:16], y[:16], batch_size=8, verbose=0)
+    assert "Keep 'eager'" in str(failure.value)
+    assert modes.current_mode(model) == "eager"
+    model.fit(x[:16], y[:16], batch_size=8, verbose=0)
+    assert int(model.optimizer.iterations) == 4
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
+def test_set_mode_puts_no_lab_hook_on_the_model(data, mode):
+    x, y = data
+    model = make_model()
+    lab.set_mode(model, mode)
+    assert not lab.hooks.attached(model)  # also if the model never trains again
+    model.fit(x[:16], y[:16], batch_size=8, verbose=0)
+    assert not lab.hooks.attached(model)
+    assert not type(model.train_function).__module__.startswith("lab")  # Keras' own function, nothing in front
+
+
 def test_xla_with_op_determinism_is_refused_at_the_switch(deterministic):
     model = make_model()
     model.make_train_function()
@@ -304,5 +375,100 @@ def test_compare_modes_bad_input_names_the_fix(data):
         lab.compare_modes(model, (x, y), steps=4, steps_per_execution=(1, 8))
     with pytest.raises(ValueError, match="already batched"):
         lab.compare_modes(model, tf.data.Dataset.from_tensor_slices((x, y)).batch(8), steps=16, batch_size=8)
-    with pytest.raises(ValueError, match="tuple"):
-        lab.compare_modes(model, x, steps=16)
+    with pytest.raises(ValueError, match=r"x alone for a model trained with fit\(x\)"):
+        lab.compare_modes(model, iter([x]), steps=16)
+    with pytest.raises(ValueError, match=r"\(x, y, sample_weight\)"):
+        lab.compare_modes(model, (x, y, y, y), steps=16)
+
+
+class NoisyModel(keras.Model):
+    """Adds noise to its inputs with no seed of its own, as a user's train_step might."""
+
+    draw = "keras"  # keras.random (Keras' global SeedGenerator), or "tf": tf.random (TF's op seeds)
+
+    def train_step(self, data):
+        x, y = data
+        noise = keras.random.normal if self.draw == "keras" else tf.random.normal
+        return super().train_step((x + noise(tf.shape(x), stddev=0.5), y))
+
+
+@pytest.mark.parametrize("draw, mode", [("keras", "graph"), ("tf", "eager"), ("tf", "graph")])
+def test_the_fit_after_compare_modes_trains_as_it_would_have(data, draw, mode):
+    x, y = data
+
+    def next_fit(compare):
+        keras.utils.set_random_seed(0)
+        lab.compat.set_keras_global_seed_generator(None)  # newer Keras' set_random_seed does this too, 3.5's not
+        inputs = keras.Input((64,))
+        model = NoisyModel(inputs, keras.layers.Dense(10)(inputs))
+        model.draw = draw
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      run_eagerly=mode == "eager")
+        if mode == "graph":
+            model.fit(x[:16], y[:16], batch_size=8, verbose=0)  # its train function traced before comparing
+        if compare:
+            lab.compare_modes(model, (x, y), steps=2, batch_size=8, modes=("eager", "graph"),
+                              steps_per_execution=(1,))
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+        return model.get_weights() + [random.random(), np.random.random()]
+
+    for got, want in zip(next_fit(compare=True), next_fit(compare=False)):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_stall_while_the_input_is_timed_does_not_make_a_slow_model_data_bound(data):
+    x, y = data
+    drawn = []
+
+    def pull(batch):
+        drawn.append(1)
+        if len(drawn) == 12:  # once: the machine was busy elsewhere for a moment
+            time.sleep(0.3)
+        return batch
+
+    def stalls_once(xb, yb):
+        xb = tf.py_function(pull, [xb], tf.float32)
+        xb.set_shape((None, 64))
+        return xb, yb
+
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).map(stalls_once)
+    frame = lab.compare_modes(make_model(), dataset, steps=4, modes=("eager",), steps_per_execution=(1,))
+    assert frame.attrs["bottleneck"].startswith("model:")  # eager steps are far slower than in-memory batches
+    assert list(frame["bound_by"]) == ["model"]
+
+
+class Reconstructing(keras.Model):
+    """Trained with fit(x) alone, as a VAE: its train_step takes the batch of x itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(64)
+        self.tracker = keras.metrics.Mean(name="loss")
+
+    def call(self, x):
+        return self.dense(x)
+
+    @property
+    def metrics(self):
+        return [self.tracker]
+
+    def train_step(self, data):
+        if isinstance(data, tuple):
+            raise TypeError(f"fit(x) hands train_step the batch of x, not a {len(data)}-tuple")
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean((self(data, training=True) - data) ** 2)
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        self.tracker.update_state(loss)
+        return {"loss": self.tracker.result()}
+
+
+@pytest.mark.parametrize("as_given", ["x", "(x,)"])
+def test_compare_modes_feeds_x_alone_as_fit_x_does(data, as_given):
+    x, _ = data
+    model = Reconstructing()
+    model.compile(optimizer="adam")
+    frame = lab.compare_modes(model, x if as_given == "x" else (x,), steps=2, batch_size=8,
+                              modes=("eager", "graph"), steps_per_execution=(1,))
+    assert list(frame["error"]) == [None, None]
+    assert (frame["max_loss_diff"] < 1e-4).all()
+    model.fit(x, batch_size=8, verbose=0)  # what compare_modes fed it, fit(x) feeds it too
