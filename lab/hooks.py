@@ -39,7 +39,6 @@ ROLES = (
     "probe",       # a Recorder's or watch block's probe (train_step, compute_loss, optimizers, metrics)
     "counter",     # compare_modes' trace counter on train_step
     "keep_batch",  # BatchInFlight: the batch in flight and the state before it
-    "first_step",  # a mode switch's check of its first step
     "guard",       # a Recorder's failure guard (train function, CallbackList)
 )
 
