@@ -204,12 +204,17 @@ def newly_infinite(infinite, told):
     return names
 
 
+def shown_names(names, most=4):
+    """The first `most` of `names` joined by commas, with how many more."""
+    names = list(names)
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
 def infinite_norms_message(columns, step, also=""):
     """What the run says when norm `columns` (a list, first inf at `step`)
     are inf in rows whose norms the host finished; `also`: a sentence
     for the caller's case."""
-    shown = ", ".join(columns[:4]) + (f" and {len(columns) - 4} more" if len(columns) > 4 else "")
-    return (f"{shown} {'is' if len(columns) == 1 else 'are'} inf from step {step}: the tensor has an "
+    return (f"{shown_names(columns)} {'is' if len(columns) == 1 else 'are'} inf from step {step}: the tensor has an "
             "infinite element, or its sum of squares overflows float32 (a norm over about 1.8e19), "
             f"which the lab cannot tell apart.{also} `lab.breakpoints.nonfinite()` stops at infinite "
             "gradients.")
@@ -786,9 +791,8 @@ class Probe:
             if not new:
                 continue
             run.metadata[key] = "\n".join(told + new)
-            shown = ", ".join(new[:4]) + (f" and {len(new) - 4} more" if len(new) > 4 else "")
             what = " and ".join(sorted({found[name] for name in new}))
-            run.add_event("warning", TRACE_NOTES[kind].format(variables=shown, what=what), step=step)
+            run.add_event("warning", TRACE_NOTES[kind].format(variables=shown_names(new), what=what), step=step)
 
     def _note_regrouped(self, variables, grads):
         """Notes (at trace time, the update built) the variables whose update

@@ -13,7 +13,7 @@ from lab import compat, modes, schema
 from lab.arguments import check_seconds
 from lab.hooks import CompiledState, hooks_for, release_all
 from lab.observers import Observers
-from lab.probes import Probe, infinite_norms_message, newly_infinite
+from lab.probes import Probe, infinite_norms_message, newly_infinite, shown_names
 from lab.run import Run
 from lab.status import StatusReporter
 from lab.breakpoints import as_breakpoints
@@ -324,7 +324,9 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         count = len(columns["epoch"])
         bad, why = np.zeros(count, bool), []
         loss = columns.get("loss")
-        if loss is not None and "loss" in stepped and not self._probe.loss_of_tracker:
+        if "loss" not in stepped or self._probe.loss_of_tracker:
+            loss = None  # no loss of the step's own: NaN there means none
+        if loss is not None:
             bad |= ~np.isfinite(loss)
         updated = np.asarray(columns.get("updated", np.zeros(count))) > 0
         # A norm the host finished as inf may be a finite gradient's whose
@@ -337,12 +339,11 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         if not bad.any():
             return
         first = int(np.argmax(bad))
-        if loss is not None and "loss" in stepped and not np.isfinite(loss[first]):
+        if loss is not None and not np.isfinite(loss[first]):
             why.append(f"the loss is {loss[first]}")
         names = [name.split("/", 1)[1] for name, hits in grads.items() if hits[first]]
         if names:
-            shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-            why.append(f"the update took in non-finite gradients of {shown}")
+            why.append(f"the update took in non-finite gradients of {shown_names(names)}")
         step = start + first
         self.run.metadata[_TOLD_NONFINITE] = step
         self.run.add_event("warning", NONFINITE_TRAINING_NOTE.format(step=step, what="; ".join(why)), step=step)

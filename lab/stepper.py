@@ -31,7 +31,7 @@ from lab import schema
 from lab.arguments import check_number
 from lab.feed import Feed, to_numpy
 from lab.hooks import CompiledState, hooks_for
-from lab.probes import find_optimizers, is_mean, leaf_metrics, variable_keys
+from lab.probes import find_optimizers, is_mean, leaf_metrics, shown_names, variable_keys
 from lab.state import raw_variable, read_variables, same_array, training_variables
 from lab.step_capture import StepCapture, hint
 
@@ -446,8 +446,7 @@ class Stepper:
         if not differ:
             return
         self._told_unrepeatable = True
-        message = UNREPEATABLE_MESSAGE.format(step=trace.index, variables=", ".join(differ[:4])
-                                              + (f" and {len(differ) - 4} more" if len(differ) > 4 else ""))
+        message = UNREPEATABLE_MESSAGE.format(step=trace.index, variables=shown_names(differ))
         if self.run is not None:
             self.run.add_event("warning", message, step=trace.index)
         warnings.warn(message, RuntimeWarning, stacklevel=4)
