@@ -194,8 +194,17 @@ def check_optimizer(t):
     assert_same_optimizer_state(optimizer_state(t.lab), optimizer_state(t.bare))
 
 
-def check_history(t):
-    assert t.history_lab == t.history_bare
+def check_history(t, racy=()):
+    """Keras' History with the lab equals the bare one exactly, but for the
+    logs named in `racy`: where bare fit() itself gives one of two roundings
+    from run to run (see RACY_ADDN), each value may be one unit in the last
+    place off per batch of the epoch."""
+    assert t.history_lab.keys() == t.history_bare.keys()
+    for key, bare in t.history_bare.items():
+        if key in racy:
+            np.testing.assert_array_max_ulp(np.float32(t.history_lab[key]), np.float32(bare), maxulp=racy[key])
+        else:
+            assert t.history_lab[key] == bare, f"History[{key!r}], lab against bare fit()"
 
 
 def check_batch_values(t, columns, own=True):
@@ -874,6 +883,7 @@ class Guide:
     replay: bool = True  # the step is deterministic given the restored state
     later_fit: bool = True  # check a later plain fit() too (one more trace)
     stepped: bool = True  # check the Stepper (one more trace)
+    racy: dict = dataclasses.field(default_factory=dict)  # log -> ulps bare fit() itself may vary by (RACY_ADDN)
 
 
 def _regression():
@@ -938,7 +948,8 @@ GUIDES = {
     "custom_fit/GAN": Guide(make_seeded_gan, _digits_dataset, own=("d_loss", "g_loss")),
     "dcgan_overriding_train_step": Guide(make_unseeded_gan, _digits_dataset, own=("d_loss", "g_loss"), oracle=False,
                                          replay=False),
-    "vae": Guide(make_vae, _vae, own=("loss", "reconstruction_loss", "kl_loss"), replay=False),
+    "vae": Guide(make_vae, _vae, own=("loss", "reconstruction_loss", "kl_loss"), replay=False,
+                 racy={"loss": 3}),
     # Its graph is large (three critic updates with a gradient penalty,
     # unrolled) and slow to trace, so it is traced twice only (bare and lab
     # fit()), not stepped nor fitted a second time.
@@ -974,6 +985,17 @@ RETRACE_AFTER_FIT = (
     "after a fit() with a Recorder, model.train_function is None (plain Keras keeps the traced one), so "
     "a later plain fit() retraces: unseeded stateful TF random ops (tf.random.normal) restart from "
     "fresh seeds and that fit() trains differently from the same fit() after a bare run")
+# Where bare fit() itself is not reproducible bit for bit (seen once on CI,
+# stop 36, on the VAE; Guide.racy): Grappler's arithmetic optimizer rewrites
+# the total tracker's `total + (recon + kl)` into one AddN(total, recon, kl),
+# and TensorFlow's AddN kernel moves an input whose buffer it may reuse to the
+# front. Whether kl's buffer is free when AddN runs depends on whether the kl
+# tracker's own add has run yet: a race between the executor's threads. So
+# the tracker's sum is (total + recon) + kl in some bare runs and
+# (kl + recon) + total in others, one unit in the last place apart on this
+# guide's third batch (1630.3475 against 1630.3477), while recon's and kl's
+# own sums and every weight are the same.
+RACY_ADDN = "AddN's input order depends on which of its input buffers is free"
 # Found by these tests on main as of 4ec6c65 and fixed since (issue 13): the
 # VAE's 'loss' column held Keras' running mean (case 7); WGAN-GP's grad_norm
 # summed three critic applies while grad_norm/<var> kept the last (case 6);
@@ -995,7 +1017,7 @@ def test_fit_weights_optimizer_and_history_are_unchanged(name):
     t = runs_of(name)
     check_weights(t)
     check_optimizer(t)
-    check_history(t)
+    check_history(t, GUIDES[name].racy)
 
 
 
