@@ -37,7 +37,7 @@ def compare(runs, table="batches", columns=None):
     """
     if table not in _TABLES:
         raise ValueError(f"table must be one of {_TABLES}; got {table!r}.")
-    named = _named_runs(runs)
+    named = named_runs(runs)
     frames = []
     for order, (name, run) in enumerate(named.items()):
         frame = getattr(run, table)()
@@ -61,7 +61,20 @@ def compare(runs, table="batches", columns=None):
     return long[first + [c for c in long.columns if c not in first]]
 
 
-def _named_runs(runs):
+def named_runs(runs):
+    """The runs `compare()` takes (a list or dict of Runs, Recorders,
+    Dashboards or run-file paths) as a dict of name to loaded `lab.Run`,
+    each file read once; names repeated get `#2`, `#3`.
+
+    Example:
+
+    ```python
+    from lab.compare import named_runs
+
+    named = named_runs({"a": "run.h5", "b": "runs/lr-0.01.h5"})  # {'a': Run, 'b': Run}
+    batches, epochs = lab.compare(named), lab.compare(named, table="epochs")
+    ```
+    """
     if isinstance(runs, (Run, str, os.PathLike)):
         raise TypeError(
             "compare() takes several runs: pass a list `[run_a, run_b]` or a dict "

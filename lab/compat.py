@@ -396,6 +396,37 @@ def stateful_random_ops(graph):
 _KERAS_GLOBAL_SEED_GENERATOR = "global_seed_generator"
 
 
+def optimizer_variables_for(optimizer):
+    """The model variables `optimizer` was built for, in its order (Keras'
+    private `_trainable_variables`, 3.0 on); [] before it is built. A
+    LossScaleOptimizer's are its inner optimizer's."""
+    inner = getattr(optimizer, "inner_optimizer", None) or optimizer
+    return list(getattr(inner, "_trainable_variables", None) or ())
+
+
+def optimizer_applies(optimizer):
+    """How many times `optimizer` was applied (waits for the device).
+
+    Its public `iterations` counts updates: with Keras' gradient accumulation,
+    an apply that only accumulates is not one. The count of applies is the
+    private `_iterations` (Keras 3.0 on), read where it exists.
+    """
+    inner = getattr(optimizer, "inner_optimizer", None) or optimizer
+    return int(getattr(inner, "_iterations", inner.iterations).numpy())
+
+
+def all_layers(model, include_self=True):
+    """Every layer of `model`, nested ones too, each once (Keras' private
+    `_flatten_layers`, the walk `model.layers` makes one level of)."""
+    return list(model._flatten_layers(include_self=include_self, recursive=True))
+
+
+def layer_non_trainable_variables(layer):
+    """The non-trainable variables `layer` made itself (not its sublayers':
+    Keras' private `_non_trainable_variables`)."""
+    return list(layer._non_trainable_variables)
+
+
 def keras_global_seed_generator():
     """Keras' SeedGenerator for unseeded `keras.random` draws on this
     thread, or None before the first such draw (no generator is made)."""

@@ -553,7 +553,7 @@ class LoopProbe(Probe):
             grads = list(grads)
             variables = list(trainable_variables) if trainable_variables is not None else None
             if variables is None and optimizer.built:
-                variables = list(optimizer._trainable_variables)
+                variables = compat.optimizer_variables_for(optimizer)
             probe._check_gradients(name, grads, variables)
             if not tf.executing_eagerly():
                 probe._note_trace()
@@ -618,8 +618,7 @@ class LoopProbe(Probe):
         """
         variables = list(self.model.trainable_variables)
         for optimizer in self.optimizers.values():
-            inner = getattr(optimizer, "inner_optimizer", None) or optimizer
-            variables += list(getattr(inner, "_trainable_variables", None) or ())
+            variables += compat.optimizer_variables_for(optimizer)
         keys = self._keys(variables)
         self._seen.update(f"{kind}{key}" for kind in (_GRAD_HALF, _WEIGHT_HALF, _UPDATE_HALF) for key in keys)
         several = len(self.optimizers) > 1

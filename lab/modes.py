@@ -32,6 +32,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import config as tf_config
 
+from lab import compat
 from lab.hooks import hooks_for
 
 
@@ -389,7 +390,7 @@ def check_xla(model):
             "variables are read from another device). Use 'graph' under this "
             "strategy, or train on one device to use XLA."
         )
-    unsupported = [layer.name for layer in model._flatten_layers() if not layer.supports_jit]
+    unsupported = [layer.name for layer in compat.all_layers(model) if not layer.supports_jit]
     if unsupported:
         raise ModeError(
             f"These layers do not support XLA: {', '.join(unsupported)}. Use 'graph', "

@@ -39,7 +39,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from lab import schema
+from lab import compat, schema
 from lab.buffer import StepBuffer
 from lab.compat import SCALES_LOSS_BY_REPLICAS as KERAS_SCALES_LOSS
 from lab.compat import (in_xla_trace, isolated, rarely, regrouped_through, slow_xla_cpu_trace,
@@ -1027,10 +1027,10 @@ class Probe:
         assign: those it made non-trainable (BatchNormalization's moving
         statistics). A frozen layer's weights are not among them."""
         found, seen = [], set()
-        for layer in self.model._flatten_layers(include_self=True, recursive=True):
+        for layer in compat.all_layers(self.model):
             if not layer.trainable:
                 continue
-            for variable in layer._non_trainable_variables:
+            for variable in compat.layer_non_trainable_variables(layer):
                 if id(variable) not in seen and variable.dtype in ("float16", "bfloat16", "float32", "float64"):
                     seen.add(id(variable))
                     found.append(variable)
@@ -1055,7 +1055,7 @@ class Probe:
         """The variables one update may change: the weights it updates and
         the optimizer's slots and `iterations`."""
         if trainable_variables is None:
-            trainable_variables = getattr(optimizer, "_trainable_variables", [])
+            trainable_variables = compat.optimizer_variables_for(optimizer)
         found, seen = [], set()
         for variable in list(trainable_variables) + list(optimizer.variables):
             if id(variable) not in seen:

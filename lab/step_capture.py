@@ -14,6 +14,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from lab import compat
 from lab.hooks import hooks_for
 from lab.probes import variable_keys
 
@@ -134,7 +135,7 @@ class StepCapture:
         def apply(grads, trainable_variables=None):
             variables = trainable_variables
             if variables is None:
-                variables = getattr(optimizer, "_trainable_variables", [])
+                variables = compat.optimizer_variables_for(optimizer)
             grads = list(grads)
             variables = list(variables)
             self.no_gradient += [self._key(v) for g, v in zip(grads, variables) if g is None]

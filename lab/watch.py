@@ -32,6 +32,7 @@ import tensorflow as tf
 from tensorflow.python.framework.ops import EagerTensor
 
 from lab import breakpoints as breakpoints_module
+from lab import compat
 from lab.arguments import check_number, check_seconds
 from lab.loop_probe import LoopProbe
 from lab.probes import find_optimizers
@@ -356,7 +357,7 @@ class WatchedRun(StatusReporter, Run):
         if self._applied_checked:
             return
         self._applied_checked = True
-        if any(_applies(o) > self._first_applies[name] for name, o in self.probe.optimizers.items()):
+        if any(compat.optimizer_applies(o) > self._first_applies[name] for name, o in self.probe.optimizers.items()):
             return
         named = [f"{name!r} ({type(o).__name__})" for name, o in self.probe.optimizers.items()]
         watched = (f"The optimizer {named[0]} that lab.watch watches applied no update" if len(named) == 1
@@ -383,7 +384,7 @@ class WatchedRun(StatusReporter, Run):
 
     def _begin(self):
         self._iterations = {name: int(o.iterations.numpy()) for name, o in self.probe.optimizers.items()}
-        self._first_applies = {name: _applies(o) for name, o in self.probe.optimizers.items()}
+        self._first_applies = {name: compat.optimizer_applies(o) for name, o in self.probe.optimizers.items()}
         self._last = time.perf_counter()
         self._set_status("running")
 
@@ -415,17 +416,6 @@ class WatchedRun(StatusReporter, Run):
             self._set_status("failed", message)
         else:
             self._set_status("finished")
-
-
-def _applies(optimizer):
-    """How many times `optimizer` was applied (waits for the device).
-
-    Its public `iterations` counts updates: with Keras' gradient accumulation,
-    an apply that only accumulates is not one. The count of applies is the
-    private `_iterations` (Keras 3.0 on), read where it exists.
-    """
-    inner = getattr(optimizer, "inner_optimizer", None) or optimizer
-    return int(getattr(inner, "_iterations", inner.iterations).numpy())
 
 
 def _to_numpy(values):

@@ -11,7 +11,7 @@ import lab
 from lab.arguments import check_number
 # lab.compare's own naming (`run.name`, `#2` for a repeat), so each run,
 # one without rows too, keeps the name lab.compare gives its rows.
-from lab.compare import _named_runs
+from lab.compare import named_runs
 from widgets import static
 from widgets.html_view import HtmlView
 from widgets.series import MAX_POINTS, Series, downsample, is_bookkeeping, metric_names
@@ -54,7 +54,7 @@ class RunCompare(ipywidgets.VBox):
         kind = choose_view(check_view(view))
         check_number("widgets.RunCompare", "max_points", max_points, numbers.Integral, lambda v: v >= 8,
                      "a whole number of points per run, 8 or more", f"{MAX_POINTS}")
-        named = _named_runs(runs)  # files are read once, for both tables
+        named = named_runs(runs)  # files are read once, for both tables
         self.batches = lab.compare(named)
         self.epochs = lab.compare(named, table="epochs")
         self.names = list(named)
