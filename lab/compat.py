@@ -106,6 +106,38 @@ def calling_callback_list(depth=2, reach=6):
     return None
 
 
+def calling_fit_frame(model, depth=2, reach=12):
+    """The frame of the `model.fit()` call that is calling the caller (a
+    callback's `set_model`), or None.
+
+    An exception raised by `fit()`'s own code between its steps and its
+    callbacks (its metrics' results at an epoch's end, a train function a
+    callback's `compile()` took away, an interrupt between two lines)
+    reaches no callback. Whether that `fit()` is still running is whether
+    its frame is still on its thread's stack (`frame_on_stack`). In every
+    supported release `fit()` builds its CallbackList, which calls
+    `set_model`, in its own frame, a few frames up.
+    """
+    frame = sys._getframe(depth)
+    for _ in range(reach):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def frame_on_stack(frame, thread_id):
+    """Whether `frame` is still running on the thread `thread_id`."""
+    top = sys._current_frames().get(thread_id)
+    while top is not None:
+        if top is frame:
+            return True
+        top = top.f_back
+    return False
+
+
 def tracing_tf_function(describe=repr, depth=2):
     """The `tf.function` whose trace is calling the caller, and its call's
     arguments (name -> `describe(value)`), or None outside a trace.

@@ -149,13 +149,20 @@ class Hooks:
         When another owner holds it, that owner is released first unless it
         is training right now (`owner.is_training()` true), then
         `AlreadyWatched(message)` is raised either way: two holders at once
-        are a mistake, and none of them is left half on.
+        are a mistake, and none of them is left half on. A holder whose
+        fit() ended by an exception it never saw (`abandon_if_gone()` true)
+        is no holder: it lets go and `owner` takes the role.
         """
         with _lock:
             current = self._roles.get(role)
             if current is None or current is owner:
                 self._roles[role] = owner
                 return
+        gone = getattr(current, "abandon_if_gone", None)
+        if callable(gone) and gone():
+            # Its fit() ended by an exception none of its guards saw: it has
+            # told its run and taken its hooks off; `owner` may hold the role.
+            return self.claim(role, owner, message)
         busy = getattr(current, "is_training", None)
         if not (callable(busy) and busy()):
             release = getattr(current, "release_hooks", None)

@@ -637,7 +637,8 @@ class StepState:
 
 
 ENCODED = "_encoded/"  # a row value `read()` finishes: see `encoded_norms_of`
-_UPDATE_NORM = "_update_norm/"  # the norm of a variable's update, for `update_ratio/` on the host
+_UPDATE_NORM = "_update_norm/"
+NONFINITE_GRADIENT = "_nonfinite_gradient/"  # 1 where nonfinite()'s gate found the gradient of <key> not finite  # the norm of a variable's update, for `update_ratio/` on the host
 
 
 class Probe:
@@ -682,6 +683,7 @@ class Probe:
         # Trace-time facts the run is told of once per variable: kind -> {variable key: text}.
         self.trace_notes = {kind: {} for kind in TRACE_NOTES}
         self.busy = lambda: False  # the owner's "training right now", for the layer's claim
+        self.gone = lambda: False  # the owner's `abandon_if_gone`, for the layer's claim
         self._hooks = hooks_for(model)
         self._nonfinite_index = next((i for i, b in enumerate(self.breakpoints) if b.name == "nonfinite"), None)
 
@@ -691,6 +693,9 @@ class Probe:
 
     def is_training(self):
         return bool(self.busy())
+
+    def abandon_if_gone(self):
+        return bool(self.gone())
 
     # ---- installing --------------------------------------------------------
 
@@ -959,7 +964,10 @@ class Probe:
             # overflow and lowers its scale: its own business, as in bare
             # training. The gate checks the loss; the update's result is
             # still checked after it.
-            skip = probe._gate(state, [] if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) else grads)
+            gated = [] if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) else grads
+            variables = trainable_variables if trainable_variables is not None else \
+                compat.optimizer_variables_for(optimizer)
+            skip = probe._gate(state, gated, probe._keys(variables[:len(gated)]) if gated else ())
 
             ctx = _replica_context()
             guarded = probe._nonfinite_index is not None and ctx is None
@@ -1094,12 +1102,21 @@ class Probe:
             self._hold = self._make_variable("lab_hold", 0.0)
         return self._hold
 
-    def _gate(self, state, grads):
-        """Evaluates the device breakpoints; returns whether to skip this update."""
+    def _gate(self, state, grads, keys=()):
+        """Evaluates the device breakpoints; returns whether to skip this update.
+        With `nonfinite()`, puts in the row which gradients (by `keys`) were
+        not finite: a hit keeps the update out, and with it the gradients'
+        norms, so the host names the culprits from these."""
         hold = self._hold_variable()
         loss = None
-        read = isolated([state.loss] + [summed_rows(g) for g in grads if g is not None])
+        present = [i for i, g in enumerate(grads) if g is not None]
+        read = isolated([state.loss] + [summed_rows(grads[i]) for i in present])
         applied = read[1:]
+        if self._nonfinite_index is not None and len(keys) == len(grads) and present:
+            flags = tf.stack([tf.logical_not(tf.reduce_all(tf.math.is_finite(a))) for a in applied])
+            self._emit_vector(state, [f"{NONFINITE_GRADIENT}{keys[i]}" for i in present],
+                              _all_reduce(tf.cast(flags, tf.float32), "MAX"), reset=0.0,
+                              combine=tf.maximum)
         if read[0] is not None:
             loss = tf.reduce_mean(tf.cast(unscale_loss_for_distribution(read[0]), tf.float32))
             loss = _all_reduce(loss, "MEAN")
@@ -1195,6 +1212,7 @@ class Probe:
             state.optimizers.append(name)
         self._emit(state, f"_lr/{name}", learning_rate)
         self._emit(state, "_updates", 1.0, reset=0.0, accumulate=True)
+        self._emit(state, f"_updates/{name}", 1.0, reset=0.0, accumulate=True)
         if not (self.gradients or self.weights):
             return
         record_gradients = self.gradients and not state.batch_gradients
@@ -1412,14 +1430,19 @@ class Probe:
             values[schema.learning_rate_column(name, several)] = produced.pop(f"_lr/{name}")
             if state.applies.get(name, 0) > 1:
                 values[schema.per_optimizer_column(schema.APPLIES_PREFIX, name)] = float(state.applies[name])
+        # An update went in where the optimizer updated (not on a step that
+        # only accumulates, nor on a LossScaleOptimizer's skipped overflow)
+        # and no device breakpoint kept it out.
         applied = {name[len("_applied/"):]: produced.pop(name) for name in list(produced) if name.startswith("_applied/")}
+        own = {name[len("_updates/"):]: produced.pop(name) for name in list(produced) if name.startswith("_updates/")}
         if several:
             for name, value in applied.items():
-                values[schema.per_optimizer_column(schema.UPDATED_PREFIX, name)] = tf.cast(value > 0, tf.float32)
+                went = tf.minimum(value, own[name]) if name in own else tf.zeros_like(value)
+                values[schema.per_optimizer_column(schema.UPDATED_PREFIX, name)] = tf.cast(went > 0, tf.float32)
         updates = produced.get("_updates")  # stays in the row: the host's grad_norm needs it
         batch_norm = produced.pop("_batch_grad_norm", None)
         if updates is not None:
-            went_in = updates if not applied else tf.add_n(list(applied.values()))
+            went_in = updates if not applied else tf.minimum(updates, tf.add_n(list(applied.values())))
             values["updated"] = tf.cast(went_in > 0, tf.float32)
         if self.gradients and batch_norm is not None:
             values["grad_norm"] = batch_norm

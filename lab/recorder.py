@@ -1,6 +1,8 @@
 """Recorder: a Keras callback that turns fit()'s lifecycle into Run rows."""
 
 import os
+import sys
+import threading
 import time
 import warnings
 import weakref
@@ -13,7 +15,8 @@ from lab import compat, modes, schema
 from lab.arguments import check_seconds
 from lab.hooks import CompiledState, hooks_for, release_all
 from lab.observers import Observers
-from lab.probes import Probe, infinite_norms_message, newly_infinite, shown_names
+from lab.probes import (NONFINITE_GRADIENT, Probe, infinite_norms_message, leaf_metrics, newly_infinite,
+                        shown_names)
 from lab.run import Run
 from lab.status import StatusReporter
 from lab.breakpoints import as_breakpoints
@@ -131,6 +134,9 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self._mode = None
         self._step_mode = None  # the mode of the execution running now, read as it was called
         self._hooks = None
+        self._fit_frame = None  # the frame of the fit() this recorder records, while it runs
+        self._failure = None  # the exception that ended the last fit(), once recorded
+        self._fit_thread = None
 
     # ---- the model's lifecycle --------------------------------------------
 
@@ -139,6 +145,8 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         # train function is traced with them, once.
         self.run.claim_model(model)  # one run records one model
         super().set_model(model)
+        self._fit_frame = compat.calling_fit_frame(model)
+        self._fit_thread = threading.get_ident() if self._fit_frame is not None else None
         try:
             self._attach(model, compat.calling_callback_list(depth=2))
         except BaseException:
@@ -160,12 +168,14 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         if self._probe is None:
             self._probe = Probe(model, gradients=self.gradients, weights=self.weights,
                                 breakpoints=self.breakpoints)
-            self._probe.busy = lambda: self._active
+            self._probe.busy = self.is_training
+            self._probe.gone = self.abandon_if_gone
             self._probe.release_hooks = self._release  # a claim that frees the probe frees all of ours
             self._probe_state = state
         self._probe.ensure_capacity(model.steps_per_execution)
         self._probe.install()
         self._guard_callbacks(callbacks)
+        self._guard_fit(model)
         cached = self._cached
         if cached is not None and cached[0] == state:
             model.train_function = cached[1]
@@ -174,10 +184,33 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
 
     def is_training(self):
         """Whether this recorder is inside a running fit()."""
-        return self._active
+        return self._active and not self._fit_gone()
+
+    def _fit_gone(self):
+        """Whether the fit() this recorder records ended without telling it
+        (an exception raised by fit()'s own code reaches no callback)."""
+        frame = self._fit_frame
+        return self._active and frame is not None and not compat.frame_on_stack(frame, self._fit_thread)
+
+    def abandon_if_gone(self, error=None):
+        """When the fit() this recorder was recording has ended by an
+        exception that reached none of the lab's guards, records what it can
+        (the rows on the device, an `error` or `interrupt` event naming
+        `error` where known) and takes every hook off. Returns whether it did.
+        Called at the next use of the model (a `fit()`, `evaluate()`,
+        `predict()`, another recorder) and after each notebook cell."""
+        if not self._fit_gone():
+            return False
+        if error is None:
+            error = RuntimeError("fit() ended by an exception raised in Keras' own code between its steps and "
+                                 "its callbacks, which reached no callback")
+        self._on_failure(error, where="fit()")
+        return True
 
     def on_train_begin(self, logs=None):
         self._active = True
+        self._failure = None
+        _watch_cells(self)
         self._pending = []
         if self._probe.buffer is not None:
             self._probe.buffer.skip_unread()
@@ -300,7 +333,11 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
             "mode": [m[3] for m in meta],
         }
         columns.update(rows)
+        if self._loss_tracker_unfed(columns.get("loss")):
+            del columns["loss"]
         hit_row = self._cut_at_device_hit(columns)
+        for name in [name for name in columns if name.startswith(NONFINITE_GRADIENT)]:
+            del columns[name]  # read for a hit's culprits, not a column of the run
         self._note_infinite_norms(len(columns["epoch"]))
         self.run.append_batches(columns)
         self._note_running_values()
@@ -312,6 +349,20 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         else:
             self._note_nonfinite_training(columns, self.run.next_step - len(columns["epoch"]))
         return count
+
+    def _loss_tracker_unfed(self, loss):
+        """True when the `loss` column would hold Keras' loss tracker's batch
+        values (the step logs no "loss" of its own: a GAN's `d_loss` and
+        `g_loss`) and the step never feeds that tracker: NaN in every row,
+        meaning "none". The run then has no `loss` column, as the step's logs
+        have none; should the tracker be fed later, the column starts there.
+        A tracker fed a NaN loss counts its batches, and its NaN stays."""
+        if loss is None or not self._probe.loss_of_tracker or "loss" in self.run.columns:
+            return False
+        if np.isfinite(np.asarray(loss, np.float64)).any():
+            return False
+        tracker = leaf_metrics(self.model).get("loss")
+        return tracker is not None and float(tracker.count.numpy()) == 0
 
     def _note_nonfinite_training(self, columns, start):
         """Says once in the run where training first stopped being finite
@@ -389,12 +440,13 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
     def _on_device_hit(self, row):
         point = self._probe.breakpoints[int(row["_hit"]) - 1]
         step = self.run.next_step - 1
-        # A column that holds NaN for "no value" names no culprit: the norm of
-        # a variable that no optimizer updated, a loss tracker that the step
-        # never updates (its loss is NaN in every row).
-        stepped = self._probe.stepped_columns
-        culprits = [name.split("/", 1)[1] for name, value in row.items()
-                    if name.startswith("grad_norm/") and name in stepped and not np.isfinite(value)]
+        # The hit kept the update out, and with it the norms of the gradients
+        # it would have applied (NaN: "none"): nonfinite()'s gate put in the
+        # row which gradients it found not finite. Other device breakpoints
+        # read the loss only. A loss tracker that the step never updates
+        # (its loss is NaN in every row) names no culprit either.
+        culprits = [name[len(NONFINITE_GRADIENT):] for name, value in row.items()
+                    if name.startswith(NONFINITE_GRADIENT) and value > 0]
         if "loss" in row and not np.isfinite(row["loss"]) and not (
                 self._probe.loss_of_tracker and not np.isfinite(self.run.batches()["loss"]).any()):
             culprits.insert(0, "loss")
@@ -471,6 +523,36 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
 
         return guarded
 
+    def _guard_fit(self, model):
+        """Guards the rest of what fit() runs: its validation (`evaluate()`
+        called by fit() itself) fails into `_on_failure` like a step; and
+        the next fit(), evaluate() or predict() on the model first takes off
+        the hooks of a fit() that ended by an exception no guard saw."""
+        recorder = self
+
+        def evaluate_factory(inner):
+            def evaluate(*args, **kwargs):
+                if recorder._fit_frame is None or sys._getframe(1) is not recorder._fit_frame:
+                    return inner(*args, **kwargs)  # a callback's own evaluate(): its errors are its own
+                try:
+                    return inner(*args, **kwargs)
+                except BaseException as error:
+                    recorder._on_failure(error, where="validation")
+                    raise
+
+            return evaluate
+
+        def heal_factory(inner):
+            def make_function(*args, **kwargs):
+                recorder.abandon_if_gone()
+                return inner(*args, **kwargs)
+
+            return make_function
+
+        self._hooks.wrap(self, model, "evaluate", evaluate_factory, role="guard")
+        for name in ("make_train_function", "make_test_function", "make_predict_function"):
+            self._hooks.wrap(self, model, name, heal_factory, role="guard")
+
     def _guard_callbacks(self, callbacks):
         """Notices an exception raised by any callback during fit() (a plot that
         fails, an interrupt between batches), which reaches no callback hook."""
@@ -493,7 +575,11 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
             self._hooks.wrap(self, callbacks, name, factory, role="guard")
 
     def _on_failure(self, error, where=None):
-        """Records what stopped training and takes every hook off; never raises."""
+        """Records what stopped training and takes every hook off; never raises.
+        An error two guards see (a callback's, inside fit()'s validation) is recorded once."""
+        if error is self._failure:
+            return
+        self._failure = error
         try:
             if self._active:
                 try:
@@ -511,6 +597,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
             pass
         finally:
             self._active = False
+            self._fit_frame = None
             self._release()
             if self.model is not None:
                 release_all(self.model)  # fit() is over: no wrapper of the lab stays on
@@ -522,6 +609,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
             else:
                 self._set_status(status, self.status_detail)
             self._active = False
+            self._fit_frame = None
             if status in ("finished", "stopped") and self._hooks is not None:
                 function = self._hooks.train_function_base()
                 if function is not None:
@@ -611,6 +699,36 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         """Sets the status back to "running" when training paused at a hit goes on."""
         if self.status == "breakpoint":
             self._set_status("running")
+
+
+_RECORDING = weakref.WeakSet()  # recorders inside a fit(), for the notebook's after-cell check
+_CELL_HOOK = []
+
+
+def _watch_cells(recorder):
+    """In IPython, checks after each cell that every recording fit() is
+    still running: a fit() ended by an exception no guard saw (`abandon_if_gone`)
+    is told in its run and leaves no hook as soon as its cell ends."""
+    _RECORDING.add(recorder)
+    if _CELL_HOOK:
+        return
+    shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
+    if shell is None:
+        return
+
+    def after_cell(result=None):
+        error = getattr(result, "error_in_exec", None)
+        for waiting in list(_RECORDING):
+            try:
+                if waiting.abandon_if_gone(error):
+                    _RECORDING.discard(waiting)
+            except Exception:  # noqa: BLE001 - a cell hook must never fail the user's cell
+                pass
+        for done in [r for r in _RECORDING if not r._active]:
+            _RECORDING.discard(done)
+
+    shell.events.register("post_run_cell", after_cell)
+    _CELL_HOOK.append(after_cell)
 
 
 _CALLBACK_METHODS = (

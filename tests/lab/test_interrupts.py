@@ -193,3 +193,103 @@ def test_an_error_in_another_callbacks_on_train_end_still_frees_the_model():
     assert len(recorder.run) == 6
     assert recorder.status == "failed"
     assert_usable_without_the_lab(model)
+
+
+def _attached_names(model):
+    return sorted(k for k in ("train_step", "compute_loss", "evaluate", "make_train_function") if k in model.__dict__)
+
+
+@pytest.mark.parametrize("error", ["wrong validation data", "interrupt in validation"])
+def test_a_failure_in_fits_validation_is_recorded_and_frees_the_model(error):
+    x, y = data()
+    model = model_with()
+    recorder = lab.Recorder(gradients=True)
+    if error == "wrong validation data":
+        validation, raised = (x[:, :3], y), ValueError  # 3 features for a model of 4: Keras fails in evaluate()
+    else:
+        validation, raised = (x, y), KeyboardInterrupt
+
+        class InterruptValidation(keras.callbacks.Callback):
+            def on_test_batch_end(self, batch, logs=None):
+                raise KeyboardInterrupt
+
+    callbacks = [recorder] + ([InterruptValidation()] if raised is KeyboardInterrupt else [])
+    with pytest.raises(raised):
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0, validation_data=validation, callbacks=callbacks)
+    assert recorder.status == ("failed" if raised is ValueError else "interrupted")
+    assert list(recorder.run.events()["kind"]) == ["error" if raised is ValueError else "interrupt"]
+    assert len(recorder.run.batches()) == 6  # every batch of the first epoch, read before the hooks came off
+    assert not lab.hooks.attached(model) and _attached_names(model) == []
+    assert_usable_without_the_lab(model)
+
+
+class CompileAtEpochEnd(keras.callbacks.Callback):
+    """Recompiles mid-fit: Keras' own fit() loop then fails calling the train
+    function compile() took away, outside every step and callback."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+
+
+def _fit_failing_in_keras_own_code(recorder):
+    keras.utils.set_random_seed(3)
+    model = model_with()
+    x, y = data()
+    with pytest.raises(TypeError):
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[CompileAtEpochEnd()] + (
+            [recorder] if recorder else []))
+    return model
+
+
+@pytest.mark.parametrize("next_use", ["fit", "evaluate", "another recorder"])
+def test_a_fit_ended_by_keras_own_code_is_told_and_unhooked_at_the_models_next_use(next_use):
+    x, y = data()
+    bare = _fit_failing_in_keras_own_code(None)
+    recorder = lab.Recorder(gradients=True, breakpoints=[lab.breakpoints.nonfinite()])
+    model = _fit_failing_in_keras_own_code(recorder)
+    assert_same = [np.array_equal(a, b) for a, b in zip(model.get_weights(), bare.get_weights())]
+    assert all(assert_same)
+    if next_use == "fit":
+        for m in (bare, model):
+            m.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    elif next_use == "evaluate":
+        model.evaluate(x, y, verbose=0)
+    else:
+        again = lab.Recorder()
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[again])
+        bare.fit(x, y, batch_size=8, epochs=1, verbose=0)
+        assert again.status == "finished" and len(again.run.batches()) == 6
+    assert recorder.status == "failed"
+    [event] = recorder.run.events().itertuples()
+    assert event.kind == "error" and "Keras' own code" in event.detail
+    assert len(recorder.run.batches()) == 6
+    assert not (lab.hooks.attached(model) and next_use != "another recorder")
+    assert _attached_names(model) == []
+    if next_use != "evaluate":
+        assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), bare.get_weights()))
+
+
+def test_in_a_notebook_a_fit_ended_by_keras_own_code_is_told_and_unhooked_when_its_cell_ends():
+    code = r'''
+import numpy as np, keras, lab
+from IPython.core.interactiveshell import InteractiveShell
+shell = InteractiveShell.instance()
+shell.run_cell("""
+import numpy as np, keras, lab
+class CompileAtEpochEnd(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        self.model.compile(optimizer="sgd", loss="mse")
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+model.compile(optimizer="sgd", loss="mse")
+rec = lab.Recorder()
+model.fit(np.ones((16, 4)), np.ones((16, 1)), batch_size=8, epochs=2, verbose=0, callbacks=[rec, CompileAtEpochEnd()])
+""")
+ns = shell.user_ns
+print("RESULT", ns["rec"].status, list(ns["rec"].run.events()["kind"]), lab.hooks.attached(ns["model"]),
+      "TypeError" in ns["rec"].run.events()["detail"].iloc[0])
+'''
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    [line] = [line for line in out.stdout.splitlines() if line.startswith("RESULT")] or [out.stderr[-2000:]]
+    assert line == "RESULT failed ['error'] False True"

@@ -1041,3 +1041,68 @@ def test_an_optimizer_that_changes_nothing_after_its_update_step_gets_no_such_wa
     rec = lab.Recorder(gradients=True, weights=True)
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[rec])
     assert not any("update step" in d or "Grappler" in d for d in rec.run.events()["detail"])
+
+
+def _digits_with_a_nan_feature():
+    (x, y), _ = lab.datasets.digits()
+    x, y = np.array(x[:640], np.float32), y[:640]
+    x[6 * 64 + 3, 5] = np.nan  # batch 6: only the first layer's kernel gradient is NaN
+    return x, y
+
+
+def _two_layer_digits_model():
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((64,))
+    hidden = keras.layers.Dense(16, activation="relu", name="hidden")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(10, activation="softmax", name="out")(hidden))
+    model.compile("rmsprop", "sparse_categorical_crossentropy")
+    return model
+
+
+def test_a_nonfinite_hit_names_only_the_gradients_that_were_not_finite():
+    x, y = _digits_with_a_nan_feature()
+    rec = lab.Recorder(gradients=True, breakpoints=[lab.breakpoints.nonfinite()])
+    _two_layer_digits_model().fit(x, y, batch_size=64, shuffle=False, verbose=0, callbacks=[rec])
+    [hit] = rec.run.events().query("kind == 'nonfinite'").itertuples()
+    assert hit.step == 6 and hit.detail.endswith("not finite: hidden/kernel")
+    assert not any(name.startswith("_nonfinite_gradient/") for name in rec.run.columns)
+
+
+def test_a_loss_spike_hit_names_no_gradient_as_not_finite():
+    rng = np.random.RandomState(0)
+    x = rng.rand(1280, 8).astype("float32")
+    y = x.sum(1, keepdims=True).astype("float32")
+    y[14 * 64:15 * 64] *= 3.0  # batch 14: a loss many times the running one, every value finite
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((8,))
+    model = keras.Model(inputs, keras.layers.Dense(1, name="d")(keras.layers.Dense(8, name="h")(inputs)))
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    rec = lab.Recorder(gradients=True, breakpoints=[lab.breakpoints.loss_spike(3)])
+    model.fit(x, y, batch_size=64, shuffle=False, verbose=0, callbacks=[rec])
+    [hit] = rec.run.events().query("kind == 'breakpoint'").itertuples()
+    assert hit.step == 14 and "loss_spike" in hit.detail and "not finite" not in hit.detail
+
+
+@pytest.mark.parametrize("case", ["accumulation", "loss scale"])
+def test_updated_says_the_same_with_and_without_a_device_breakpoint(case):
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 4)).astype("float32"), rng.integers(0, 3, size=(32,)).astype("int32")
+    policy = keras.mixed_precision.global_policy()
+    seen = []
+    try:
+        for breakpoints in ([], [lab.breakpoints.nonfinite()]):
+            if case == "accumulation":
+                optimizer = keras.optimizers.Adam(0.01, gradient_accumulation_steps=2)
+            else:  # its first two steps overflow: Keras skips them and lowers the scale
+                keras.mixed_precision.set_global_policy("mixed_float16")
+                optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01), initial_scale=2.0 ** 19)
+            keras.utils.set_random_seed(1)
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
+            model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            rec = lab.Recorder(gradients=True, breakpoints=breakpoints)
+            model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[rec])
+            seen.append((list(rec.run.column("updated")), list(rec.run.events()["kind"])))
+    finally:
+        keras.mixed_precision.set_global_policy(policy)
+    expected = [0.0, 1.0, 0.0, 1.0] if case == "accumulation" else [0.0, 0.0, 1.0, 1.0]
+    assert seen == [(expected, []), (expected, [])]

@@ -376,3 +376,57 @@ def test_each_row_has_the_mode_its_batch_ran_in_when_a_callback_ahead_switches_a
     assert rec.run.batches()["mode"].tolist() == ["graph", "graph", "eager", "eager"]
     modes_ = rec.run.events().query("kind == 'mode'")
     assert modes_["step"].tolist() == [2] and modes_["detail"].tolist() == ["graph -> eager"]
+
+
+class OwnLossesOnly(Keras3Step):
+    """A GAN-shaped step: it logs losses of its own names and never feeds
+    Keras' loss tracker (`feed_tracker` makes it feed the tracker a NaN)."""
+
+    feed_tracker = False
+
+    def __init__(self):
+        super().__init__()
+        self.own = keras.metrics.Mean(name="own_loss")
+
+    def train_step(self, data):
+        x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+                y, self(x, training=True), from_logits=True))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        self.own.update_state(loss)
+        if self.feed_tracker:
+            [tracker] = [m for m in self.metrics if m.name == "loss"]
+            tracker.update_state(loss * np.nan)
+        return {"own_loss": self.own.result()}
+
+
+class FeedsTheTrackerNaN(OwnLossesOnly):
+    feed_tracker = True
+
+
+def _own_losses_model(cls):
+    keras.utils.set_random_seed(2)
+    model = cls()
+    model(np.zeros((1, 64), "float32"))
+    model.compile(optimizer=keras.optimizers.SGD(0.1))
+    return model
+
+
+def test_a_step_that_logs_no_loss_and_never_feeds_the_tracker_gets_no_empty_loss_column(digits):
+    x, y, _, _ = digits
+    model = _own_losses_model(OwnLossesOnly)
+    rec = lab.Recorder(gradients=True)
+    history = model.fit(x, y, batch_size=BATCH, epochs=2, callbacks=[rec], verbose=0).history
+    assert set(history) == {"own_loss"}
+    assert "loss" not in rec.run.columns  # it was a column of NaN: "no value" in every row
+    assert np.isfinite(rec.run.column("own_loss")).all() and len(rec.run.column("own_loss")) == 16
+
+
+def test_a_tracker_fed_a_nan_loss_keeps_its_nan_loss_column(digits):
+    x, y, _, _ = digits
+    model = _own_losses_model(FeedsTheTrackerNaN)
+    rec = lab.Recorder()
+    model.fit(x, y, batch_size=BATCH, callbacks=[rec], verbose=0)
+    assert "loss" in rec.run.columns and np.isnan(rec.run.column("loss")).all()
