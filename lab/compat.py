@@ -455,8 +455,19 @@ def all_layers(model, include_self=True):
 
 def layer_non_trainable_variables(layer):
     """The non-trainable variables `layer` made itself (not its sublayers':
-    Keras' private `_non_trainable_variables`)."""
-    return list(layer._non_trainable_variables)
+    Keras' private `_non_trainable_variables`), and a stateful RNN's
+    recurrent state, which Keras keeps out of `layer.variables`."""
+    return list(layer._non_trainable_variables) + recurrent_state_variables(layer)
+
+
+def recurrent_state_variables(layer):
+    """The variables that hold a stateful RNN layer's state between batches
+    (its `states`, made at its first call; in no `variables` list), else []."""
+    states = getattr(layer, "states", None) if getattr(layer, "stateful", False) else None
+    if states is None or not isinstance(layer, keras.layers.RNN):
+        return []
+    flat = states if isinstance(states, (list, tuple)) else [states]
+    return [v for v in flat if isinstance(v, (keras.Variable, tf.Variable))]
 
 
 def keras_global_seed_generator():

@@ -3,6 +3,7 @@
 import numpy as np
 import tensorflow as tf
 
+from lab import compat
 from lab.probes import find_optimizers
 
 
@@ -42,6 +43,8 @@ def write_state(state):
 def training_variables(model, optimizers, created):
     """Every variable a step may change, by id of the tf.Variable behind it."""
     found = list(model.variables) + list(getattr(model, "metrics_variables", []))
+    for layer in compat.all_layers(model):
+        found += compat.recurrent_state_variables(layer)  # a stateful RNN's, in no variables list
     for optimizer in optimizers:
         found += list(optimizer.variables)
     found += list(created)

@@ -1106,3 +1106,31 @@ def test_updated_says_the_same_with_and_without_a_device_breakpoint(case):
         keras.mixed_precision.set_global_policy(policy)
     expected = [0.0, 1.0, 0.0, 1.0] if case == "accumulation" else [0.0, 0.0, 1.0, 1.0]
     assert seen == [(expected, []), (expected, [])]
+
+
+def _stateful_lstm():
+    keras.utils.set_random_seed(8)
+    model = keras.Sequential([keras.Input((5, 3), batch_size=8), keras.layers.LSTM(4, stateful=True),
+                              keras.layers.Dense(1)])
+    model.compile("adam", "mse")
+    return model
+
+
+def test_a_nonfinite_hit_keeps_the_batch_out_of_a_stateful_rnns_recurrent_state():
+    rng = np.random.default_rng(4)
+    x, y = rng.normal(size=(32, 5, 3)).astype("float32"), rng.normal(size=(32, 1)).astype("float32")
+    x[16] = np.nan  # one bad sample in batch 2
+    model = _stateful_lstm()
+
+    class StateBefore(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == 2:
+                self.state = [s.numpy().copy() for s in model.layers[0].states]
+
+    before = StateBefore()
+    rec = lab.Recorder(breakpoints=[lab.breakpoints.nonfinite()])
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[before, rec])
+    assert list(rec.run.events()["kind"]) == ["nonfinite"]
+    # Keras keeps the state out of model.variables; the NaN batch's forward pass assigned it.
+    assert all(np.array_equal(a, s.numpy()) for a, s in zip(before.state, model.layers[0].states))
+    assert np.isfinite(model.fit(np.nan_to_num(x), y, batch_size=8, shuffle=False, verbose=0).history["loss"]).all()

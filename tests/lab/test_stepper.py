@@ -552,3 +552,21 @@ def test_a_device_side_breakpoint_keeps_the_offending_update_out():
     assert int(model.optimizer.iterations.numpy()) == 3
     assert all(np.isfinite(v.numpy()).all() for v in model.weights)
     assert "breakpoint" in set(run.events()["kind"])
+
+
+def test_rewind_puts_back_a_stateful_rnns_recurrent_state_and_the_replay_is_exact():
+    rng = np.random.default_rng(4)
+    x, y = rng.normal(size=(32, 5, 3)).astype("float32"), rng.normal(size=(32, 1)).astype("float32")
+    keras.utils.set_random_seed(8)
+    model = keras.Sequential([keras.Input((5, 3), batch_size=8), keras.layers.LSTM(4, stateful=True),
+                              keras.layers.Dense(1)])
+    model.compile("adam", "mse")
+    stepper = lab.Stepper(model, (x, y), batch_size=8, shuffle=False, mode="graph")
+    stepper.step(2)
+    state = [s.numpy().copy() for s in model.layers[0].states]  # held outside model.variables
+    first = stepper.step(1).logs["loss"]
+    stepper.rewind(1)
+    assert all(np.array_equal(a, s.numpy()) for a, s in zip(state, model.layers[0].states))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no "ended with other weights" replay warning
+        assert stepper.step(1).logs["loss"] == first
