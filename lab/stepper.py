@@ -195,6 +195,7 @@ class Stepper:
         self._state = {}  # variable id -> (variable, array): the model's state as last seen
         self._created = {}  # variable id -> (variable, initial array), made during steps
         self._graph_step = None
+        self._graph_compiled = None  # the CompiledState the graph step was traced for
         self._capture_slots = {}  # variables a graph step's nested values pass through
         self._condition_state = {}
         self._step_function = _step_fn  # from_step: the user's step instead of train_step
@@ -471,10 +472,14 @@ class Stepper:
             return self._traced(data, capture)
         if self.mode != "graph":
             raise ValueError(f"Unknown stepper mode {self.mode!r}; use 'eager' or 'graph'.")
-        if self._graph_step is None:
+        compiled = CompiledState(self.model)
+        if self._graph_step is None or self._graph_compiled != compiled:
+            # First, or the model was compiled again (fine-tuning: a new
+            # optimizer, layers unfrozen): trace its step anew, as fit() does.
             self._build_for_graph(data)
             self._graph_capture = capture
             self._graph_step = tf.function(lambda d: self._traced(d, self._graph_capture), reduce_retracing=True)
+            self._graph_compiled = compiled
         self._graph_capture = capture
         outputs = self._graph_step(data)
         capture.no_gradient = capture.no_gradient or getattr(self, "_graph_no_gradient", [])

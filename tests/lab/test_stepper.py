@@ -570,3 +570,38 @@ def test_rewind_puts_back_a_stateful_rnns_recurrent_state_and_the_replay_is_exac
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no "ended with other weights" replay warning
         assert stepper.step(1).logs["loss"] == first
+
+
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+def test_a_stepper_kept_across_a_fine_tuning_recompile_steps_as_fit_does_after_it(mode):
+    # Keras' transfer-learning guide: train the head on a frozen base, then
+    # unfreeze the base, compile() again with a new optimizer, train on.
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(48, 6)).astype("float32"), rng.integers(0, 2, (48, 1)).astype("float32")
+
+    def make():
+        keras.utils.set_random_seed(7)
+        base = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4, activation="relu")], name="base")
+        base.trainable = False
+        inputs = keras.Input((6,))
+        model = keras.Model(inputs, keras.layers.Dense(1)(base(inputs, training=False)))
+        model.compile(keras.optimizers.Adam(), keras.losses.BinaryCrossentropy(from_logits=True),
+                      run_eagerly=mode == "eager")
+        return model, base
+
+    def unfreeze(model, base):
+        base.trainable = True
+        model.compile(keras.optimizers.Adam(1e-2), keras.losses.BinaryCrossentropy(from_logits=True),
+                      run_eagerly=mode == "eager")
+
+    fitted, base = make()
+    fitted.fit(x[:32], y[:32], batch_size=16, shuffle=False, verbose=0)
+    unfreeze(fitted, base)
+    fitted.fit(x[32:], y[32:], batch_size=16, shuffle=False, verbose=0)
+    stepped, base = make()
+    stepper = lab.Stepper(stepped, (x, y), batch_size=16, shuffle=False, mode=mode)
+    stepper.step(2)
+    unfreeze(stepped, base)
+    trace = stepper.step(1)
+    assert sorted(trace.gradients) == sorted(v.path for v in stepped.trainable_variables)  # the base's too
+    assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(stepped.weights, fitted.weights))
