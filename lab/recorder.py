@@ -15,8 +15,9 @@ from lab import compat, modes, schema
 from lab.arguments import check_seconds
 from lab.hooks import CompiledState, hooks_for, release_all
 from lab.observers import Observers
-from lab.probes import (NONFINITE_GRADIENT, Probe, infinite_norms_message, leaf_metrics, newly_infinite,
-                        shown_names)
+from lab.probes import (NONFINITE_GRADIENT, Probe, _keras_defines, infinite_norms_message, leaf_metrics,
+                        newly_infinite, shown_names)
+from lab.state import raw_variable
 from lab.run import Run
 from lab.status import StatusReporter
 from lab.breakpoints import as_breakpoints
@@ -154,6 +155,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
             raise
 
     def _attach(self, model, callbacks):
+        _refuse_a_stale_trainable_set(model)
         state = CompiledState(model)
         if self._probe is not None and (self._probe.model is not model or self._probe_state != state):
             # Another model, or this one recompiled: the old probe's hooks and
@@ -699,6 +701,38 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         """Sets the status back to "running" when training paused at a hit goes on."""
         if self.status == "breakpoint":
             self._set_status("running")
+
+
+STALE_TRAINABLE_MESSAGE = (
+    "The model's trainable variables changed since Keras traced its train function, and the model was "
+    "not compiled again ({now} now, {then} when it was traced{changes}). Keras' own fit() goes on "
+    "training the variables it was traced with (a change of `trainable` takes effect at the next "
+    "compile()); the lab must trace the step anew and would train the new set, so it does not watch "
+    "this fit(). Call model.compile(...) again after setting `trainable`, as Keras' transfer-learning "
+    "guide does, then fit()."
+)
+
+
+def _refuse_a_stale_trainable_set(model):
+    """Raises (before any step) where Keras' own fit() would train another
+    set of variables than the lab's trace would: `trainable` was set after
+    the train function was traced, without compile(). Only for Keras' own
+    train_step, whose optimizer applies to `model.trainable_variables`."""
+    optimizer = getattr(model, "optimizer", None)
+    if model.train_function is None or optimizer is None or not optimizer.built:
+        return
+    if not _keras_defines(type(model), "train_step"):
+        return
+    then = compat.optimizer_variables_for(optimizer)
+    now = list(model.trainable_variables)
+    then_ids, now_ids = {id(raw_variable(v)) for v in then}, {id(raw_variable(v)) for v in now}
+    if not then or then_ids == now_ids:
+        return
+    added = [v.path for v in now if id(raw_variable(v)) not in then_ids]
+    removed = [v.path for v in then if id(raw_variable(v)) not in now_ids]
+    changes = "".join(f"; {label}: {shown_names(paths)}" for label, paths in
+                      (("made trainable", added), ("frozen", removed)) if paths)
+    raise ValueError(STALE_TRAINABLE_MESSAGE.format(now=len(now), then=len(then), changes=changes))
 
 
 _RECORDING = weakref.WeakSet()  # recorders inside a fit(), for the notebook's after-cell check

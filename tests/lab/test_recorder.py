@@ -430,3 +430,27 @@ def test_a_tracker_fed_a_nan_loss_keeps_its_nan_loss_column(digits):
     rec = lab.Recorder()
     model.fit(x, y, batch_size=BATCH, callbacks=[rec], verbose=0)
     assert "loss" in rec.run.columns and np.isnan(rec.run.column("loss")).all()
+
+
+@pytest.mark.parametrize("trainable", [False, True])
+def test_a_trainable_change_without_compile_is_refused_before_any_step_and_compile_lets_the_lab_watch(trainable):
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 3)).astype("float32"), rng.normal(size=(64, 3)).astype("float32")
+    keras.utils.set_random_seed(7)
+    first = keras.layers.Dense(3, activation="relu", name="first")
+    model = keras.Sequential([keras.Input((3,)), first, keras.layers.Dense(3)])
+    first.trainable = not trainable
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(x, y, batch_size=16, verbose=0)
+    first.trainable = trainable  # Keras' fit() would go on training the old set: no compile()
+    before = [w.copy() for w in model.get_weights()] + [v.numpy().copy() for v in model.optimizer.variables]
+    rec = lab.Recorder(gradients=True)
+    with pytest.raises(ValueError, match=r"not compiled again.*(made trainable|frozen): \S*first/kernel.*model.compile"):
+        model.fit(x, y, batch_size=16, verbose=0, callbacks=[rec])
+    after = model.get_weights() + [v.numpy() for v in model.optimizer.variables]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+    assert not lab.hooks.attached(model) and "train_step" not in model.__dict__
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(x, y, batch_size=16, verbose=0, callbacks=[rec])
+    assert sorted(c for c in rec.run.columns if c.startswith("grad_norm/")) == sorted(
+        f"grad_norm/{v.path}" for v in model.trainable_variables)
