@@ -15,6 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from lab import compat
+from lab.compat import regrouped_through
 from lab.hooks import hooks_for
 from lab.probes import variable_keys
 
@@ -51,6 +52,8 @@ class StepCapture:
         self.gradients = {}
         self.learning_rates = {}
         self.no_gradient = []
+        self._reduced = None  # the gradients the update step reads (after any all-reduce)
+        self.regrouped = []  # keys whose update Grappler may regroup once the capture reads the gradient
         self.created = []
         self.applies = []  # (optimizer name, {key: gradient}) per apply, in order
         self._hooks = hooks_for(model)
@@ -70,6 +73,8 @@ class StepCapture:
             for name, optimizer in self.optimizers.items():
                 self._patch(optimizer, "apply", lambda inner, o=optimizer: self._wrap_apply(o, inner))
                 self._patch(optimizer, "_backend_update_step", lambda inner, n=name: self._wrap_update(n, inner))
+                if hasattr(optimizer, "_all_reduce_sum_gradients"):  # TensorFlow's: what the update reads
+                    self._patch(optimizer, "_all_reduce_sum_gradients", self._wrap_all_reduce)
         except BaseException:
             self._hooks.release(self)
             self._creator.__exit__(None, None, None)
@@ -145,11 +150,15 @@ class StepCapture:
 
     def _wrap_update(self, name, original):
         def _backend_update_step(grads, trainable_variables, learning_rate):
+            self._reduced = None
             result = original(grads, trainable_variables, learning_rate)
+            read = self._reduced if self._reduced is not None and len(self._reduced) == len(grads) else grads
             applied = {}
             number = len(self.applies)
-            for grad, variable in zip(grads, trainable_variables):
+            for grad, reduced, variable in zip(grads, read, trainable_variables):
                 key = self._key(variable)
+                if reduced is not None and regrouped_through(reduced):  # before the capture reads the gradient
+                    self.regrouped.append(key)
                 applied[key] = self._out(("gradient", number, key), grad)
             self.gradients.update(applied)  # the last apply's, per variable
             self.applies.append((name, applied))
@@ -157,6 +166,14 @@ class StepCapture:
             return result
 
         return _backend_update_step
+
+    def _wrap_all_reduce(self, original):
+        def _all_reduce_sum_gradients(grads_and_vars):
+            reduced = list(original(grads_and_vars))
+            self._reduced = [g for g, _ in reduced]
+            return reduced
+
+        return _all_reduce_sum_gradients
 
     def _out(self, slot_key, value):
         """`value` as something the step can return: itself, or, made in a

@@ -36,6 +36,14 @@ from lab.state import raw_variable, read_variables, same_array, training_variabl
 from lab.step_capture import StepCapture, hint
 
 
+REGROUPED_MESSAGE = (
+    "TensorFlow's graph optimizer (Grappler) may compute the update of {variables} differently "
+    "in this graph-mode Stepper than in fit(): the Stepper returns their gradients, and Grappler "
+    "regroups the optimizer's arithmetic with the gradient's own (plain SGD's gradient * "
+    "learning_rate with a clipped or BatchNormalization gradient) only while the update is the "
+    "gradient's one reader. Their weights can then differ from fit()'s by float rounding. "
+    "Stepper(mode='eager') steps bit for bit as fit(run_eagerly=True).")
+
 UNREPEATABLE_MESSAGE = (
     "Step {step}, taken again after a rewind from the same weights on the same batch, "
     "ended with other weights ({variables}) than the first time. Unless something that "
@@ -196,6 +204,7 @@ class Stepper:
         self._created = {}  # variable id -> (variable, initial array), made during steps
         self._graph_step = None
         self._graph_compiled = None  # the CompiledState the graph step was traced for
+        self._told_regrouped = False
         self._capture_slots = {}  # variables a graph step's nested values pass through
         self._condition_state = {}
         self._step_function = _step_fn  # from_step: the user's step instead of train_step
@@ -414,6 +423,7 @@ class Stepper:
         except Exception as error:  # noqa: BLE001 - the trace carries it
             return self._failed(trace, error, fed, before_state, capture, start)
         self._absorb_created(capture)
+        self._note_regrouped(capture, trace)
         changed = {}
         for key, (variable, array) in after.items():
             old = before_state.get(key) or self._created.get(key)
@@ -434,6 +444,17 @@ class Stepper:
             self._append_row(trace)
         self.last_trace = trace
         return trace
+
+    def _note_regrouped(self, capture, trace):
+        """Says once which variables' updates Grappler may compute otherwise
+        than fit() does, found when the graph step was traced."""
+        if not capture.regrouped or self._told_regrouped:
+            return
+        self._told_regrouped = True
+        message = REGROUPED_MESSAGE.format(variables=shown_names(list(dict.fromkeys(capture.regrouped))))
+        if self.run is not None:
+            self.run.add_event("warning", message, step=trace.index)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
 
     def _check_replay(self, trace):
         """A step taken again after a rewind, from the same state on the same

@@ -605,3 +605,31 @@ def test_a_stepper_kept_across_a_fine_tuning_recompile_steps_as_fit_does_after_i
     trace = stepper.step(1)
     assert sorted(trace.gradients) == sorted(v.path for v in stepped.trainable_variables)  # the base's too
     assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(stepped.weights, fitted.weights))
+
+
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+def test_a_graph_stepper_says_where_grappler_may_round_an_update_otherwise_than_fit(mode):
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 4)).astype("float32"), rng.integers(0, 3, size=(64,)).astype("int32")
+
+    def build():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
+        # Clipped SGD: its update's one reader of the gradient is the product Grappler regroups.
+        model.compile(optimizer=keras.optimizers.SGD(0.01, global_clipnorm=0.2),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), run_eagerly=mode == "eager")
+        return model
+
+    fitted = build()
+    fitted.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    stepped, run = build(), lab.Run()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lab.Stepper(stepped, (x, y), batch_size=8, shuffle=False, mode=mode, run=run).step(8)
+    said = [str(w.message) for w in caught if "Grappler" in str(w.message)]
+    same = all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(fitted.weights, stepped.weights))
+    if mode == "eager":
+        assert same and said == [] and len(run.events()) == 0
+    else:
+        assert len(said) == 1 and "Stepper(mode='eager')" in said[0]
+        assert list(run.events()["kind"]) == ["warning"]
