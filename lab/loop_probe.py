@@ -538,7 +538,9 @@ class LoopProbe(Probe):
         ungated = np.flatnonzero((rows[:, index["_updates"]] > 0) & ~(rows[:, index["_gated"]] > 0))
         return int(ungated[0]) if ungated.size else None
 
-    def _gate(self, state, grads):
+    def _gate(self, state, grads, keys=()):
+        # A watched loop raises at the hit's step, naming what it read there:
+        # no per-gradient flags (`keys` unused).
         skip = super()._gate(state, grads)
         self._emit(state, "_gated", 1.0, reset=0.0, accumulate=True)
         # A graph traced while watching keeps this gate; it skips only inside a block.
