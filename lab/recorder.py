@@ -79,7 +79,9 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
 
     Args:
         gradients: bool, add `grad_norm` and `grad_norm/<variable.path>`: norms
-            of the gradients the optimizer applied.
+            of the gradients the optimizer applied (clipped, where it clips);
+            with gradient accumulation, of each batch's own gradient, the one
+            accumulated (the Stepper and `lab.watch` show the mean applied).
         weights: bool, add `weight_norm/<path>` and `update_ratio/<path>`.
         breakpoints: sequence of `lab.Breakpoint`, checked per batch; a hit
             stops `fit()` and adds a `breakpoint` event.
