@@ -139,6 +139,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self._hooks = None
         self._fit_frame = None  # the frame of the fit() this recorder records, while it runs
         self._failure = None  # the exception that ended the last fit(), once recorded
+        self._epoch_logs = None  # the last epoch's logs, which callbacks after this one may add to
         self._fit_thread = None
 
     # ---- the model's lifecycle --------------------------------------------
@@ -227,6 +228,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self._set_status("running")
 
     def on_epoch_begin(self, epoch, logs=None):
+        self._complete_epoch()
         self._epoch = epoch
 
     def on_train_batch_begin(self, batch, logs=None):
@@ -276,10 +278,17 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         # by its full span, and those guesses would label the next epoch's rows.
         self._pending = []
         self.run.append_epoch(epoch, logs)
+        self._epoch_logs = logs  # later callbacks may add to them: completed at the next epoch or the end
         if self.path:
             self._save()
 
+    def _complete_epoch(self):
+        if self._epoch_logs is not None:
+            logs, self._epoch_logs = self._epoch_logs, None
+            self.run.complete_epoch(logs)
+
     def on_train_end(self, logs=None):
+        self._complete_epoch()
         self.flush()
         self._note_record_errors()
         # Host-side guesses of steps that never ran (the last, partial
@@ -585,6 +594,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
             return
         self._failure = error
         try:
+            self._complete_epoch()
             if self._active:
                 try:
                     self.flush(failing=True)

@@ -134,6 +134,18 @@ class Run:
             self._epochs.append(row)
         self._notify("epochs", len(self._epochs) - 1, len(self._epochs))
 
+    def complete_epoch(self, logs):
+        """Updates the last epoch row with `logs` as they are now: Keras hands
+        every callback the same epoch logs, and callbacks after the recorder
+        add to them (ReduceLROnPlateau's `learning_rate`, a user's `test_acc`),
+        so the row ends as History's."""
+        values = {k: float(v) for k, v in (logs or {}).items() if _is_scalar(v)}
+        with self._lock:
+            if not self._epochs or all(self._epochs[-1].get(k) == v for k, v in values.items()):
+                return
+            self._epochs[-1].update(values)
+        self._notify("epochs", len(self._epochs) - 1, len(self._epochs))
+
     def add_event(self, kind, detail="", step=None):
         """Records an event (`mode`, `breakpoint`, `nonfinite`, `interrupt`, `error`, ...)."""
         with self._lock:

@@ -454,3 +454,20 @@ def test_a_trainable_change_without_compile_is_refused_before_any_step_and_compi
     model.fit(x, y, batch_size=16, verbose=0, callbacks=[rec])
     assert sorted(c for c in rec.run.columns if c.startswith("grad_norm/")) == sorted(
         f"grad_norm/{v.path}" for v in model.trainable_variables)
+
+
+def test_epoch_rows_hold_what_callbacks_after_the_recorder_add_to_the_epoch_logs_as_history_does(digits):
+    x, y, _, _ = digits
+    model = compile_(make_mlp())
+
+    class AddHeldOut(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            logs["held_out_accuracy"] = self.model.evaluate(x[:64], y[:64], verbose=0, return_dict=True)["accuracy"]
+
+    rec = lab.Recorder()
+    history = model.fit(x, y, epochs=2, batch_size=BATCH, verbose=0, callbacks=[
+        rec, AddHeldOut(), keras.callbacks.ReduceLROnPlateau(monitor="loss")]).history
+    epochs = rec.run.epochs()
+    assert sorted(c for c in epochs.columns if c not in ("epoch", "step")) == sorted(history)
+    for key, values in history.items():
+        np.testing.assert_array_equal(epochs[key].to_numpy(), np.float64(values))
