@@ -665,6 +665,7 @@ class Probe:
         self.capacity = capacity
         self.columns = None
         self.buffer = None
+        self._buffer_traced = False  # a traced step holds the buffer: its columns are fixed
         self._local = threading.local()
         self._lock = threading.Lock()
         self._patches = []
@@ -1440,6 +1441,9 @@ class Probe:
                 went = tf.minimum(value, own[name]) if name in own else tf.zeros_like(value)
                 values[schema.per_optimizer_column(schema.UPDATED_PREFIX, name)] = tf.cast(went > 0, tf.float32)
         updates = produced.get("_updates")  # stays in the row: the host's grad_norm needs it
+        if updates is None and tf.executing_eagerly() and getattr(self, "_optimizer_names", None):
+            # Run eagerly, a step with no update made no update's values: none went in.
+            produced["_updates"] = updates = tf.constant(0.0)
         batch_norm = produced.pop("_batch_grad_norm", None)
         if updates is not None:
             went_in = updates if not applied else tf.minimum(updates, tf.add_n(list(applied.values())))
@@ -1504,9 +1508,18 @@ class Probe:
             with self._lock:
                 if self.buffer is None:
                     self.columns, self.buffer = columns, buffer
+        if not tf.executing_eagerly():
+            self._buffer_traced = True
         unknown = [name for name in values if name not in self.columns]
         values, converted = self._reconciled(values)
         unknown = [name for name in unknown if name not in converted]
+        if unknown and tf.executing_eagerly() and not self._buffer_traced and _replica_context() is None:
+            # A step run eagerly makes only the branches it takes: a first
+            # step that did not update (gradient accumulation, a
+            # LossScaleOptimizer's skipped overflow) has no update's values.
+            # No traced step holds the buffer yet: widen it, rows kept.
+            self._widen(unknown)
+            unknown = []
         if unknown:
             warnings.warn(
                 f"The training step produced new values {unknown} after recording "
@@ -1516,6 +1529,21 @@ class Probe:
             )
         nan = tf.constant(np.nan, tf.float32)
         self.buffer.write(vector_of([values.get(c, nan) for c in self.columns]))
+
+    def _widen(self, names):
+        """A buffer with `names` as more columns, holding the unread rows of
+        the old one (NaN in the new columns); only where no traced step
+        captured the old one."""
+        old, columns = self.buffer, self.columns + list(names)
+        try:
+            rows = old.read_new()
+        except RuntimeError:  # rows overwritten before a read: the ring keeps the newest
+            rows = old.values.numpy()[np.arange(old.count.numpy() - old.capacity, old.count.numpy()) % old.capacity]
+        buffer = StepBuffer(len(columns), self.capacity)
+        for row in rows:
+            buffer.write(np.concatenate([row, np.full(len(names), np.nan, np.float32)]))
+        with self._lock:
+            self.columns, self.buffer = columns, buffer
 
     def _reconciled(self, values):
         """`values` in the form of the row's columns, which the first trace

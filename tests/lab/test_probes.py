@@ -1134,3 +1134,37 @@ def test_a_nonfinite_hit_keeps_the_batch_out_of_a_stateful_rnns_recurrent_state(
     # Keras keeps the state out of model.variables; the NaN batch's forward pass assigned it.
     assert all(np.array_equal(a, s.numpy()) for a, s in zip(before.state, model.layers[0].states))
     assert np.isfinite(model.fit(np.nan_to_num(x), y, batch_size=8, shuffle=False, verbose=0).history["loss"]).all()
+
+
+@pytest.mark.parametrize("case", ["accumulation", "loss scale"])
+def test_run_eagerly_a_first_step_with_no_update_keeps_the_columns_graph_mode_has(case):
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 4)).astype("float32"), rng.integers(0, 3, size=(32,)).astype("int32")
+    policy = keras.mixed_precision.global_policy()
+    runs = {}
+    try:
+        for eager in (False, True):
+            if case == "accumulation":
+                optimizer = keras.optimizers.Adam(0.01, gradient_accumulation_steps=2)
+            else:  # its first two steps overflow: Keras skips them and lowers the scale
+                keras.mixed_precision.set_global_policy("mixed_float16")
+                optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01), initial_scale=2.0 ** 19)
+            keras.utils.set_random_seed(1)
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
+            model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          run_eagerly=eager)
+            rec = lab.Recorder(gradients=True, weights=True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", RuntimeWarning)  # no "new values ... not recorded"
+                model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[rec])
+            runs[eager] = rec.run.batches().drop(columns=["seconds", "mode"])
+    finally:
+        keras.mixed_precision.set_global_policy(policy)
+    graph, eager = runs[False], runs[True]
+    # Keras numbers layer names per process: the two models' columns match by position.
+    assert [c.split("/")[0] for c in eager.columns] == [c.split("/")[0] for c in graph.columns]
+    eager.columns = graph.columns
+    assert list(eager["updated"]) == list(graph["updated"]) == (
+        [0.0, 1.0, 0.0, 1.0] if case == "accumulation" else [0.0, 0.0, 1.0, 1.0])
+    assert (eager.isna() == graph.isna()).all().all()
+    np.testing.assert_allclose(eager.to_numpy(np.float64), graph.to_numpy(np.float64), rtol=1e-5)
