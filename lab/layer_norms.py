@@ -23,7 +23,8 @@ def layer_norms(run, parts=None, column="grad_norm", model=None):
             `column="grad_norm"`), the DataFrame from `run.batches()`, or a
             `lab.StepTrace` (its one row).
         parts: None, or dict name -> what the part holds: a `keras.Layer` or
-            `keras.Model` (exactly its trainable variables), a path prefix
+            `keras.Model` (exactly its trainable variables; a frozen one's
+            variables, by their paths, namesakes included), a path prefix
             (`"decoder"` holds `decoder/...`, namesakes `#2`, ... included) or
             a column's key (`"net/d/kernel#2"`), or a list of those. None gives
             one column per layer: the key without its last path component
@@ -86,6 +87,11 @@ def _paths_of(name, part, paths, namesakes):
     for item in _items(part):
         if isinstance(item, str):
             found = [p for p in paths if p == item or p.startswith(item.rstrip("/") + "/")]
+        elif hasattr(item, "trainable_variables") and not item.trainable_variables and getattr(item, "weights", None):
+            # Frozen since the run (fine-tuning done, the base frozen again):
+            # its variables are matched by their paths, as a prefix is.
+            own = {_path(v) for v in item.weights}
+            found = [p for p in paths if _base(p) in own]
         elif hasattr(item, "trainable_variables"):
             found = namesakes.keys_of(name, item.trainable_variables)
         else:

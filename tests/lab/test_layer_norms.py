@@ -166,3 +166,18 @@ def test_by_layer_keeps_namesake_layers_apart():
     norms = lab.layer_norms(run_with(_ema_columns(np.nan, np.nan, 3.0, 4.0)))
     assert sorted(norms.columns) == ["net/d", "net/d#2"]
     assert np.isnan(norms["net/d"].iloc[0]) and norms["net/d#2"].iloc[0] == 5.0
+
+
+def test_a_part_frozen_again_after_its_fine_tuning_run_is_matched_by_its_paths():
+    keras.utils.set_random_seed(0)
+    base = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="b")], name="base")
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.Dense(1, name="head")(base(inputs)))
+    model.compile(optimizer="sgd", loss="mse")
+    rec = lab.Recorder(gradients=True)
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype("float32")
+    model.fit(x, x[:, :1], batch_size=8, verbose=0, callbacks=[rec])
+    expected = lab.layer_norms(rec.run, {"base": base})
+    base.trainable = False  # the fine-tuning round is over
+    np.testing.assert_array_equal(lab.layer_norms(rec.run, {"base": base}), expected)
+    assert expected["base"].notna().all()
