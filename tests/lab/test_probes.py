@@ -1083,29 +1083,39 @@ def test_a_loss_spike_hit_names_no_gradient_as_not_finite():
     assert hit.step == 14 and "loss_spike" in hit.detail and "not finite" not in hit.detail
 
 
-@pytest.mark.parametrize("case", ["accumulation", "loss scale"])
-def test_updated_says_the_same_with_and_without_a_device_breakpoint(case):
+NO_UPDATE_FIRST = {"accumulation": [0.0, 1.0, 0.0, 1.0], "loss scale": [0.0, 0.0, 1.0, 1.0]}  # `updated`
+
+
+def _fit_with_no_update_first(case, recorder, eager=False):
+    """Four steps whose first makes no update: Adam accumulating over two
+    steps, or a LossScaleOptimizer whose first two steps overflow (Keras
+    skips them and lowers the scale). Returns the recorder's run."""
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(32, 4)).astype("float32"), rng.integers(0, 3, size=(32,)).astype("int32")
     policy = keras.mixed_precision.global_policy()
-    seen = []
     try:
-        for breakpoints in ([], [lab.breakpoints.nonfinite()]):
-            if case == "accumulation":
-                optimizer = keras.optimizers.Adam(0.01, gradient_accumulation_steps=2)
-            else:  # its first two steps overflow: Keras skips them and lowers the scale
-                keras.mixed_precision.set_global_policy("mixed_float16")
-                optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01), initial_scale=2.0 ** 19)
-            keras.utils.set_random_seed(1)
-            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
-            model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-            rec = lab.Recorder(gradients=True, breakpoints=breakpoints)
-            model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[rec])
-            seen.append((list(rec.run.column("updated")), list(rec.run.events()["kind"])))
+        if case == "accumulation":
+            optimizer = keras.optimizers.Adam(0.01, gradient_accumulation_steps=2)
+        else:
+            keras.mixed_precision.set_global_policy("mixed_float16")
+            optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01), initial_scale=2.0 ** 19)
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
+        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      run_eagerly=eager)
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[recorder])
     finally:
         keras.mixed_precision.set_global_policy(policy)
-    expected = [0.0, 1.0, 0.0, 1.0] if case == "accumulation" else [0.0, 0.0, 1.0, 1.0]
-    assert seen == [(expected, []), (expected, [])]
+    return recorder.run
+
+
+@pytest.mark.parametrize("case", list(NO_UPDATE_FIRST))
+def test_updated_says_the_same_with_and_without_a_device_breakpoint(case):
+    seen = []
+    for breakpoints in ([], [lab.breakpoints.nonfinite()]):
+        run = _fit_with_no_update_first(case, lab.Recorder(gradients=True, breakpoints=breakpoints))
+        seen.append((list(run.column("updated")), list(run.events()["kind"])))
+    assert seen == [(NO_UPDATE_FIRST[case], []), (NO_UPDATE_FIRST[case], [])]
 
 
 def _stateful_lstm():
@@ -1136,35 +1146,18 @@ def test_a_nonfinite_hit_keeps_the_batch_out_of_a_stateful_rnns_recurrent_state(
     assert np.isfinite(model.fit(np.nan_to_num(x), y, batch_size=8, shuffle=False, verbose=0).history["loss"]).all()
 
 
-@pytest.mark.parametrize("case", ["accumulation", "loss scale"])
+@pytest.mark.parametrize("case", list(NO_UPDATE_FIRST))
 def test_run_eagerly_a_first_step_with_no_update_keeps_the_columns_graph_mode_has(case):
-    rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(32, 4)).astype("float32"), rng.integers(0, 3, size=(32,)).astype("int32")
-    policy = keras.mixed_precision.global_policy()
     runs = {}
-    try:
-        for eager in (False, True):
-            if case == "accumulation":
-                optimizer = keras.optimizers.Adam(0.01, gradient_accumulation_steps=2)
-            else:  # its first two steps overflow: Keras skips them and lowers the scale
-                keras.mixed_precision.set_global_policy("mixed_float16")
-                optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01), initial_scale=2.0 ** 19)
-            keras.utils.set_random_seed(1)
-            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
-            model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                          run_eagerly=eager)
-            rec = lab.Recorder(gradients=True, weights=True)
-            with warnings.catch_warnings():
-                warnings.simplefilter("error", RuntimeWarning)  # no "new values ... not recorded"
-                model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[rec])
-            runs[eager] = rec.run.batches().drop(columns=["seconds", "mode"])
-    finally:
-        keras.mixed_precision.set_global_policy(policy)
+    for eager in (False, True):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # no "new values ... not recorded"
+            run = _fit_with_no_update_first(case, lab.Recorder(gradients=True, weights=True), eager=eager)
+        runs[eager] = run.batches().drop(columns=["seconds", "mode"])
     graph, eager = runs[False], runs[True]
     # Keras numbers layer names per process: the two models' columns match by position.
     assert [c.split("/")[0] for c in eager.columns] == [c.split("/")[0] for c in graph.columns]
     eager.columns = graph.columns
-    assert list(eager["updated"]) == list(graph["updated"]) == (
-        [0.0, 1.0, 0.0, 1.0] if case == "accumulation" else [0.0, 0.0, 1.0, 1.0])
+    assert list(eager["updated"]) == list(graph["updated"]) == NO_UPDATE_FIRST[case]
     assert (eager.isna() == graph.isna()).all().all()
     np.testing.assert_allclose(eager.to_numpy(np.float64), graph.to_numpy(np.float64), rtol=1e-5)
