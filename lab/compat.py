@@ -453,10 +453,11 @@ def all_layers(model, include_self=True):
     return list(model._flatten_layers(include_self=include_self, recursive=True))
 
 
-def layer_non_trainable_variables(layer):
-    """The non-trainable variables `layer` made itself (not its sublayers':
-    Keras' private `_non_trainable_variables`), and a stateful RNN's
-    recurrent state, which Keras keeps out of `layer.variables`."""
+def forward_state_variables(layer):
+    """The variables `layer` itself (not its sublayers) may assign in its
+    forward pass: the non-trainable ones it made (Keras' private
+    `_non_trainable_variables`: BatchNormalization's moving statistics) and
+    a stateful RNN's recurrent state, which Keras keeps out of `layer.variables`."""
     return list(layer._non_trainable_variables) + recurrent_state_variables(layer)
 
 

@@ -637,8 +637,8 @@ class StepState:
 
 
 ENCODED = "_encoded/"  # a row value `read()` finishes: see `encoded_norms_of`
-_UPDATE_NORM = "_update_norm/"
-NONFINITE_GRADIENT = "_nonfinite_gradient/"  # 1 where nonfinite()'s gate found the gradient of <key> not finite  # the norm of a variable's update, for `update_ratio/` on the host
+_UPDATE_NORM = "_update_norm/"  # the norm of a variable's update, for `update_ratio/` on the host
+NONFINITE_GRADIENT = "_nonfinite_gradient/"  # 1 where nonfinite()'s gate found the gradient of <key> not finite
 
 
 class Probe:
@@ -1039,7 +1039,7 @@ class Probe:
         for layer in compat.all_layers(self.model):
             if not layer.trainable:
                 continue
-            for variable in compat.layer_non_trainable_variables(layer):
+            for variable in compat.forward_state_variables(layer):
                 if id(variable) not in seen and variable.dtype in ("float16", "bfloat16", "float32", "float64"):
                     seen.add(id(variable))
                     found.append(variable)
