@@ -106,26 +106,28 @@ def calling_callback_list(depth=2, reach=6):
     return None
 
 
-def calling_fit_frame(model, depth=2, reach=12):
-    """The frame of the `model.fit()` call that is calling the caller (a
-    callback's `set_model`), or None.
+def calling_model_call(model, depth=2, reach=12):
+    """`(name, frame)` of the `model.fit()`, `evaluate()` or `predict()`
+    call that is calling the caller (a callback's `set_model`), or
+    `(None, None)`.
 
-    An exception raised by `fit()`'s own code between its steps and its
-    callbacks (its metrics' results at an epoch's end, a train function a
-    callback's `compile()` took away, an interrupt between two lines)
-    reaches no callback. Whether that `fit()` is still running is whether
-    its frame is still on its thread's stack (`frame_on_stack`). In every
-    supported release `fit()` builds its CallbackList, which calls
-    `set_model`, in its own frame, a few frames up.
+    A recorder attaches to a fit() only: evaluate() and predict() train
+    nothing. An exception raised by fit()'s own code between its steps and
+    its callbacks (its metrics' results at an epoch's end, a train function
+    a callback's `compile()` took away, an interrupt between two lines)
+    reaches no callback: whether that fit() still runs is whether its frame
+    is still on its thread's stack (`frame_on_stack`). In every supported
+    release these methods build their CallbackList, which calls
+    `set_model`, in their own frame, a few frames up.
     """
     frame = sys._getframe(depth)
     for _ in range(reach):
         if frame is None:
-            return None
-        if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
-            return frame
+            break
+        if frame.f_code.co_name in ("fit", "evaluate", "predict") and frame.f_locals.get("self") is model:
+            return frame.f_code.co_name, frame
         frame = frame.f_back
-    return None
+    return None, None
 
 
 def frame_on_stack(frame, thread_id):

@@ -149,8 +149,11 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         # train function is traced with them, once.
         self.run.claim_model(model)  # one run records one model
         super().set_model(model)
-        self._fit_frame = compat.calling_fit_frame(model)
-        self._fit_thread = threading.get_ident() if self._fit_frame is not None else None
+        called, frame = compat.calling_model_call(model)
+        if called in ("evaluate", "predict"):
+            return  # nothing to record, and Keras' own train function stays as it is
+        self._fit_frame = frame
+        self._fit_thread = threading.get_ident() if frame is not None else None
         try:
             self._attach(model, compat.calling_callback_list(depth=2))
         except BaseException:
@@ -158,7 +161,8 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
             raise
 
     def _attach(self, model, callbacks):
-        _refuse_a_stale_trainable_set(model)
+        if self._fit_frame is not None:  # fit(), not evaluate() or predict(), which train nothing
+            _refuse_a_stale_trainable_set(model)
         state = CompiledState(model)
         if self._probe is not None and (self._probe.model is not model or self._probe_state != state):
             # Another model, or this one recompiled: the old probe's hooks and

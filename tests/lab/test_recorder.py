@@ -445,6 +445,7 @@ def test_a_trainable_change_without_compile_is_refused_before_any_step_and_compi
     first.trainable = trainable  # Keras' fit() would go on training the old set: no compile()
     before = [w.copy() for w in model.get_weights()] + [v.numpy().copy() for v in model.optimizer.variables]
     rec = lab.Recorder(gradients=True)
+    model.evaluate(x, y, verbose=0, callbacks=[rec])  # trains nothing: not refused
     with pytest.raises(ValueError, match=r"not compiled again.*(made trainable|frozen): \S*first/kernel.*model.compile"):
         model.fit(x, y, batch_size=16, verbose=0, callbacks=[rec])
     after = model.get_weights() + [v.numpy() for v in model.optimizer.variables]
@@ -471,3 +472,16 @@ def test_epoch_rows_hold_what_callbacks_after_the_recorder_add_to_the_epoch_logs
     assert sorted(c for c in epochs.columns if c not in ("epoch", "step")) == sorted(history)
     for key, values in history.items():
         np.testing.assert_array_equal(epochs[key].to_numpy(), np.float64(values))
+
+
+def test_evaluate_and_predict_with_a_recorder_leave_keras_own_train_function(digits):
+    x, y, _, _ = digits
+    model = compile_(make_mlp())
+    model.fit(x, y, batch_size=BATCH, verbose=0)
+    traced = model.train_function
+    rec = lab.Recorder(gradients=True)
+    model.evaluate(x, y, verbose=0, callbacks=[rec])
+    model.predict(x, verbose=0, callbacks=[rec])
+    # A later fit() reuses it, as without the lab: no new trace.
+    assert model.train_function is traced and not lab.hooks.attached(model)
+    assert len(rec.run.batches()) == 0
