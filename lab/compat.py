@@ -457,10 +457,14 @@ def all_layers(model, include_self=True):
 
 def forward_state_variables(layer):
     """The variables `layer` itself (not its sublayers) may assign in its
-    forward pass: the non-trainable ones it made (Keras' private
-    `_non_trainable_variables`: BatchNormalization's moving statistics) and
-    a stateful RNN's recurrent state, which Keras keeps out of `layer.variables`."""
-    return list(layer._non_trainable_variables) + recurrent_state_variables(layer)
+    forward pass: where the layer is trainable, the non-trainable ones it
+    made (Keras' private `_non_trainable_variables`: BatchNormalization's
+    moving statistics; a frozen BatchNormalization assigns none), and in
+    any case a stateful RNN's recurrent state and its seed generators'
+    states (Dropout's), which no frozen flag stops from moving."""
+    own = list(layer._non_trainable_variables) if layer.trainable else []
+    seeds = [generator.state for generator in getattr(layer, "_seed_generators", ())]
+    return own + recurrent_state_variables(layer) + seeds
 
 
 def recurrent_state_variables(layer):

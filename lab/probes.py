@@ -630,6 +630,7 @@ class StepState:
         self.applies = {}  # optimizer name -> applies traced in this step
         self.decaying = {}  # optimizer name -> its variables' values before its weight decay
         self.forward_state = []  # (variable, value before the step) the forward pass may assign
+        self.local_batch_size = None  # this replica's share of the batch
         self.kept_out = []  # per gated apply: whether its update was kept out
 
     def nested(self):
@@ -1032,15 +1033,13 @@ class Probe:
         return apply
 
     def _forward_state_variables(self):
-        """The float variables the forward pass of a trainable layer may
-        assign: those it made non-trainable (BatchNormalization's moving
-        statistics). A frozen layer's weights are not among them."""
+        """The variables the forward pass may assign (`compat.forward_state_variables`:
+        moving statistics, a stateful RNN's state, seed generators' states).
+        A frozen layer's weights are not among them."""
         found, seen = [], set()
         for layer in compat.all_layers(self.model):
-            if not layer.trainable:
-                continue
             for variable in compat.forward_state_variables(layer):
-                if id(variable) not in seen and variable.dtype in ("float16", "bfloat16", "float32", "float64"):
+                if id(variable) not in seen:
                     seen.add(id(variable))
                     found.append(variable)
         return found
@@ -1379,9 +1378,20 @@ class Probe:
         if tracker is not None and id(tracker) in totals:
             tracker_loss = self._metric_delta(tracker, totals[id(tracker)], state)
         logged = dict(_flat_logs(logs))
+        state.local_batch_size = batch_size
         if state.loss is not None:
             loss = tf.cast(unscale_loss_for_distribution(isolated([state.loss])[0]), tf.float32)
-            values["loss"] = _all_reduce(loss if loss.shape.rank == 0 else tf.reduce_mean(loss), "MEAN")
+            loss = loss if loss.shape.rank == 0 else tf.reduce_mean(loss)
+            if _replica_context() is None:
+                values["loss"] = loss
+            else:
+                # Each replica's loss weighted by its share of the batch, as
+                # Keras' loss tracker weighs it: a last batch split unevenly
+                # (one sample on one replica, none on the other) is its
+                # samples' loss, not the replicas' plain mean.
+                share = tf.cast(batch_size, tf.float32)
+                values["loss"] = (_all_reduce(tf.where(share > 0, loss * share, 0.0), "SUM")
+                                  / _all_reduce(share, "SUM"))
             if tracker_loss is not None:
                 values["_tracker_loss"] = tracker_loss
         elif "loss" not in logged and tracker_loss is not None:
@@ -1463,10 +1473,15 @@ class Probe:
         replicas = ctx.num_replicas_in_sync
         if state.loss is not None:
             local = tf.reduce_mean(tf.cast(unscale_loss_for_distribution(isolated([state.loss])[0]), tf.float32))
+            share = tf.cast(getattr(state, "local_batch_size", 1), tf.float32)
+            local = tf.where(share > 0, local, np.nan)  # a replica with no samples has no loss
             losses = ctx.all_gather(tf.reshape(local, [1]), axis=0)
+            held = ctx.all_gather(tf.reshape(share, [1]), axis=0) > 0
             for index in range(replicas):
                 values[f"loss/replica_{index}"] = losses[index]
-            values["replica_skew"] = tf.reduce_max(losses) - tf.reduce_min(losses)
+            spread = (tf.reduce_max(tf.where(held, losses, -np.inf))
+                      - tf.reduce_min(tf.where(held, losses, np.inf)))
+            values["replica_skew"] = tf.where(tf.reduce_any(held), spread, np.nan)
         if local_norm is not None:
             # Each replica differentiates its loss scaled by 1/replicas (Keras 3.8+).
             scale = replicas if KERAS_SCALES_LOSS else 1

@@ -161,6 +161,17 @@ def test_mirrored_records_each_replica(mirrored):
     np.testing.assert_allclose(columns["loss"], losses.mean(axis=0), rtol=1e-4)
 
 
+def test_a_batch_split_unevenly_over_the_replicas_records_its_samples_loss(mirrored):
+    assert "fit_error" not in mirrored, mirrored["fit_error"]
+    uneven = mirrored["uneven"]
+    # One sample on replica 0, none on replica 1: the batch's loss is that sample's
+    # (it was the replicas' plain mean, half of it), as Keras' loss tracker weighs it.
+    assert uneven["loss"] == pytest.approx(uneven["own"], rel=1e-6)
+    assert uneven["replicas"][0] == pytest.approx(uneven["own"], rel=1e-6) and np.isnan(uneven["replicas"][1])
+    assert uneven["skew"] == 0.0
+    assert uneven["rows_weighted"] == pytest.approx(uneven["history"], rel=1e-6)
+
+
 @pytest.mark.parametrize("loop", ["loop_mirrored", "loop_mirrored_eager"])
 def test_a_watched_loop_under_mirrored_strategy_records_what_one_device_records(mirrored, loop):
     # The tf.distribute guide's loop (strategy.run in a tf.function, and eager):

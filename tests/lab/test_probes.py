@@ -1161,3 +1161,29 @@ def test_run_eagerly_a_first_step_with_no_update_keeps_the_columns_graph_mode_ha
     assert list(eager["updated"]) == list(graph["updated"]) == NO_UPDATE_FIRST[case]
     assert (eager.isna() == graph.isna()).all().all()
     np.testing.assert_allclose(eager.to_numpy(np.float64), graph.to_numpy(np.float64), rtol=1e-5)
+
+
+def test_a_nonfinite_hit_keeps_the_batch_out_of_dropouts_seed_state_and_training_goes_on_as_bare():
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(40, 5)).astype("float32"), rng.integers(0, 3, size=(40,))
+    bad = x.copy()
+    bad[21, 2] = np.nan  # batch 5 of 10
+
+    def build():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"),
+                                  keras.layers.Dropout(0.3, seed=3), keras.layers.Dense(3)])
+        model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    model, bare = build(), build()
+    rec = lab.Recorder(breakpoints=[lab.breakpoints.nonfinite()])
+    model.fit(bad, y, batch_size=4, shuffle=False, verbose=0, callbacks=[rec])
+    assert rec.run.events()[["step", "kind"]].values.tolist() == [[5, "nonfinite"]]
+    bare.fit(x[:20], y[:20], batch_size=4, shuffle=False, verbose=0)  # the five batches before the hit
+    # The hit batch and the ones held after it drew no dropout mask: the seed is where bare's is.
+    np.testing.assert_array_equal(model.layers[1].seed_generator.state.numpy(),
+                                  bare.layers[1].seed_generator.state.numpy())
+    for m in (model, bare):
+        m.fit(x[20:], y[20:], batch_size=4, shuffle=False, verbose=0)
+    assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), bare.get_weights()))

@@ -165,6 +165,26 @@ def watched_loop(strategy, x, y, compiled=True, breakpoints=()):
             "finite_weights": all(bool(np.isfinite(w).all()) for w in model.get_weights())}
 
 
+def uneven_last_batch(strategy):
+    """41 samples in batches of 8: the last batch's one sample goes to one
+    replica, none to the other. Learning rate 0: every batch at the same weights."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(41, 5)).astype("float32"), rng.integers(0, 3, size=(41,))
+    with strategy.scope():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)])
+        model.compile(keras.optimizers.SGD(0.0), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    recorder = lab.Recorder()
+    history = model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[recorder]).history
+    rows = recorder.run.batches()
+    last = rows.iloc[-1]
+    sizes = np.array([8, 8, 8, 8, 8, 1])
+    return {"loss": float(last["loss"]), "replicas": [float(last["loss/replica_0"]), float(last["loss/replica_1"])],
+            "skew": float(last["replica_skew"]),
+            "own": float(keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y[40:], model(x[40:]))),
+            "history": history["loss"][0], "rows_weighted": float((sizes * rows["loss"].to_numpy()).sum() / 41)}
+
+
 def data():
     rng = np.random.default_rng(0)
     return rng.normal(size=(64, 8)).astype("float32"), rng.integers(0, 3, 64).astype("int32")
@@ -244,6 +264,7 @@ def main():
             out["halves"] = half_batches(x, y)
             out["breakpoint"] = breakpoint_run(mirrored, x, y)
             out["guide_step"] = guide_step_warnings(mirrored, x, y)
+            out["uneven"] = uneven_last_batch(mirrored)
             out["loop_one"] = watched_loop(lab.strategy("cpu"), x, y)
             out["loop_mirrored"] = watched_loop(mirrored, x, y)
             out["loop_mirrored_eager"] = watched_loop(mirrored, x, y, compiled=False)
