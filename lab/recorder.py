@@ -513,10 +513,18 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         for _, row in frame.iterrows():
             for point in points:
                 if point.hit(row):
-                    self.run.add_event("breakpoint", point.describe(row), step=int(row["step"]))
+                    step, last = int(row["step"]), self.run.next_step - 1
+                    detail = point.describe(row)
+                    if step < last:
+                        # The rows of one execution are read after all its steps ran.
+                        detail += (f"; steps {step + 1} to {last} of the same execution (steps_per_execution="
+                                   f"{int(self.model.steps_per_execution)}) ran too, their updates in: a Python "
+                                   "condition is checked after each execution (stop at the step itself with "
+                                   "steps_per_execution=1, or with a device breakpoint)")
+                    self.run.add_event("breakpoint", detail, step=step)
                     self.model.stop_training = True
-                    self._set_status("breakpoint", point.describe(row))
-                    self._breakpoint_listeners.notify(int(row["step"]), point.describe(row))
+                    self._set_status("breakpoint", detail)
+                    self._breakpoint_listeners.notify(step, detail)
                     return
 
     # ---- failures ----------------------------------------------------------

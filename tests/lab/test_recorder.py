@@ -485,3 +485,13 @@ def test_evaluate_and_predict_with_a_recorder_leave_keras_own_train_function(dig
     # A later fit() reuses it, as without the lab: no new trace.
     assert model.train_function is traced and not lab.hooks.attached(model)
     assert len(rec.run.batches()) == 0
+
+
+def test_a_python_breakpoint_inside_an_execution_says_the_steps_after_it_ran_too(digits):
+    x, y, _, _ = digits
+    model = compile_(make_mlp(), steps_per_execution=3)
+    rec = lab.Recorder(breakpoints=[lab.Breakpoint(lambda row: row["step"] == 3, name="at3")])
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[rec])
+    [event] = rec.run.events().query("kind == 'breakpoint'").itertuples()
+    assert event.step == 3 and int(model.optimizer.iterations.numpy()) == 6  # steps 3, 4, 5: one execution
+    assert "steps 4 to 5 of the same execution" in event.detail and "steps_per_execution=1" in event.detail
