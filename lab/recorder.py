@@ -157,12 +157,13 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         try:
             self._attach(model, compat.calling_callback_list(depth=2))
         except BaseException:
+            self._fit_frame = self._fit_thread = None  # keeps nothing of a fit it does not record
             self._release()
             raise
 
     def _attach(self, model, callbacks):
         if self._fit_frame is not None:  # fit(), not evaluate() or predict(), which train nothing
-            _refuse_a_stale_trainable_set(model)
+            _check_trainable_since_built(model, self.run)
         state = CompiledState(model)
         if self._probe is not None and (self._probe.model is not model or self._probe_state != state):
             # Another model, or this one recompiled: the old probe's hooks and
@@ -722,7 +723,11 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self._breakpoint_listeners.remove(fn)
 
     def resume_after_breakpoint(self):
-        """Sets the status back to "running" when training paused at a hit goes on."""
+        """When training paused at a hit goes on: lets updates through again
+        (a device breakpoint holds every update after its hit until then) and
+        sets the status back to "running"."""
+        if self._probe is not None:
+            self._probe.release()
         if self.status == "breakpoint":
             self._set_status("running")
 
@@ -736,27 +741,56 @@ STALE_TRAINABLE_MESSAGE = (
     "guide does, then fit()."
 )
 
+FROZEN_SINCE_BUILT_NOTE = (
+    "{variables} are not trainable now, but the optimizer was built for them. Where `trainable` was "
+    "set after the last compile(), Keras' own fit() goes on training them (its traced function keeps "
+    "the old set) and this fit(), which the lab traces anew, leaves them as they are: call "
+    "model.compile(...) after setting `trainable`. Where compile() came after it (keeping the same "
+    "optimizer), both train the new set, and this does not apply."
+)
+_TOLD_FROZEN = "told_frozen_since_built"
 
-def _refuse_a_stale_trainable_set(model):
-    """Raises (before any step) where Keras' own fit() would train another
-    set of variables than the lab's trace would: `trainable` was set after
-    the train function was traced, without compile(). Only for Keras' own
-    train_step, whose optimizer applies to `model.trainable_variables`."""
+
+def _trainable_since_built(model):
+    """`(now, then, added, removed)`: the model's trainable variables now and
+    those its optimizer was built for, where they differ and Keras has a
+    traced train function that a fit() would reuse; else None. Only for
+    Keras' own train_step, whose optimizer applies to `model.trainable_variables`."""
     optimizer = getattr(model, "optimizer", None)
     if model.train_function is None or optimizer is None or not optimizer.built:
-        return
+        return None
     if not _keras_defines(type(model), "train_step"):
-        return
+        return None
     then = compat.optimizer_variables_for(optimizer)
     now = list(model.trainable_variables)
     then_ids, now_ids = {id(raw_variable(v)) for v in then}, {id(raw_variable(v)) for v in now}
     if not then or then_ids == now_ids:
-        return
+        return None
     added = [v.path for v in now if id(raw_variable(v)) not in then_ids]
     removed = [v.path for v in then if id(raw_variable(v)) not in now_ids]
-    changes = "".join(f"; {label}: {shown_names(paths)}" for label, paths in
-                      (("made trainable", added), ("frozen", removed)) if paths)
-    raise ValueError(STALE_TRAINABLE_MESSAGE.format(now=len(now), then=len(then), changes=changes))
+    return now, then, added, removed
+
+
+def _check_trainable_since_built(model, run):
+    """Refuses (before any step) a fit() whose model has trainable variables
+    its optimizer was not built for: Keras' own fit() trains the set its
+    traced function was made for (`trainable` set without compile()), and
+    the lab's new trace would train the new one or fail on the optimizer's
+    unknown variable. Variables only frozen since may be either that or a
+    compile() that kept the optimizer: the run is told, once."""
+    found = _trainable_since_built(model)
+    if found is None:
+        return
+    now, then, added, removed = found
+    if added:
+        changes = "".join(f"; {label}: {shown_names(paths)}" for label, paths in
+                          (("made trainable", added), ("frozen", removed)) if paths)
+        raise ValueError(STALE_TRAINABLE_MESSAGE.format(now=len(now), then=len(then), changes=changes))
+    if not run.metadata.get(_TOLD_FROZEN):
+        run.metadata[_TOLD_FROZEN] = True
+        message = FROZEN_SINCE_BUILT_NOTE.format(variables=shown_names(removed))
+        run.add_event("warning", message, step=run.next_step)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 _RECORDING = weakref.WeakSet()  # recorders inside a fit(), for the notebook's after-cell check

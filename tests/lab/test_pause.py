@@ -28,13 +28,13 @@ def make_model(steps_per_execution=1):
 class Training:
     """fit() on a thread with a PauseController; the states it reported, in order."""
 
-    def __init__(self, model, recorder=None, epochs=1, callbacks=()):
+    def __init__(self, model, recorder=None, epochs=1, callbacks=(), x=X):
         self.model = model
         self.states = []
         self.controller = PauseController(recorder, on_state=lambda s, d: self.states.append((s, d)))
         fit_callbacks = self.controller.callbacks(([recorder] if recorder else []) + list(callbacks))
         self.thread = threading.Thread(
-            target=model.fit, args=(X, Y),
+            target=model.fit, args=(x, Y),
             kwargs=dict(batch_size=8, epochs=epochs, shuffle=False, verbose=0, callbacks=fit_callbacks),
             daemon=True)
 
@@ -178,3 +178,19 @@ def test_released_after_a_failed_fit_the_controller_hears_no_later_hit():
     model.fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[recorder])
     assert recorder.status == "stopped"  # the hit at step 9 stopped this fit() ...
     assert controller.last_hit is None  # ... without reaching the released controller
+
+
+def test_going_on_after_a_device_breakpoint_lets_every_later_update_in():
+    # nonfinite() holds every update after its hit until the lab lets go: going
+    # on from the pause must let go, or the rest of the fit trained nothing.
+    bad = X.copy()
+    bad[2 * 8 + 3, 1] = np.inf  # batch 2
+    model = make_model()
+    recorder = lab.Recorder(breakpoints=[lab.breakpoints.nonfinite()])
+    training = Training(model, recorder, x=bad).start()
+    training.wait_paused()
+    training.controller.resume()
+    training.join()
+    assert recorder.status == "finished"
+    assert recorder.run.column("updated").tolist() == [1, 1, 0] + [1] * (BATCHES - 3)
+    assert int(model.optimizer.iterations.numpy()) == BATCHES - 1

@@ -432,46 +432,57 @@ def test_a_tracker_fed_a_nan_loss_keeps_its_nan_loss_column(digits):
     assert "loss" in rec.run.columns and np.isnan(rec.run.column("loss")).all()
 
 
-@pytest.mark.parametrize("trainable", [False, True])
-def test_a_trainable_change_without_compile_is_refused_before_any_step_and_compile_lets_the_lab_watch(trainable):
+def _fitted_with_first_layer(trainable):
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(64, 3)).astype("float32"), rng.normal(size=(64, 3)).astype("float32")
     keras.utils.set_random_seed(7)
     first = keras.layers.Dense(3, activation="relu", name="first")
     model = keras.Sequential([keras.Input((3,)), first, keras.layers.Dense(3)])
-    first.trainable = not trainable
+    first.trainable = trainable
     model.compile(optimizer="adam", loss="mse")
     model.fit(x, y, batch_size=16, verbose=0)
-    first.trainable = trainable  # Keras' fit() would go on training the old set: no compile()
+    return model, first, x, y
+
+
+def test_a_layer_made_trainable_without_compile_is_refused_before_any_step_and_compile_lets_the_lab_watch():
+    model, first, x, y = _fitted_with_first_layer(trainable=False)
+    first.trainable = True  # Keras' fit() would go on training the old set: no compile()
     before = [w.copy() for w in model.get_weights()] + [v.numpy().copy() for v in model.optimizer.variables]
     rec = lab.Recorder(gradients=True)
     model.evaluate(x, y, verbose=0, callbacks=[rec])  # trains nothing: not refused
-    with pytest.raises(ValueError, match=r"not compiled again.*(made trainable|frozen): \S*first/kernel.*model.compile"):
+    with pytest.raises(ValueError, match=r"not compiled again.*made trainable: \S*first/kernel.*model.compile"):
         model.fit(x, y, batch_size=16, verbose=0, callbacks=[rec])
     after = model.get_weights() + [v.numpy() for v in model.optimizer.variables]
     assert all(np.array_equal(a, b) for a, b in zip(before, after))
-    assert not lab.hooks.attached(model) and "train_step" not in model.__dict__
+    assert not lab.hooks.attached(model) and "train_step" not in model.__dict__ and rec._fit_frame is None
     model.compile(optimizer="adam", loss="mse")
     model.fit(x, y, batch_size=16, verbose=0, callbacks=[rec])
     assert sorted(c for c in rec.run.columns if c.startswith("grad_norm/")) == sorted(
         f"grad_norm/{v.path}" for v in model.trainable_variables)
 
 
-def test_epoch_rows_hold_what_callbacks_after_the_recorder_add_to_the_epoch_logs_as_history_does(digits):
-    x, y, _, _ = digits
-    model = compile_(make_mlp())
-
-    class AddHeldOut(keras.callbacks.Callback):
-        def on_epoch_end(self, epoch, logs=None):
-            logs["held_out_accuracy"] = self.model.evaluate(x[:64], y[:64], verbose=0, return_dict=True)["accuracy"]
-
-    rec = lab.Recorder()
-    history = model.fit(x, y, epochs=2, batch_size=BATCH, verbose=0, callbacks=[
-        rec, AddHeldOut(), keras.callbacks.ReduceLROnPlateau(monitor="loss")]).history
-    epochs = rec.run.epochs()
-    assert sorted(c for c in epochs.columns if c not in ("epoch", "step")) == sorted(history)
-    for key, values in history.items():
-        np.testing.assert_array_equal(epochs[key].to_numpy(), np.float64(values))
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_layer_frozen_since_the_optimizer_was_built_is_told_once_and_a_compile_keeping_the_optimizer_trains_as_bare(
+        compiled):
+    bare, first_bare, x, y = _fitted_with_first_layer(trainable=True)
+    model, first, _, _ = _fitted_with_first_layer(trainable=True)
+    for m, layer in ((bare, first_bare), (model, first)):
+        layer.trainable = False
+        if compiled:  # keeping Adam's state: Keras then trains the new set, with or without the lab
+            m.compile(optimizer=m.optimizer, loss="mse")
+            m.fit(x, y, batch_size=16, verbose=0)
+    rec = lab.Recorder(gradients=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            model.fit(x, y, batch_size=16, verbose=0, callbacks=[rec])
+    told = [e for e in rec.run.events().itertuples() if "not trainable now" in e.detail]
+    assert len(told) == 1 and "first/kernel" in told[0].detail and "model.compile" in told[0].detail
+    assert len([w for w in caught if "not trainable now" in str(w.message)]) == 1
+    if compiled:
+        for _ in range(2):
+            bare.fit(x, y, batch_size=16, verbose=0)
+        assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), bare.get_weights()))
 
 
 def test_evaluate_and_predict_with_a_recorder_leave_keras_own_train_function(digits):
