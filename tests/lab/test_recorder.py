@@ -506,3 +506,20 @@ def test_a_python_breakpoint_inside_an_execution_says_the_steps_after_it_ran_too
     [event] = rec.run.events().query("kind == 'breakpoint'").itertuples()
     assert event.step == 3 and int(model.optimizer.iterations.numpy()) == 6  # steps 3, 4, 5: one execution
     assert "steps 4 to 5 of the same execution" in event.detail and "steps_per_execution=1" in event.detail
+
+
+def test_epoch_rows_hold_what_callbacks_after_the_recorder_add_to_the_epoch_logs_as_history_does(digits):
+    x, y, _, _ = digits
+    model = compile_(make_mlp())
+
+    class AddHeldOut(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            logs["held_out_accuracy"] = self.model.evaluate(x[:64], y[:64], verbose=0, return_dict=True)["accuracy"]
+
+    rec = lab.Recorder()
+    history = model.fit(x, y, epochs=2, batch_size=BATCH, verbose=0, callbacks=[
+        rec, AddHeldOut(), keras.callbacks.ReduceLROnPlateau(monitor="loss")]).history
+    epochs = rec.run.epochs()
+    assert sorted(c for c in epochs.columns if c not in ("epoch", "step")) == sorted(history)
+    for key, values in history.items():
+        np.testing.assert_array_equal(epochs[key].to_numpy(), np.float64(values))
