@@ -133,9 +133,11 @@ def test_the_dashboard_still_draws_after_a_step_taken_at_a_breakpoint():
     try:
         panel.start()
         assert panel.wait(TIMEOUT) and panel.state == "paused"
-        panel.stepper_panel.step_button.click()
+        panel.stepper_panel.step_button.click()  # steps the NaN batch itself: the weights go NaN
         panel.resume()
-        assert panel.training.join(TIMEOUT)
+        # Going on lets updates in again, and nonfinite() pauses at the next batch.
+        assert panel.wait(TIMEOUT) and panel.state == "paused"
+        assert panel.dashboard.recorder.run.events()["kind"].tolist().count("nonfinite") == 2
         refreshes = panel.dashboard.refreshes
         panel.dashboard.refresh()
         assert panel.dashboard.refreshes == refreshes + 1
