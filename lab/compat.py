@@ -473,8 +473,10 @@ def recurrent_state_variables(layer):
     states = getattr(layer, "states", None) if getattr(layer, "stateful", False) else None
     if states is None or not isinstance(layer, keras.layers.RNN):
         return []
-    flat = states if isinstance(states, (list, tuple)) else [states]
-    return [v for v in flat if isinstance(v, (keras.Variable, tf.Variable))]
+    # A list, or (Keras 3.5) TensorFlow's tracking ListWrapper of one; its
+    # variables are Keras' (whose class `keras.Variable` is not in 3.5).
+    flat = tf.nest.flatten(states)
+    return [v for v in flat if hasattr(v, "assign") and hasattr(v, "dtype")]
 
 
 def keras_global_seed_generator():

@@ -169,7 +169,9 @@ def test_a_batch_split_unevenly_over_the_replicas_records_its_samples_loss(mirro
     assert uneven["loss"] == pytest.approx(uneven["own"], rel=1e-6)
     assert uneven["replicas"][0] == pytest.approx(uneven["own"], rel=1e-6) and np.isnan(uneven["replicas"][1])
     assert uneven["skew"] == 0.0
-    assert uneven["rows_weighted"] == pytest.approx(uneven["history"], rel=1e-6)
+    # Every row its batch's own loss: weighted by batch size they make the epoch's loss over
+    # all 41 samples (Keras 3.15's History too; Keras 3.5 averages the replicas plainly).
+    assert uneven["rows_weighted"] == pytest.approx(uneven["all_own"], rel=1e-5)
 
 
 @pytest.mark.parametrize("loop", ["loop_mirrored", "loop_mirrored_eager"])
