@@ -296,6 +296,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self._complete_epoch()
         self.flush()
         self._note_record_errors()
+        self._note_ema_swap()
         # Host-side guesses of steps that never ran (the last, partial
         # execution of data of unknown size on older Keras).
         self._pending = []
@@ -432,6 +433,16 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         message = infinite_norms_message(columns, step, also=also)
         self.run.add_event("warning", message, step=step)
         warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+    def _note_ema_swap(self):
+        """Says once that Keras put the optimizer's moving averages in place
+        of the weights at fit()'s end (`use_ema=True`), after the last row."""
+        optimizer = getattr(self.model, "optimizer", None)
+        if not (self.weights and len(self.run) and isinstance(optimizer, keras.optimizers.Optimizer)
+                and getattr(optimizer, "use_ema", False)) or self.run.metadata.get(_TOLD_EMA_SWAP):
+            return
+        self.run.metadata[_TOLD_EMA_SWAP] = True
+        self.run.add_event("warning", EMA_SWAP_NOTE, step=self.run.next_step - 1)
 
     def _note_record_errors(self):
         told = self.run.metadata.setdefault("record_errors", [])
@@ -740,6 +751,12 @@ STALE_TRAINABLE_MESSAGE = (
     "this fit(). Call model.compile(...) again after setting `trainable`, as Keras' transfer-learning "
     "guide does, then fit()."
 )
+
+EMA_SWAP_NOTE = (
+    "At the end of fit() Keras put the optimizer's moving averages of the weights in their place "
+    "(use_ema=True): the model now holds the averages, and the last rows' weight_norm and "
+    "update_ratio are of the weights the updates made, before that swap.")
+_TOLD_EMA_SWAP = "told_ema_swap"
 
 FROZEN_SINCE_BUILT_NOTE = (
     "{variables} are not trainable now, but the optimizer was built for them. Where `trainable` was "

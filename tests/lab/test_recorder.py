@@ -523,3 +523,23 @@ def test_epoch_rows_hold_what_callbacks_after_the_recorder_add_to_the_epoch_logs
     assert sorted(c for c in epochs.columns if c not in ("epoch", "step")) == sorted(history)
     for key, values in history.items():
         np.testing.assert_array_equal(epochs[key].to_numpy(), np.float64(values))
+
+
+def test_the_run_says_once_that_keras_put_the_moving_averages_in_place_of_the_weights_at_the_end(digits):
+    x, y, _, _ = digits
+    model = make_mlp()
+    model.compile(optimizer=keras.optimizers.Adam(0.01, use_ema=True),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rec = lab.Recorder(weights=True)
+    for _ in range(2):
+        model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[rec])
+    told = [e for e in rec.run.events().itertuples() if "moving averages" in e.detail]
+    assert len(told) == 1 and told[0].step == len(x) // BATCH - 1
+    # What the last row read is not what the model holds now: the swap came after it.
+    last = rec.run.batches().iloc[-1]
+    kernel = model.layers[0].kernel
+    assert not np.isclose(last[f"weight_norm/{kernel.path}"], np.linalg.norm(kernel.numpy()), rtol=1e-6)
+    plain = compile_(make_mlp())
+    plain_rec = lab.Recorder(weights=True)
+    plain.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[plain_rec])
+    assert not any("moving averages" in d for d in plain_rec.run.events()["detail"])
