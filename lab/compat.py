@@ -130,6 +130,13 @@ def calling_model_call(model, depth=2, reach=12):
     return None, None
 
 
+def is_fits_validation(kwargs):
+    """Whether an `evaluate()` call with these keyword arguments is the one
+    `fit()` makes for its validation data: every supported release (3.5 to
+    3.15) passes it the private `_use_cached_eval_dataset=True`."""
+    return bool(kwargs.get("_use_cached_eval_dataset", False))
+
+
 def frame_on_stack(frame, thread_id):
     """Whether `frame` is still running on the thread `thread_id`."""
     top = sys._current_frames().get(thread_id)

@@ -569,7 +569,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
 
         def evaluate_factory(inner):
             def evaluate(*args, **kwargs):
-                if recorder._fit_frame is None or sys._getframe(1) is not recorder._fit_frame:
+                if not (recorder._active and compat.is_fits_validation(kwargs)):
                     return inner(*args, **kwargs)  # a callback's own evaluate(): its errors are its own
                 try:
                     return inner(*args, **kwargs)
