@@ -91,9 +91,9 @@ def calling_callback_list(depth=2, reach=6):
     and only that list sees an exception raised between callbacks (another
     callback failing, an interrupt between batches). In every supported
     release `CallbackList.set_model` calls each callback's `set_model`
-    directly, so the list is a few frames up; this is the one place the lab
-    reads a frame to find a Keras object (see also
-    `tracing_tf_function`). Returns None when called otherwise.
+    directly, so the list is a few frames up. The lab reads frames to find
+    Keras objects here, in `calling_model_call` and in `tracing_tf_function`,
+    all in this module. Returns None when called otherwise.
     """
     frame = sys._getframe(depth)
     for _ in range(reach):
