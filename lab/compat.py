@@ -7,9 +7,11 @@ of this module run at both ends of the supported range (`make test-oldest`).
 """
 
 import collections
+import contextlib
 import inspect
 import re
 import sys
+import threading
 
 import keras
 import tensorflow as tf
@@ -74,6 +76,84 @@ else:
     def unscale_loss_for_distribution(value):
         """Keras before 3.8 does not scale the loss: nothing to undo."""
         return value
+
+
+class LossScalingSeen:
+    """What Keras' distribution loss scaling did on this thread while a
+    probe traced (or ran) one train_step: `scaled`, the values a Keras loss
+    object returned scaled by 1/replicas (Keras 3.8+, `reduce_values` and the
+    trainer's additional losses, both through
+    `keras.src.losses.loss.scale_loss_for_distribution`), and `unscaled`, how
+    many values Keras' own step scaled back (`unscale_loss_for_distribution`).
+    A step that calls a loss object itself (keras-io's "going lower-level"
+    step) and feeds its loss tracker that value logs 1/replicas of the
+    batch's loss; Keras' own step unscales first. Keras hands the scaled
+    value to no hook of the model's, so the two module functions are wrapped,
+    for the length of the step's call only, by `watch_loss_scaling`: the
+    wrappers count on the thread that opened the window and pass every other
+    call through unchanged; the last window to close puts Keras' functions
+    back. Keras before 3.8 scales nothing: there the window wraps nothing.
+    """
+
+    def __init__(self):
+        self.scaled = []
+        self.unscaled = 0
+
+
+_scaling_lock = threading.Lock()
+_scaling_windows = threading.local()
+_scaling_open = [0, None]  # windows open on every thread, Keras' own (scale, unscale)
+
+
+def _scaling_wrappers(scale, unscale):
+    def scale_loss_for_distribution(value):
+        result = scale(value)
+        seen = getattr(_scaling_windows, "seen", None)
+        if seen is not None and result is not value:
+            seen.scaled.append(result)
+        return result
+
+    def unscale_loss_for_distribution(value):
+        seen = getattr(_scaling_windows, "seen", None)
+        if seen is not None:
+            seen.unscaled += 1
+        return unscale(value)
+
+    return scale_loss_for_distribution, unscale_loss_for_distribution
+
+
+@contextlib.contextmanager
+def watch_loss_scaling(seen):
+    """Counts into `seen` (a `LossScalingSeen`) what Keras' loss scaling
+    does on this thread inside the block; see `LossScalingSeen`."""
+    if not SCALES_LOSS_BY_REPLICAS:
+        yield seen
+        return
+    from keras.src.losses import loss as loss_module
+
+    with _scaling_lock:
+        if _scaling_open[0] == 0:
+            own = (loss_module.scale_loss_for_distribution, loss_module.unscale_loss_for_distribution)
+            wrappers = _scaling_wrappers(*own)
+            loss_module.scale_loss_for_distribution, loss_module.unscale_loss_for_distribution = wrappers
+            _scaling_open[1] = (own, wrappers)
+        _scaling_open[0] += 1
+    outer = getattr(_scaling_windows, "seen", None)
+    _scaling_windows.seen = seen
+    try:
+        yield seen
+    finally:
+        _scaling_windows.seen = outer
+        with _scaling_lock:
+            _scaling_open[0] -= 1
+            if _scaling_open[0] == 0:
+                own, wrappers = _scaling_open[1]
+                _scaling_open[1] = None
+                # Put Keras' own back unless someone replaced ours meanwhile.
+                if loss_module.scale_loss_for_distribution is wrappers[0]:
+                    loss_module.scale_loss_for_distribution = own[0]
+                if loss_module.unscale_loss_for_distribution is wrappers[1]:
+                    loss_module.unscale_loss_for_distribution = own[1]
 
 
 def symbolic_build(model, data_batch):

@@ -11,7 +11,9 @@ one another. `release(owner)` takes off everything that owner put on and
 never raises; `release_all(model)` takes off everything.
 
 Nothing is marked on the wrapped functions or on the model: who wrapped what
-is known here only. Patches are instance attributes; releasing the last one
+is known here only. One hook is not the model's and not here: under a
+distribution strategy a probe wraps Keras' two loss-scaling functions for
+the length of one train_step call (`lab.compat.watch_loss_scaling`). Patches are instance attributes; releasing the last one
 of an attribute deletes it (or puts back an instance attribute that was there
 before), so `type(model).train_step` is what runs again.
 

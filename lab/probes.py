@@ -42,8 +42,8 @@ import tensorflow as tf
 from lab import compat, schema
 from lab.buffer import StepBuffer
 from lab.compat import SCALES_LOSS_BY_REPLICAS as KERAS_SCALES_LOSS
-from lab.compat import (in_xla_trace, isolated, rarely, regrouped_through, slow_xla_cpu_trace,
-                        stateful_random_ops, unscale_loss_for_distribution)
+from lab.compat import (LossScalingSeen, in_xla_trace, isolated, rarely, regrouped_through, slow_xla_cpu_trace,
+                        stateful_random_ops, unscale_loss_for_distribution, watch_loss_scaling)
 from lab.hooks import hooks_for
 
 XLA_NOTE = (
@@ -553,6 +553,21 @@ def _batch_size(data):
     return tf.cast(tf.shape(leaves[0])[0], tf.float32)
 
 
+def _batch_loss(loss, batch_size):
+    """The batch's loss, from the (per-replica) loss a step computed,
+    unscaled as Keras' own step unscales it for its tracker."""
+    loss = tf.cast(unscale_loss_for_distribution(isolated([loss])[0]), tf.float32)
+    loss = loss if loss.shape.rank == 0 else tf.reduce_mean(loss)
+    if _replica_context() is None:
+        return loss
+    # Each replica's loss weighted by its share of the batch, as Keras' loss
+    # tracker weighs it: a last batch split unevenly (one sample on one
+    # replica, none on the other) is its samples' loss, not the replicas'
+    # plain mean.
+    share = tf.cast(batch_size, tf.float32)
+    return _all_reduce(tf.where(share > 0, loss * share, 0.0), "SUM") / _all_reduce(share, "SUM")
+
+
 def _flat_logs(logs, prefix=""):
     """(name, value) pairs of a step's returned logs; nested dicts flattened,
     as a custom step returning `{m.name: m.result() for m in self.metrics}`
@@ -632,6 +647,7 @@ class StepState:
         self.forward_state = []  # (variable, value before the step) the forward pass may assign
         self.local_batch_size = None  # this replica's share of the batch
         self.kept_out = []  # per gated apply: whether its update was kept out
+        self.loss_scaling = LossScalingSeen()  # what Keras' loss scaling did in the step (replicas only)
 
     def nested(self):
         return self.graph is not None and tf.compat.v1.get_default_graph() is not self.graph
@@ -639,6 +655,7 @@ class StepState:
 
 ENCODED = "_encoded/"  # a row value `read()` finishes: see `encoded_norms_of`
 _UPDATE_NORM = "_update_norm/"  # the norm of a variable's update, for `update_ratio/` on the host
+LOSS_OBJECT = "_loss_object"  # the batch's loss from the one Keras loss object a step called, unscaled
 NONFINITE_GRADIENT = "_nonfinite_gradient/"  # 1 where nonfinite()'s gate found the gradient of <key> not finite
 
 
@@ -762,7 +779,11 @@ class Probe:
                 totals = state.totals = probe._metric_totals()
                 if probe.breakpoints:
                     state.forward_state = [(v, read_value(v)) for v in probe._forward_state_variables()]
-                logs = original(data)
+                if _replica_context() is None:
+                    logs = original(data)
+                else:
+                    with watch_loss_scaling(state.loss_scaling):
+                        logs = original(data)
                 probe._keep_out_forward_state(state)
                 try:
                     if not tf.executing_eagerly():
@@ -1380,20 +1401,14 @@ class Probe:
         logged = dict(_flat_logs(logs))
         state.local_batch_size = batch_size
         if state.loss is not None:
-            loss = tf.cast(unscale_loss_for_distribution(isolated([state.loss])[0]), tf.float32)
-            loss = loss if loss.shape.rank == 0 else tf.reduce_mean(loss)
-            if _replica_context() is None:
-                values["loss"] = loss
-            else:
-                # Each replica's loss weighted by its share of the batch, as
-                # Keras' loss tracker weighs it: a last batch split unevenly
-                # (one sample on one replica, none on the other) is its
-                # samples' loss, not the replicas' plain mean.
-                share = tf.cast(batch_size, tf.float32)
-                values["loss"] = (_all_reduce(tf.where(share > 0, loss * share, 0.0), "SUM")
-                                  / _all_reduce(share, "SUM"))
+            values["loss"] = _batch_loss(state.loss, batch_size)
             if tracker_loss is not None:
                 values["_tracker_loss"] = tracker_loss
+        elif len(state.loss_scaling.scaled) == 1 and not state.loss_scaling.unscaled:
+            # One Keras loss object called by the step itself, its value
+            # scaled by 1/replicas: if the step logs that value as its loss,
+            # the recorder records this one instead (`LOSS_OBJECT_SCALED_WARNING`).
+            values[LOSS_OBJECT] = _batch_loss(state.loss_scaling.scaled[0], batch_size)
         elif "loss" not in logged and tracker_loss is not None:
             values["loss"] = tracker_loss
             self.loss_of_tracker = True

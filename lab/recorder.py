@@ -15,7 +15,7 @@ from lab import compat, modes, schema
 from lab.arguments import check_seconds
 from lab.hooks import CompiledState, hooks_for, release_all
 from lab.observers import Observers
-from lab.probes import (NONFINITE_GRADIENT, Probe, _keras_defines, infinite_norms_message, leaf_metrics,
+from lab.probes import (LOSS_OBJECT, NONFINITE_GRADIENT, Probe, _keras_defines, infinite_norms_message, leaf_metrics,
                         newly_infinite, shown_names)
 from lab.state import raw_variable
 from lab.run import Run
@@ -50,6 +50,17 @@ SCALED_TRACKER_WARNING = (
     "fix the step, update the tracker with "
     "`loss * self.distribute_strategy.num_replicas_in_sync`."
 )
+
+LOSS_OBJECT_SCALED_WARNING = (
+    "The loss this train_step logs is 1/{replicas} of the batch's loss: under a "
+    "distribution strategy of {replicas} replicas a Keras loss object returns its "
+    "value scaled by 1/{replicas} (so that the replicas' gradients sum to the "
+    "batch's), and the step feeds that value to its loss tracker. Keras' own "
+    "train_step unscales it first. Training is not affected; Keras' logs (History, "
+    "progress bar) show the scaled value, the lab records the batch's loss. To fix "
+    "the step, update the tracker with `loss * self.distribute_strategy.num_replicas_in_sync`."
+)
+_TOLD_LOSS_OBJECT = "told_loss_object_scaled"
 
 TRACKER_UNUSED_WARNING = (
     "This train_step never updates the loss tracker, so Keras reports no loss (or 0) "
@@ -352,6 +363,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
             "mode": [m[3] for m in meta],
         }
         columns.update(rows)
+        self._unscale_logged_loss(columns)
         if self._loss_tracker_unfed(columns.get("loss")):
             del columns["loss"]
         hit_row = self._cut_at_device_hit(columns)
@@ -368,6 +380,30 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         else:
             self._note_nonfinite_training(columns, self.run.next_step - len(columns["epoch"]))
         return count
+
+    def _unscale_logged_loss(self, columns):
+        """Puts the batch's loss in the `loss` column where the step logs its
+        Keras loss object's value scaled by 1/replicas (`LOSS_OBJECT`), and
+        says so once in the run: the logged loss times the replicas is that
+        loss object's, within float32 rounding, in every row where both are
+        finite. A step that logs anything else keeps its own loss."""
+        held = columns.pop(LOSS_OBJECT, None)
+        if held is None or "loss" not in columns:
+            return
+        if _TOLD_LOSS_OBJECT not in self.run.metadata:
+            replicas = self.model.distribute_strategy.num_replicas_in_sync
+            logged, held64 = np.asarray(columns["loss"], np.float64), np.asarray(held, np.float64)
+            both = np.isfinite(logged) & np.isfinite(held64)
+            if replicas < 2 or not both.any():
+                return
+            scale = max(1e-6, float(abs(held64[both]).max()))
+            if float(abs(logged[both] * replicas - held64[both]).max()) > 1e-3 * scale:
+                return
+            self.run.metadata[_TOLD_LOSS_OBJECT] = True
+            self.run.add_event("warning", f"the step logs its loss object's value scaled by 1/{replicas}; "
+                                          "the loss column holds the batch's loss", step=self.run.next_step)
+            warnings.warn(LOSS_OBJECT_SCALED_WARNING.format(replicas=replicas), UserWarning, stacklevel=2)
+        columns["loss"] = np.asarray(held, np.float32)
 
     def _loss_tracker_unfed(self, loss):
         """True when the `loss` column would hold Keras' loss tracker's batch

@@ -147,3 +147,30 @@ def test_rarely_refuses_a_branch_with_side_effects():
 
     with pytest.raises(ValueError, match=r"rarely\(\) takes a branch without side effects.*tf.cond"):
         step(tf.constant(False))
+
+
+@pytest.mark.skipif(not compat.SCALES_LOSS_BY_REPLICAS, reason="Keras before 3.8 scales no loss")
+def test_the_loss_scaling_window_counts_on_its_own_thread_only_and_puts_keras_functions_back():
+    import threading
+
+    import tensorflow as tf
+    from keras.src.losses import loss as loss_module
+
+    own = (loss_module.scale_loss_for_distribution, loss_module.unscale_loss_for_distribution)
+    seen, inner = compat.LossScalingSeen(), compat.LossScalingSeen()
+    with pytest.raises(RuntimeError, match="the step failed"):
+        with compat.watch_loss_scaling(seen):
+            assert loss_module.unscale_loss_for_distribution is not own[1]
+            loss_module.unscale_loss_for_distribution(tf.constant(1.0))
+            other = threading.Thread(target=lambda: loss_module.unscale_loss_for_distribution(tf.constant(2.0)))
+            other.start()
+            other.join()
+            with compat.watch_loss_scaling(inner):
+                loss_module.unscale_loss_for_distribution(tf.constant(1.0))
+            loss_module.unscale_loss_for_distribution(tf.constant(1.0))
+            # One replica: nothing is scaled, so nothing is counted as scaled.
+            value = tf.constant(3.0)
+            assert loss_module.scale_loss_for_distribution(value) is value
+            raise RuntimeError("the step failed")
+    assert (seen.unscaled, inner.unscaled, seen.scaled) == (2, 1, [])
+    assert (loss_module.scale_loss_for_distribution, loss_module.unscale_loss_for_distribution) == own

@@ -55,7 +55,7 @@ def _free_ports(count):
 
 @pytest.fixture(scope="module")
 def mirrored():
-    return run_script("mirrored_recorder.py")
+    return run_script("mirrored_recorder.py", timeout=300)
 
 
 def test_virtual_cpus_give_a_two_replica_mirrored_strategy(mirrored):
@@ -143,6 +143,28 @@ def test_the_guides_step_that_feeds_its_tracker_the_scaled_loss_is_told_so_not_b
         assert "num_replicas_in_sync" in told["as_guide"][0] and "compiled_metrics" not in told["as_guide"][0]
     else:
         assert told["as_guide"] == []
+
+
+def test_a_step_that_logs_its_loss_objects_scaled_value_is_told_and_its_rows_hold_the_batch_loss(mirrored):
+    # keras-io's "going lower-level" step calls its own loss object, which
+    # Keras 3.8+ scales by 1/replicas, and feeds that to its tracker: Keras
+    # logs half the loss on two replicas. The lab recorded that half and said
+    # nothing.
+    assert "fit_error" not in mirrored, mirrored["fit_error"]
+    found = mirrored["lower_level"]
+    one, as_guide, unscaled = found["one"], found["as_guide"], found["unscaled"]
+    np.testing.assert_allclose(as_guide["rows"], one["rows"], rtol=1e-5)
+    np.testing.assert_allclose(unscaled["rows"], one["rows"], rtol=1e-5)
+    assert unscaled["warnings"] == [] and one["warnings"] == []
+    if lab.compat.SCALES_LOSS_BY_REPLICAS:
+        assert as_guide["history"][0] == pytest.approx(one["history"][0] / 2, rel=1e-5)  # Keras' own logs
+        assert len(as_guide["warnings"]) == 1 and "1/2 of the batch's loss" in as_guide["warnings"][0]
+        assert "num_replicas_in_sync" in as_guide["warnings"][0]
+        assert any("scaled by 1/2" in detail for detail in as_guide["events"])
+    else:
+        assert as_guide["warnings"] == []
+    assert not any("scaled" in detail for detail in unscaled["events"] + one["events"])
+    assert found["keras_functions_back"], "the lab left its wrappers on Keras' loss scaling"
 
 
 def test_gradients_are_recorded_with_breakpoints_on_a_mirrored_model(mirrored):

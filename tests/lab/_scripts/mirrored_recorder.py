@@ -233,6 +233,59 @@ def guide_step_warnings(strategy, x, y):
     return found
 
 
+def lower_level_step(strategy, x, y):
+    """keras-io's "going lower-level" step (its own loss object and Mean
+    tracker), under the strategy and on one device, its tracker fed as the
+    guide feeds it and unscaled: the lab's loss rows, History and warnings."""
+    import warnings
+
+    import tensorflow as tf
+
+    class CustomModel(keras.Model):
+        unscaled = False
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.loss_tracker = keras.metrics.Mean(name="loss")
+            self.loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+        def train_step(self, data):
+            features, labels = data
+            with tf.GradientTape() as tape:
+                loss = self.loss_fn(labels, self(features, training=True))
+            self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+            scaled = self.unscaled and lab.compat.SCALES_LOSS_BY_REPLICAS
+            self.loss_tracker.update_state(loss * self.distribute_strategy.num_replicas_in_sync if scaled else loss)
+            return {"loss": self.loss_tracker.result()}
+
+        @property
+        def metrics(self):
+            return [self.loss_tracker]
+
+    from keras.src.losses import loss as loss_module
+
+    own = (loss_module.scale_loss_for_distribution, loss_module.unscale_loss_for_distribution)
+    found = {}
+    for name, where, unscaled in (("one", lab.strategy("cpu"), False), ("as_guide", strategy, False),
+                                  ("unscaled", strategy, True)):
+        keras.utils.set_random_seed(1)
+        with where.scope():
+            inputs = keras.Input((8,))
+            model = CustomModel(inputs, keras.layers.Dense(3)(inputs))
+            model.unscaled = unscaled
+            model.compile(optimizer="adam")
+        recorder = lab.Recorder()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            history = model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[recorder])
+        found[name] = {"rows": recorder.run.batches()["loss"].tolist(), "history": history.history["loss"],
+                       "warnings": [str(w.message) for w in caught if "train_step logs" in str(w.message)],
+                       "events": recorder.run.events()["detail"].tolist()}
+    found["keras_functions_back"] = own == (loss_module.scale_loss_for_distribution,
+                                            loss_module.unscale_loss_for_distribution)
+    return found
+
+
 def tf_split(strategy, n):
     """The examples each replica gets of one batch of `n`, from tf.distribute itself."""
     import tensorflow as tf
@@ -265,6 +318,7 @@ def main():
             out["halves"] = half_batches(x, y)
             out["breakpoint"] = breakpoint_run(mirrored, x, y)
             out["guide_step"] = guide_step_warnings(mirrored, x, y)
+            out["lower_level"] = lower_level_step(mirrored, x, y)
             out["uneven"] = uneven_last_batch(mirrored)
             out["loop_one"] = watched_loop(lab.strategy("cpu"), x, y)
             out["loop_mirrored"] = watched_loop(mirrored, x, y)
