@@ -353,6 +353,7 @@ class LoopProbe(Probe):
         self._seen = {name for name, _ in names}
         self._slots = slots
         self._hold = slots.hold
+        self._hold.assign(0.0)  # a block starts with nothing held
 
     # ---- values into slots -------------------------------------------------
 
@@ -543,8 +544,12 @@ class LoopProbe(Probe):
         # no per-gradient flags (`keys` unused).
         skip = super()._gate(state, grads)
         self._emit(state, "_gated", 1.0, reset=0.0, accumulate=True)
-        # A graph traced while watching keeps this gate; it skips only inside a block.
-        return tf.logical_and(skip, self._slots.active.read_value() > 0)
+        return skip
+
+    def _gate_open(self):
+        # A graph traced while watching keeps this gate; it acts only inside a
+        # block: outside, the step updates as bare and no hit is held.
+        return self._slots.active.read_value() > 0
 
     # ---- checks on what the loop hands the optimizer ---------------------
 

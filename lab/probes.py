@@ -1015,6 +1015,9 @@ class Probe:
                     original(grads, trainable_variables)
                 finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(v)) for v in isolated(
                     read_value(v) for v in watched if v.dtype in ("float16", "bfloat16", "float32", "float64"))])
+                gate_open = probe._gate_open()
+                if gate_open is not None:  # a closed gate puts nothing back
+                    finite = tf.logical_or(finite, tf.logical_not(gate_open))
 
                 def put_back():
                     for variable, value in zip(watched, saved):
@@ -1147,12 +1150,22 @@ class Probe:
             flag = _all_reduce(flag, "MAX")
             hit_index = tf.where(flag > 0, float(index + 1), hit_index)
         held = tf.identity(hold.read_value())
+        gate_open = self._gate_open()
+        if gate_open is not None:  # closed: no hit, nothing held, and the hold let go
+            hit_index = tf.where(gate_open, hit_index, 0.0)
+            held = tf.where(gate_open, held, 0.0)
         new_hit = tf.where(held > 0, 0.0, hit_index)
         self._emit_hit(state, new_hit)
         skip = tf.logical_or(held > 0, hit_index > 0)
         self._emit(state, "_held", tf.cast(skip, tf.float32), reset=0.0, accumulate=True)
         hold.assign(tf.where(skip, 1.0, 0.0))
         return skip
+
+    def _gate_open(self):
+        """A boolean tensor, False where a traced gate must let every update
+        through as if it were not there; None: always open (a Recorder's
+        step is dropped with its hooks, see `lab.hooks`)."""
+        return None
 
     def _emit_hit(self, state, number):
         """Puts the number of the device breakpoint that hit this update (0: none)."""

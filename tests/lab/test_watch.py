@@ -613,6 +613,40 @@ def test_a_step_traced_in_one_block_is_watched_again_in_the_next(digits):
     assert np.isfinite(np.concatenate([w.ravel() for w in weights_of(model)])).all()
 
 
+def test_a_gate_traced_in_a_block_lets_a_call_after_it_train_as_bare_and_holds_nothing_for_the_next_block(digits):
+    # The gate kept in the traced graph still put back a non-finite update
+    # after the block, and the hit it held there froze every update of the
+    # next block, which said only that the optimizer applied no update.
+    (x, y), (x2, y2) = batches(*digits, 2)
+    bad = x2.copy()
+    bad[0, 0] = np.inf
+
+    def after_a_block(watched):
+        model, optimizer = make_mlp(), keras.optimizers.SGD(0.1)
+        step = make_step(model, optimizer, "graph")
+        initial = weights_of(model)
+        block = lab.watch(model, optimizer, breakpoints=[lab.breakpoints.nonfinite()]) if watched \
+            else contextlib.nullcontext()
+        with block as run:
+            loss = step(x, y)
+            if run is not None:
+                run.step(loss=loss)
+        step(bad, y2)  # after the block, unwatched
+        return model, optimizer, step, initial
+
+    bare, traced = after_a_block(False), after_a_block(True)
+    assert int(traced[1].iterations.numpy()) == int(bare[1].iterations.numpy()) == 2
+    for ours, theirs in zip(weights_of(traced[0]), weights_of(bare[0])):
+        np.testing.assert_array_equal(ours, theirs)  # NaN where bare has NaN
+    model, optimizer, step, initial = traced
+    model.set_weights(initial)
+    with lab.watch(model, optimizer, breakpoints=[lab.breakpoints.nonfinite()]) as run:
+        for xb, yb in batches(*digits, 2):
+            run.step(loss=step(xb, yb))
+    assert run.batches()["updated"].tolist() == [1.0, 1.0]
+    assert int(optimizer.iterations.numpy()) == 4
+
+
 def test_a_step_traced_without_breakpoints_is_reported_when_they_are_asked_for(digits):
     model, optimizer = make_mlp(), keras.optimizers.SGD(0.1)
     step = make_step(model, optimizer, "graph")
