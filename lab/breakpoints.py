@@ -1,6 +1,7 @@
 """Breakpoints: conditions checked per batch that stop or pause training."""
 
 import numbers
+import weakref
 
 import numpy as np
 
@@ -166,8 +167,9 @@ class DeviceBreakpoint(Breakpoint):
         """Returns a boolean tensor: whether this step must not update."""
         raise NotImplementedError
 
-    def reset(self):
-        """Forgets state kept across steps (called when the lab releases a hold)."""
+    def reset(self, owner=None):
+        """Forgets the state `owner` keeps across steps (every owner's when
+        None); called when the lab releases a hold."""
 
     def hit(self, row):
         return False
@@ -202,29 +204,34 @@ class _LossSpike(DeviceBreakpoint):
                      "decay=0.9: each step moves the recent average 10% towards the new loss")
         super().__init__(f"loss_spike({float(factor):g})")
         self.factor, self.warmup, self.decay = float(factor), int(warmup), float(decay)
-        self._average = self._seen = None
+        # The running average and its count, per owner (the Recorder, watch
+        # block or Stepper whose `make_variable` made them): one breakpoint
+        # given to several owners watches each loss on its own.
+        self._state = weakref.WeakKeyDictionary()
 
     def check(self, loss, gradients, make_variable):
         import tensorflow as tf
 
         if loss is None:
             return tf.constant(False)
-        if self._average is None:
-            self._average = make_variable("lab_loss_average", 0.0)
-            self._seen = make_variable("lab_loss_seen", 0.0)
-        average = tf.identity(self._average.read_value())
-        seen = tf.identity(self._seen.read_value())
+        owner = getattr(make_variable, "__self__", make_variable)
+        if owner not in self._state:
+            self._state[owner] = (make_variable("lab_loss_average", 0.0), make_variable("lab_loss_seen", 0.0))
+        average_variable, seen_variable = self._state[owner]
+        average = tf.identity(average_variable.read_value())
+        seen = tf.identity(seen_variable.read_value())
         spike = tf.logical_and(seen >= self.warmup, loss > self.factor * average)
         spike = tf.logical_or(spike, tf.logical_not(tf.math.is_finite(loss)))
         first = tf.equal(seen, 0.0)
         updated = tf.where(first, loss, self.decay * average + (1 - self.decay) * loss)
-        self._average.assign(tf.where(spike, average, updated))
-        self._seen.assign(tf.where(spike, seen, seen + 1.0))
+        average_variable.assign(tf.where(spike, average, updated))
+        seen_variable.assign(tf.where(spike, seen, seen + 1.0))
         return spike
 
-    def reset(self):
-        if self._seen is not None:
-            self._seen.assign(0.0)
+    def reset(self, owner=None):
+        for key, (_, seen) in list(self._state.items()):
+            if owner is None or key is owner:
+                seen.assign(0.0)
 
 
 def nonfinite():

@@ -1176,7 +1176,7 @@ class Probe:
         if self._hold is not None:
             self._hold.assign(0.0)
         for point in self.breakpoints:
-            point.reset()
+            point.reset(self)
 
     # ---- the row -------------------------------------------------------------
 

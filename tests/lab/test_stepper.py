@@ -265,6 +265,20 @@ def test_unchanged_weights_are_shared_not_copied():
 # ---- run_until --------------------------------------------------------------------
 
 
+def test_one_loss_spike_given_to_two_steppers_watches_each_loss_on_its_own():
+    # It kept the first stepper's running average, so the second model, whose
+    # loss is large but steady, "spiked" at its first step after the warmup.
+    x = np.random.default_rng(0).random((160, 4)).astype("float32")
+    point = lab.breakpoints.loss_spike(3.0, warmup=5)
+    for level in (0.5, 3.0):
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(1e-4), loss="mse")
+        stepper = lab.Stepper(model, (x, np.full((160, 1), level, "float32")), batch_size=8, shuffle=False)
+        trace = stepper.run_until(point, max_steps=15)
+        assert not stepper.hit and trace.index == 14, (level, trace.index, trace.loss)
+
+
 def test_run_until_a_callable_or_a_breakpoint():
     stepper = lab.Stepper(make_model(), (X, Y), batch_size=8)
     trace = stepper.run_until(lambda t: t.index == 3, max_steps=10)
