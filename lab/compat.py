@@ -172,8 +172,8 @@ def calling_callback_list(depth=2, reach=6):
     callback failing, an interrupt between batches). In every supported
     release `CallbackList.set_model` calls each callback's `set_model`
     directly, so the list is a few frames up. The lab reads frames to find
-    Keras objects here, in `calling_model_call` and in `tracing_tf_function`,
-    all in this module. Returns None when called otherwise.
+    Keras objects here, in `calling_model_call`, `called_from` and in
+    `tracing_tf_function`, all in this module. Returns None when called otherwise.
     """
     frame = sys._getframe(depth)
     for _ in range(reach):
@@ -208,6 +208,15 @@ def calling_model_call(model, depth=2, reach=12):
             return frame.f_code.co_name, frame
         frame = frame.f_back
     return None, None
+
+
+def called_from(frame, depth=2):
+    """Whether the caller's caller runs in `frame`. In every supported
+    release `fit()` calls `self.train_function(iterator)` in its own frame,
+    and `train_on_batch()` in its own: a train function called from
+    anywhere else than the fit() a recorder records is run by another
+    caller (a `fit()` or `train_on_batch()` inside a callback)."""
+    return sys._getframe(depth) is frame
 
 
 def is_fits_validation(kwargs):

@@ -23,6 +23,14 @@ from lab.status import StatusReporter
 from lab.breakpoints import as_breakpoints
 
 _WARNED_OLD_STYLE = weakref.WeakSet()
+_NOT_OURS = ("a step another caller ran",)  # in `_pending`: a row that is no batch of this fit()
+
+RECORDING_THIS_FIT = (
+    "This Recorder is recording the fit() of {model!r} that runs this callback: a fit() "
+    "inside it cannot be recorded by the same Recorder. Leave the Recorder out of the inner "
+    "fit()'s callbacks (its steps are left out of this run, which says so), or give it a "
+    "Recorder of its own after the outer fit() ends."
+)
 _END_OF_DATA = (StopIteration, tf.errors.OutOfRangeError)
 
 OLD_STYLE_WARNING = (
@@ -139,6 +147,8 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self._probe_state = None  # the CompiledState the probe was made for
         self._cached = None  # (CompiledState, train_function) traced with the probe's hooks
         self._pending = []  # host-side facts of steps whose device rows are unread
+        self._calls_unlabelled = 0  # this fit()'s step calls whose on_train_batch_end has not come
+        self._not_ours_after = 0  # rows of other callers' steps that follow the unlabelled calls
         self._epoch = 0
         self._begin_step = 0
         self._t0 = None
@@ -158,9 +168,11 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
     def set_model(self, model):
         # Called by fit() before make_train_function(): install hooks now so the
         # train function is traced with them, once.
+        called, frame = compat.calling_model_call(model)
+        if called == "fit" and self.is_training():
+            raise RuntimeError(RECORDING_THIS_FIT.format(model=model.name))
         self.run.claim_model(model)  # one run records one model
         super().set_model(model)
-        called, frame = compat.calling_model_call(model)
         if called in ("evaluate", "predict"):
             return  # nothing to record, and Keras' own train function stays as it is
         self._fit_frame = frame
@@ -233,6 +245,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self._failure = None
         _watch_cells(self)
         self._pending = []
+        self._calls_unlabelled = self._not_ours_after = 0
         if self._probe.buffer is not None:
             self._probe.buffer.skip_unread()
         self._probe.release()
@@ -266,6 +279,8 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         else:
             share = elapsed / steps
             self._pending.extend([(self._epoch, self._begin_step + i, share, mode) for i in range(steps)])
+        self._pending.extend([_NOT_OURS] * self._not_ours_after)
+        self._calls_unlabelled = self._not_ours_after = 0
         now = time.monotonic()
         half_full = len(self._pending) * 2 >= self._probe.capacity
         # Training that pauses on a hit (background) must see it at its batch.
@@ -354,8 +369,21 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         while len(meta) < count:
             # Steps that ran but never reached on_train_batch_end (a failure
             # inside a multi-step execution): keep them, with unknown timing.
-            last_batch = meta[-1][1] if meta else self._begin_step - 1
+            ours = [m for m in meta if m is not _NOT_OURS]
+            last_batch = ours[-1][1] if ours else self._begin_step - 1
             meta.append((self._epoch, last_batch + 1, float("nan"), self._mode))
+        not_ours = np.array([m is _NOT_OURS for m in meta])
+        if not_ours.any():
+            self.run.add_event(
+                "not_ours",
+                f"{int(not_ours.sum())} step(s) run by a fit() or train_on_batch() called inside a callback trained "
+                "the model here; their rows are left out: they are no batches of this fit()",
+                step=self.run.next_step - 1)
+            rows = {name: values[~not_ours] for name, values in rows.items()}
+            meta = [m for m in meta if m is not _NOT_OURS]
+            count = len(meta)
+            if count == 0:
+                return 0
         columns = {
             "epoch": [m[0] for m in meta],
             "batch": [m[1] for m in meta],
@@ -583,6 +611,10 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         recorder = self
 
         def guarded(iterator):
+            frame = recorder._fit_frame
+            if frame is not None and not compat.called_from(frame):
+                return recorder._not_ours(function, iterator)
+            recorder._calls_unlabelled += 1
             # The mode the step runs in, read as it is called: a callback
             # ahead of this recorder may switch at batch end for the next.
             recorder._step_mode = modes.current_mode(recorder.model)
@@ -595,6 +627,24 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
                 raise
 
         return guarded
+
+    def _not_ours(self, function, iterator):
+        """Runs a step another caller asked for while this fit() runs (a
+        `fit()` or `train_on_batch()` inside a callback): it trains the
+        model, and the probe writes its rows, but they are no batches of
+        this fit(). They are marked so that `flush` leaves them out and
+        says so."""
+        buffer = self._probe.buffer if self._probe is not None else None
+        before = int(buffer.count.numpy()) if buffer is not None else 0
+        try:
+            return function(iterator)
+        finally:
+            buffer = self._probe.buffer if self._probe is not None else None
+            written = (int(buffer.count.numpy()) if buffer is not None else 0) - before
+            if self._calls_unlabelled:  # a step of this fit() ran first, unlabelled yet
+                self._not_ours_after += written
+            else:
+                self._pending.extend([_NOT_OURS] * written)
 
     def _guard_fit(self, model):
         """Guards the rest of what fit() runs: its validation (`evaluate()`

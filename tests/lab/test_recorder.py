@@ -543,3 +543,61 @@ def test_the_run_says_once_that_keras_put_the_moving_averages_in_place_of_the_we
     plain_rec = lab.Recorder(weights=True)
     plain.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[plain_rec])
     assert not any("moving averages" in d for d in plain_rec.run.events()["detail"])
+
+
+class _TrainsInside(keras.callbacks.Callback):
+    """Trains the model itself from inside fit(): a fit() at the first
+    epoch's end, a train_on_batch() at the end of the next epoch's batch 2."""
+
+    def __init__(self, x, y, callbacks=()):
+        super().__init__()
+        self.x, self.y, self.callbacks = x, y, list(callbacks)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 0:
+            self.model.fit(self.x[:3 * 8], self.y[:3 * 8], batch_size=8, epochs=1, shuffle=False, verbose=0,
+                           callbacks=self.callbacks)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.params["steps"] and batch == 2 and self.model.optimizer.iterations.numpy() > 6:
+            self.model.train_on_batch(self.x[:8], self.y[:8])
+
+
+def test_steps_a_callback_trains_inside_fit_are_left_out_of_the_run_and_told(digits):
+    # They were labelled as this fit()'s batches, and the rows after them
+    # shifted: a fit() inside on_epoch_end gave the next epoch batches 0-2
+    # that were the inner fit's, then batch 3 for the outer batch 0.
+    x, y = digits[0][:48], digits[1][:48]
+
+    def trained(callbacks):
+        model = compile_(make_mlp())
+        keras.utils.set_random_seed(1)
+        history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                            callbacks=[*callbacks, _TrainsInside(x, y)])
+        return model, history.history
+
+    bare, bare_history = trained([])
+    rec = lab.Recorder(gradients=True, flush_every=0)
+    watched, history = trained([rec])
+    assert int(watched.optimizer.iterations.numpy()) == 12 + 3 + 1
+    for ours, theirs in zip(watched.get_weights(), bare.get_weights()):
+        np.testing.assert_array_equal(ours, theirs)
+    assert history == bare_history
+    rows = rec.run.batches()
+    assert list(zip(rows["epoch"], rows["batch"])) == [(e, b) for e in (0, 1) for b in range(6)]
+    told = rec.run.events()
+    told = told[told["kind"] == "not_ours"]
+    assert [int(d.split()[0]) for d in told["detail"]] == [3, 1] and "called inside a callback" in told["detail"].iloc[0]
+    assert not lab.hooks.attached(watched)
+
+
+def test_the_same_recorder_given_to_a_fit_inside_its_fit_is_refused_naming_the_fix(digits):
+    # The inner fit took the outer one's hooks away: the outer fit() failed
+    # with Keras' "'NoneType' object is not callable" and the run said "finished".
+    x, y = digits[0][:48], digits[1][:48]
+    model = compile_(make_mlp())
+    rec = lab.Recorder()
+    with pytest.raises(RuntimeError, match=r"recording the fit\(\) .* that runs this callback.*Leave the Recorder out"):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[rec, _TrainsInside(x, y, callbacks=[rec])])
+    assert rec.status == "failed" and len(rec.run) == 6
+    assert not lab.hooks.attached(model)
