@@ -500,10 +500,6 @@ class LoopProbe(Probe):
                 names += [f"{_UPDATE_HALF}{key}" for key in keys]
             self._emit_scalars(names, halves[len(present):], reset=np.nan, accumulate=False)
 
-    def _emit_hit(self, state, number):
-        super()._emit_hit(state, number)
-        self._tell_hits(tf.cast(number, tf.float32))
-
     def _tell_hits(self, value):
         """Has the step tell the host when a device breakpoint hits (`value` > 0).
 

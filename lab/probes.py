@@ -691,6 +691,7 @@ class Probe:
         self._optimizer_names = []
         self._slots = {}
         self._hold = None
+        self.hit_was_told = False  # a traced step told the host its gate hit (`_tell_hits`)
         self.running_columns = set()  # logged values that are Keras' running ones
         self.record_errors = []  # why steps could not be recorded (the lab's own failures)
         self.infinite = {}  # of the last read: norm columns the host finished as inf -> first row
@@ -1168,8 +1169,31 @@ class Probe:
         return None
 
     def _emit_hit(self, state, number):
-        """Puts the number of the device breakpoint that hit this update (0: none)."""
+        """Puts the number of the device breakpoint that hit this update (0:
+        none), and has the step tell the host on a hit (`_tell_hits`)."""
         self._emit(state, "_hit", number, reset=0.0, accumulate=True)
+        self._tell_hits(tf.cast(number, tf.float32))
+
+    def _tell_hits(self, value):
+        """Has the step tell the host when a device breakpoint hits (`value`
+        > 0): a `tf.cond` runs a host call on a hit only. The recorder then
+        reads the rows at that batch's end, and fit() stops there, where
+        otherwise it learned of the hit at its next read (`flush_every`)
+        and the batches in between ran with their updates held, counted by
+        Keras' logs and seen by other callbacks. Where a host call cannot
+        run (inside XLA, in a replica of a distribution strategy) the step
+        tells nothing, and the hit's event counts those batches."""
+        if in_xla_trace() or _replica_context() is not None:
+            return
+
+        def tell():
+            return tf.numpy_function(self._told_hit, [value], tf.float32, stateful=True, name="lab_tell_hit")
+
+        tf.cond(value > 0, tell, lambda: value)
+
+    def _told_hit(self, value):
+        self.hit_was_told = True
+        return np.float32(value)
 
     def release(self):
         """Lets updates through again after a device breakpoint held them."""

@@ -147,8 +147,13 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self._probe_state = None  # the CompiledState the probe was made for
         self._cached = None  # (CompiledState, train_function) traced with the probe's hooks
         self._pending = []  # host-side facts of steps whose device rows are unread
+        self._callback_list = None  # the CallbackList of the fit() being recorded
+        self._epoch_began = False  # no batch of the epoch has begun yet
+        self._numbered_by_last = False  # Keras numbers this epoch's executions by their last step
+        self.last_batch_ended = -1  # the epoch's last batch whose execution has ended
         self._calls_unlabelled = 0  # this fit()'s step calls whose on_train_batch_end has not come
         self._not_ours_after = 0  # rows of other callers' steps that follow the unlabelled calls
+        self._held_after_hit = 0  # rows after a device hit in its read: batches run held
         self._epoch = 0
         self._begin_step = 0
         self._t0 = None
@@ -207,6 +212,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
             self._probe_state = state
         self._probe.ensure_capacity(model.steps_per_execution)
         self._probe.install()
+        self._callback_list = callbacks
         self._guard_callbacks(callbacks)
         self._guard_fit(model)
         cached = self._cached
@@ -259,16 +265,22 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._complete_epoch()
         self._epoch = epoch
+        self._epoch_began = True
 
     def on_train_batch_begin(self, batch, logs=None):
         modes.apply_pending_mode(self.model)  # a switch asked for from another thread
         self._hooks.sync_train_function()
+        if not compat.BATCH_END_REPORTS_LAST_STEP:
+            batch = self._first_step_of(batch)
         self._begin_step = batch
         self._t0 = time.perf_counter()
 
     def on_train_batch_end(self, batch, logs=None):
         elapsed = time.perf_counter() - self._t0 if self._t0 is not None else float("nan")
         steps = self._steps_in_execution(batch)
+        total = (self.params or {}).get("steps")
+        self.last_batch_ended = self._begin_step + steps - 1 if not total else \
+            min(self._begin_step + steps, int(total)) - 1
         mode = self._step_mode or modes.current_mode(self.model)
         self._step_mode = None
         if mode != self._mode:
@@ -285,11 +297,24 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         half_full = len(self._pending) * 2 >= self._probe.capacity
         # Training that pauses on a hit (background) must see it at its batch.
         pausing = bool(self.breakpoints) and bool(self._breakpoint_listeners)
-        if self._python_points or pausing or half_full or now - self._last_flush >= self.flush_every:
+        told = self._probe.hit_was_told  # a device breakpoint hit in this execution
+        if self._python_points or pausing or half_full or told or now - self._last_flush >= self.flush_every:
             start = len(self.run)
             self.flush()
             self._check_breakpoints(start)
         self._maybe_save(now)
+
+    def _first_step_of(self, batch):
+        """The first step of the execution Keras before 3.11 numbers `batch`.
+        Those releases number each execution by its first step, except on
+        the first epoch over data of unknown size, where Keras 3.5 numbers it
+        by its last (`step = -1; step += steps_per_execution`): told apart
+        by the epoch's first number, `steps_per_execution - 1` and not 0."""
+        steps = int(self.model.steps_per_execution or 1)
+        if self._epoch_began:
+            self._epoch_began = False
+            self._numbered_by_last = steps > 1 and batch == steps - 1
+        return batch - steps + 1 if self._numbered_by_last else batch
 
     def _steps_in_execution(self, batch):
         if batch > self._begin_step or compat.BATCH_END_REPORTS_LAST_STEP:
@@ -323,6 +348,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self.flush()
         self._note_record_errors()
         self._note_ema_swap()
+        self._note_best_weights_restored()
         # Host-side guesses of steps that never ran (the last, partial
         # execution of data of unknown size on older Keras).
         self._pending = []
@@ -343,6 +369,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         if self._probe is None:
             return 0
         self._last_flush = time.monotonic()
+        self._probe.hit_was_told = False
         rows = self._probe.read()
         count = len(next(iter(rows.values()))) if rows else 0
         if count == 0:
@@ -508,6 +535,19 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self.run.metadata[_TOLD_EMA_SWAP] = True
         self.run.add_event("warning", EMA_SWAP_NOTE, step=self.run.next_step - 1)
 
+    def _note_best_weights_restored(self):
+        """Says that an `EarlyStopping(restore_best_weights=True)` of this
+        fit() puts back, at its end, the weights of an earlier epoch than
+        the last row's (before or after this recorder's own end)."""
+        callbacks = getattr(self._callback_list, "callbacks", ())
+        for callback in callbacks:
+            if (isinstance(callback, keras.callbacks.EarlyStopping) and callback.restore_best_weights
+                    and callback.best_weights is not None and len(self.run)
+                    and callback.best_epoch != self._epoch):
+                self.run.add_event("warning", BEST_WEIGHTS_NOTE.format(epoch=callback.best_epoch + 1),
+                                   step=self.run.next_step - 1)
+                return
+
     def _note_record_errors(self):
         told = self.run.metadata.setdefault("record_errors", [])
         for message in self._probe.record_errors:
@@ -526,6 +566,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         if hits is None or not (hits > 0).any():
             return None
         first = int(np.argmax(hits > 0))
+        self._held_after_hit = len(hits) - first - 1
         for name in list(columns):
             columns[name] = columns[name][: first + 1]
         return {name: values[first] for name, values in columns.items()}
@@ -546,6 +587,10 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         detail = f"{point.name} at step {step}; " + _updates_detail(row)
         if culprits:
             detail += "; not finite: " + ", ".join(culprits)
+        held, self._held_after_hit = self._held_after_hit, 0
+        if held:
+            detail += (f"; {held} later batch(es) ran with their updates held before fit() stopped "
+                       "(Keras' logs, History and other callbacks count them)")
         self.run.add_event("nonfinite" if point.name == "nonfinite" else "breakpoint", detail, step=step)
         self.model.stop_training = True
         self._set_status("breakpoint", detail)
@@ -843,6 +888,11 @@ EMA_SWAP_NOTE = (
     "(use_ema=True): the model now holds the averages, and the last rows' weight_norm and "
     "update_ratio are of the weights the updates made, before that swap.")
 _TOLD_EMA_SWAP = "told_ema_swap"
+
+BEST_WEIGHTS_NOTE = (
+    "At the end of fit() EarlyStopping(restore_best_weights=True) put back the weights of the end of "
+    "epoch {epoch}: the model now holds those, and the last rows' weight_norm and update_ratio are of "
+    "the weights the last updates made.")
 
 FROZEN_SINCE_BUILT_NOTE = (
     "{variables} are not trainable now, but the optimizer was built for them. Where `trainable` was "

@@ -144,7 +144,7 @@ class Dashboard(keras.callbacks.Callback):
         self.max_points = max_points
         self.refreshes = 0
         self._progress = dict(epoch=0, batch=-1, done=0)
-        self._first_batch = 0
+        self._rows_before_epoch = 0
         self._rate_samples = collections.deque(maxlen=20)
         self._predicting = None
         self.header = ipywidgets.HTML(value=self._header_html())
@@ -225,20 +225,31 @@ class Dashboard(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self.recorder.on_epoch_begin(epoch, logs)
         self._progress["epoch"] = epoch
+        self._progress["batch"] = -1
+        self._rows_before_epoch = len(self.run)
 
     def on_train_batch_begin(self, batch, logs=None):
         self.recorder.on_train_batch_begin(batch, logs)
-        self._first_batch = batch  # several steps per call at steps_per_execution > 1
 
     def on_train_batch_end(self, batch, logs=None):
         self.recorder.on_train_batch_end(batch, logs)
-        self._progress["batch"] = batch
-        self._progress["done"] += max(1, batch - self._first_batch + 1)
+        # The steps the execution ran, as the recorder counts them: Keras
+        # numbers a last, partial execution by its full span (3.11+), and
+        # before 3.11 each execution by one step.
+        last = self.recorder.last_batch_ended
+        self._progress["done"] += max(1, last - self._progress["batch"])
+        self._progress["batch"] = last
         if time.monotonic() >= self._next_refresh:
             self.refresh()
 
     def on_epoch_end(self, epoch, logs=None):
         self.recorder.on_epoch_end(epoch, logs)
+        # Keras before 3.11 calls no batch end for a last, partial execution:
+        # the epoch's rows, all read now, say how many steps it ran.
+        ran = len(self.run) - self._rows_before_epoch
+        if ran - 1 > self._progress["batch"]:
+            self._progress["done"] += ran - 1 - self._progress["batch"]
+            self._progress["batch"] = ran - 1
 
     def on_train_end(self, logs=None):
         self.recorder.on_train_end(logs)

@@ -338,6 +338,38 @@ def test_nonfinite_breakpoint_keeps_the_bad_update_out(digits, steps_per_executi
     assert int(model.optimizer.iterations.numpy()) > 2
 
 
+class _SeenBatches(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        self.batches = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches.append(batch)
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 4])
+def test_a_blocking_fit_stops_at_the_execution_a_device_breakpoint_hits_and_counts_the_batches_held(
+        digits, steps_per_execution):
+    # fit() learned of the hit at the recorder's next read (every 0.25 s):
+    # the batches in between ran with their updates held, counted by Keras'
+    # logs and seen by other callbacks, and the run said nothing of them.
+    x, y = digits
+    model = make_mlp()
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=LOSS, steps_per_execution=steps_per_execution)
+    rec = lab.Recorder(breakpoints=[lab.breakpoints.nonfinite()], flush_every=3600)
+    seen = _SeenBatches()
+    model.fit(poisoned(x, 2), y, batch_size=BATCH // 4, shuffle=False, epochs=2, callbacks=[rec, seen], verbose=0)
+    poisoned_batch = 2 * 4 + (3 // (BATCH // 4))  # the NaN's sample, in batches of BATCH // 4
+    assert int(model.optimizer.iterations.numpy()) == poisoned_batch
+    executed = -(-(poisoned_batch + 1) // steps_per_execution) * steps_per_execution  # to its execution's end
+    assert len(seen.batches) == executed // steps_per_execution  # one batch end per execution
+    detail = rec.run.events().iloc[-1]["detail"]
+    held = executed - poisoned_batch - 1
+    if held:
+        assert f"{held} later batch(es) ran with their updates held" in detail
+    else:
+        assert "held" not in detail
+
+
 class EmaRegressor(keras.Model):
     """keras-io's DDIM in small: a network with BatchNormalization trained
     by hand, and an EMA copy of all its weights (moving statistics too)

@@ -601,3 +601,39 @@ def test_the_same_recorder_given_to_a_fit_inside_its_fit_is_refused_naming_the_f
         model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[rec, _TrainsInside(x, y, callbacks=[rec])])
     assert rec.status == "failed" and len(rec.run) == 6
     assert not lab.hooks.attached(model)
+
+
+@pytest.mark.parametrize("source", ["filtered dataset", "generator"])
+def test_rows_of_data_of_unknown_size_keep_their_batch_labels_at_several_steps_per_execution(digits, source):
+    # Keras 3.5 numbers each execution of its first epoch over data of unknown
+    # size by its last step: the rows were labelled batch 2 to 8 of 7.
+    x, y = digits[0][:56].astype("float32"), digits[1][:56]
+    model = compile_(make_mlp(), steps_per_execution=3)
+    if source == "generator":  # one pass: a generator ends with its first epoch
+        data, epochs = ((x[i:i + 8], y[i:i + 8]) for i in range(0, 56, 8)), 1
+    else:
+        data, epochs = tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda a, b: True).batch(8), 2
+    rec = lab.Recorder()
+    model.fit(data, epochs=epochs, verbose=0, callbacks=[rec])
+    rows = rec.run.batches()
+    assert list(zip(rows["epoch"], rows["batch"]))[:7] == [(0, b) for b in range(7)]
+    if epochs == 2:
+        assert list(zip(rows["epoch"], rows["batch"]))[7:] == [(1, b) for b in range(7)]
+
+
+def test_early_stopping_that_puts_back_earlier_weights_is_told(digits):
+    # The model ended with an earlier epoch's weights, the last rows showed
+    # the last ones', and the run said nothing (as it does for use_ema).
+    x, y = digits[0][:64], digits[1][:64]
+    model = compile_(make_mlp())
+    rising = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: logs.update(watched=float(epoch)))
+    stop = keras.callbacks.EarlyStopping(monitor="watched", mode="min", patience=1, restore_best_weights=True)
+    rec = lab.Recorder(weights=True)
+    model.fit(x, y, batch_size=16, epochs=5, verbose=0, callbacks=[rec, rising, stop])
+    told = rec.run.events()
+    told = told[told["detail"].str.contains("EarlyStopping")]
+    assert len(told) == 1 and "epoch 1:" in told["detail"].iloc[0]
+    plain = lab.Recorder(weights=True)
+    compile_(make_mlp()).fit(x, y, batch_size=16, epochs=2, verbose=0,
+                             callbacks=[plain, keras.callbacks.EarlyStopping(monitor="loss", restore_best_weights=True)])
+    assert not plain.run.events()["detail"].str.contains("EarlyStopping").any()  # the best epoch was the last

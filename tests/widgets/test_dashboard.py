@@ -374,3 +374,31 @@ def test_the_summary_lists_only_series_with_values():
                         "updated/g_opt": np.ones(3, np.float32), "updated/d_opt": np.ones(3, np.float32)})
     summary = widgets.Dashboard(run=run).summary()
     assert "series: G_loss\n" in summary + "\n"  # no all-NaN loss, no update bookkeeping
+
+
+@pytest.mark.parametrize("steps_per_execution", [4])
+def test_the_header_counts_steps_not_executions_at_several_steps_per_execution(digits, steps_per_execution):
+    # Keras 3.11+ reports a last, partial execution by its full span: the
+    # header read "batch 12/10" and "about -0 s left"; before 3.11 Keras
+    # reports one number per execution: the rate and time left were off by
+    # the steps per execution.
+    (x, y), _ = digits
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  steps_per_execution=steps_per_execution)
+    dashboard = widgets.Dashboard(gradients=False, refresh_every=0, refresh_budget=1.0, view="html")
+    seen = []
+
+    class Spy(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(dashboard.progress_text())
+
+    model.fit(x, y, epochs=2, batch_size=32, callbacks=[dashboard, Spy()], verbose=0)  # 10 batches an epoch
+    shown = [text.split(" · ")[1] for text in seen]
+    # Keras before 3.11 calls no batch end for the last, partial execution.
+    assert shown[:2] == ["batch 4/10", "batch 8/10"] and shown[2] in ("batch 10/10", "batch 4/10")
+    assert all(int(text.split()[1].split("/")[0]) <= 10 for text in shown)
+    assert "batch 10/10" in dashboard.progress_text()
+    assert dashboard._progress["done"] == len(dashboard.run) == 20
+    assert not any("-" in text for text in seen)
