@@ -370,6 +370,24 @@ def test_a_blocking_fit_stops_at_the_execution_a_device_breakpoint_hits_and_coun
         assert "held" not in detail
 
 
+def test_a_stepper_opened_after_a_device_hit_in_a_blocking_fit_steps_the_batch_that_hit(digits):
+    # fit() ran on until the recorder's next read, so the kept batch was a
+    # later one: the stepper was labelled with the hit's step and stepped
+    # batch 19's data.
+    from lab.in_flight import BatchInFlight
+
+    x, y = digits
+    model = make_mlp()
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=LOSS)
+    keep = BatchInFlight()
+    rec = lab.Recorder(breakpoints=[lab.breakpoints.nonfinite()])
+    bad = poisoned(x, 2)
+    model.fit(bad, y, batch_size=BATCH, shuffle=False, callbacks=[keep, rec], verbose=0)
+    trace = keep.stepper(run=rec.run).step()
+    assert (trace.index, trace.batch) == (2, 2)
+    np.testing.assert_array_equal(trace.x, bad[2 * BATCH:3 * BATCH])
+
+
 class EmaRegressor(keras.Model):
     """keras-io's DDIM in small: a network with BatchNormalization trained
     by hand, and an EMA copy of all its weights (moving statistics too)
