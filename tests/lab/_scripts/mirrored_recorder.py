@@ -264,7 +264,11 @@ def lower_level_step(strategy, x, y):
 
     from keras.src.losses import loss as loss_module
 
-    own = (loss_module.scale_loss_for_distribution, loss_module.unscale_loss_for_distribution)
+    def keras_functions():  # Keras before 3.8 has neither
+        return (getattr(loss_module, "scale_loss_for_distribution", None),
+                getattr(loss_module, "unscale_loss_for_distribution", None))
+
+    own = keras_functions()
     found = {}
     for name, where, unscaled in (("one", lab.strategy("cpu"), False), ("as_guide", strategy, False),
                                   ("unscaled", strategy, True)):
@@ -281,8 +285,7 @@ def lower_level_step(strategy, x, y):
         found[name] = {"rows": recorder.run.batches()["loss"].tolist(), "history": history.history["loss"],
                        "warnings": [str(w.message) for w in caught if "train_step logs" in str(w.message)],
                        "events": recorder.run.events()["detail"].tolist()}
-    found["keras_functions_back"] = own == (loss_module.scale_loss_for_distribution,
-                                            loss_module.unscale_loss_for_distribution)
+    found["keras_functions_back"] = own == keras_functions()
     return found
 
 
