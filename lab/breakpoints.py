@@ -194,6 +194,8 @@ class _NonFinite(DeviceBreakpoint):
 
 
 class _LossSpike(DeviceBreakpoint):
+    reads_loss = True  # the loss compute_loss returns: a step without it cannot hit
+
     def __init__(self, factor, warmup, decay):
         check_number("loss_spike", "factor", factor, numbers.Real, lambda v: bool(np.isfinite(v)) and v > 1,
                      "a number above 1", "loss_spike(3.0): three times the recent average loss")

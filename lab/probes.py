@@ -81,9 +81,15 @@ UPDATE_STEP_NOTE = (
     "update may use others (a gradient centralized in update_step, for one). Change "
     "gradients in apply() or apply_gradients() for columns that hold what is applied.")
 
+NO_LOSS_NOTE = (
+    "{variables} watch the loss compute_loss returns, and this train_step computes its loss "
+    "without compute_loss (a GAN's two losses, a loss object of its own): they can never hit. "
+    "Call self.compute_loss(...) in the step, or stop on a logged value with a Python "
+    "breakpoint: lab.Breakpoint(lambda row: row['g_loss'] > 10).")
+
 # The run's warning for each kind of `Probe.trace_notes`.
 TRACE_NOTES = {"regrouped": REGROUPED_NOTE, "changed_after": CHANGED_AFTER_NOTE, "random": RANDOM_NOTE,
-               "update_step": UPDATE_STEP_NOTE}
+               "update_step": UPDATE_STEP_NOTE, "no_loss": NO_LOSS_NOTE}
 
 ALREADY_WATCHED = (
     "This model is already watched by another lab Recorder or Dashboard. "
@@ -1145,6 +1151,10 @@ class Probe:
         if read[0] is not None:
             loss = tf.reduce_mean(tf.cast(unscale_loss_for_distribution(read[0]), tf.float32))
             loss = _all_reduce(loss, "MEAN")
+        else:
+            for point in self.breakpoints:
+                if getattr(point, "reads_loss", False):
+                    self.trace_notes["no_loss"].setdefault(point.name, "")
         hit_index = tf.constant(0.0)
         for index in reversed(range(len(self.breakpoints))):
             flag = tf.cast(self.breakpoints[index].check(loss, applied, self._make_variable), tf.float32)

@@ -388,6 +388,43 @@ def test_a_stepper_opened_after_a_device_hit_in_a_blocking_fit_steps_the_batch_t
     np.testing.assert_array_equal(trace.x, bad[2 * BATCH:3 * BATCH])
 
 
+class OwnLossRegressor(keras.Model):
+    """A step with a loss of its own (as a GAN's): no compute_loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(1)
+        self.mse = keras.losses.MeanSquaredError()
+        self.tracker = keras.metrics.Mean(name="own_loss")
+
+    def call(self, x):
+        return self.dense(x)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.mse(y, self(x))
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        self.tracker.update_state(loss)
+        return {"own_loss": self.tracker.result()}
+
+
+def test_a_loss_spike_on_a_step_without_compute_loss_is_told_it_can_never_hit(digits):
+    # It read no loss, never hit, and said nothing.
+    x, _ = digits
+    keras.utils.set_random_seed(0)
+    model = OwnLossRegressor()
+    model.compile(optimizer=keras.optimizers.SGD(1e-3))
+    rec = lab.Recorder(breakpoints=[lab.breakpoints.loss_spike(3.0, warmup=1)])
+    model.fit(x, np.zeros((len(x), 1), "float32"), batch_size=BATCH, shuffle=False, callbacks=[rec], verbose=0)
+    told = rec.run.events()["detail"]
+    assert told.str.contains(r"loss_spike\(3\) watch the loss compute_loss returns").sum() == 1
+    assert told.str.contains("lab.Breakpoint").any()
+    plain = lab.Recorder(breakpoints=[lab.breakpoints.nonfinite()])  # reads the gradients too: not told
+    model.fit(x, np.zeros((len(x), 1), "float32"), batch_size=BATCH, shuffle=False, callbacks=[plain], verbose=0)
+    assert not plain.run.events()["detail"].str.contains("never hit").any()
+
+
 class EmaRegressor(keras.Model):
     """keras-io's DDIM in small: a network with BatchNormalization trained
     by hand, and an EMA copy of all its weights (moving statistics too)
