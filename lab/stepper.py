@@ -71,7 +71,8 @@ class StepTrace:
         weights_before: dict, variable key -> ndarray, trainable weights before the step.
         weights_after: dict, variable key -> ndarray, trainable weights after it.
         seconds: float, wall time of the `train_step` call.
-        error: Exception or None, what the step raised (the model is then as before it).
+        error: BaseException or None, what the step raised (the model is then
+            as before it; a KeyboardInterrupt is raised on after the undo).
         traceback: str, the formatted traceback of `error` ("" without one).
         hint: str, how to fix the usual cause of `error` ("" when none is known).
         row: dict, the batch's own values as a run row (`loss`, metrics,
@@ -273,6 +274,12 @@ class Stepper:
         Returns:
             StepTrace, the last step's (its `error` is set when it failed; the
             model is then as before that step, and the batch is next again).
+
+        Raises:
+            KeyboardInterrupt: (or another BaseException that is not an
+                Exception) when the step is interrupted, after the step is
+                undone as a failed one is: the batch comes next again, and the
+                run gets an `interrupt` event.
         """
         check_number("Stepper.step", "n", n, numbers.Integral, lambda v: v >= 1, "a whole number of steps, 1 or more", "1")
         trace = None
@@ -399,17 +406,21 @@ class Stepper:
 
     def _step_once(self):
         fed = self.feed.next()
-        changed_outside = self._refresh_state()
-        if changed_outside:
-            # The model moved (a fit(), set_weights): older snapshots no longer apply.
-            self._snapshots.clear()
-            self._replayed.clear()
-        before_state = dict(self._state)
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(to_numpy(fed.data))
-        trace = StepTrace(index=self._index, epoch=fed.epoch, batch=fed.batch, x=x, y=y,
-                          sample_weight=sample_weight)
-        trace.weights_before = self._trainable_arrays(before_state)
-        capture = StepCapture(self.model, self._optimizers(), slots=self._capture_slots)
+        try:
+            changed_outside = self._refresh_state()
+            if changed_outside:
+                # The model moved (a fit(), set_weights): older snapshots no longer apply.
+                self._snapshots.clear()
+                self._replayed.clear()
+            before_state = dict(self._state)
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(to_numpy(fed.data))
+            trace = StepTrace(index=self._index, epoch=fed.epoch, batch=fed.batch, x=x, y=y,
+                              sample_weight=sample_weight)
+            trace.weights_before = self._trainable_arrays(before_state)
+            capture = StepCapture(self.model, self._optimizers(), slots=self._capture_slots)
+        except BaseException:
+            self.feed.push_back([fed])  # nothing ran yet: the batch is still the next one
+            raise
         start = time.perf_counter()
         try:
             if fed.batch == 0:
@@ -422,6 +433,10 @@ class Stepper:
             self._fill_outputs(trace, outputs, capture, before_state, after)
         except Exception as error:  # noqa: BLE001 - the trace carries it
             return self._failed(trace, error, fed, before_state, capture, start)
+        except BaseException as error:
+            # Ctrl-C mid-step: undone as a failed step is, then it stops the caller too.
+            self._failed(trace, error, fed, before_state, capture, start)
+            raise
         self._absorb_created(capture)
         self._note_regrouped(capture, trace)
         changed = {}
@@ -481,8 +496,12 @@ class Stepper:
         trace.error = error
         trace.traceback = "".join(traceback_module.format_exception(error))
         trace.no_gradient = capture.no_gradient
-        trace.hint = hint(error, trace, capture)
-        if self.run is not None:
+        interrupted = not isinstance(error, Exception)
+        trace.hint = "" if interrupted else hint(error, trace, capture)
+        if self.run is not None and interrupted:
+            self.run.add_event("interrupt", f"{type(error).__name__} in step {self._index}; "
+                               "the step was undone and its batch comes next again", step=self._index)
+        elif self.run is not None:
             self.run.add_event("error", f"{type(error).__name__}: {error}", step=self._index)
         self.last_trace = trace
         return trace

@@ -350,6 +350,55 @@ def test_an_error_in_the_step_leaves_the_model_as_before(mistake):
     np.testing.assert_array_equal(fixed.x, X[:8])
 
 
+class InterruptedAfterUpdate(Recording):
+    """Ctrl-C lands after the optimizer moved the weights, before the metrics saw the batch."""
+
+    interrupt = False
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        if self.interrupt:
+            raise KeyboardInterrupt
+        return self.compute_metrics(x, y, y_pred)
+
+
+def interrupted_model():
+    keras.utils.set_random_seed(0)
+    model = InterruptedAfterUpdate()
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    model(X[:1])
+    return model
+
+
+def test_an_interrupted_step_is_undone_and_its_batch_comes_next_again():
+    model, run = interrupted_model(), lab.Run()
+    stepper = lab.Stepper(model, (X, Y), batch_size=8, shuffle=False, run=run)
+    stepper.step(2)
+    before = [v.numpy().copy() for v in model.weights + model.optimizer.variables + model.metrics_variables]
+    model.interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        stepper.step()
+    after = [v.numpy() for v in model.weights + model.optimizer.variables + model.metrics_variables]
+    for saved, now in zip(before, after):
+        np.testing.assert_array_equal(now, saved)
+    assert stepper.next_index == 2 and len(stepper.traces) == 2
+    events = run.events()
+    assert list(events["kind"]) == ["interrupt"] and list(events["step"]) == [2]
+    model.interrupt = False
+    resumed = stepper.step()
+    assert (resumed.index, resumed.batch) == (2, 2)
+    np.testing.assert_array_equal(resumed.x, X[16:24])  # the interrupted batch, not the one after it
+    straight = interrupted_model()
+    lab.Stepper(straight, (X, Y), batch_size=8, shuffle=False).step(3)
+    for mine, theirs in zip(model.weights + model.optimizer.variables, straight.weights + straight.optimizer.variables):
+        np.testing.assert_array_equal(mine.numpy(), theirs.numpy())
+    assert list(run.batches()["batch"]) == [0, 1, 2]
+
+
 def test_a_none_gradient_hint_names_the_variables_that_got_none():
     model = broken("no_tape")
     trace = lab.Stepper(model, (X, Y), batch_size=8).step()
