@@ -501,7 +501,7 @@ def _compiled_metric_names(flat, weighted):
     return names
 
 
-def _watched_metrics(model):
+def watched_metrics(model):
     """The metric objects a step may return results of: the model's own
     (trackers a custom step keeps) and the compiled metrics' leaves."""
     found, seen = [], set()
@@ -735,7 +735,7 @@ class Probe:
             self._variable_keys = variable_keys(model.trainable_variables)
             self._patch(model, "train_step", self._wrap_train_step)
             self._patch(model, "compute_loss", self._wrap_compute_loss)
-            for metric in _watched_metrics(model):
+            for metric in watched_metrics(model):
                 self._patch(metric, "result", lambda inner, metric=metric: self._wrap_result(metric, inner))
             container = getattr(model, "_compile_metrics", None)
             if container is not None and hasattr(container, "build"):
@@ -1408,7 +1408,7 @@ class Probe:
         # Keras' own train_step feeds its loss tracker the loss compute_loss
         # returned: the tracker's batch value is that loss, nothing to check.
         skip = self._unread_tracker()
-        for metric in _watched_metrics(self.model):
+        for metric in watched_metrics(self.model):
             if is_mean(metric) and metric is not skip:
                 totals[id(metric)] = (tf.convert_to_tensor(metric.total.value), tf.convert_to_tensor(metric.count.value))
         return totals

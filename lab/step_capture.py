@@ -1,9 +1,11 @@
 """What one training step touched, caught by hooks that live only for that step.
 
 `StepCapture` wraps, through the instrumentation layer (`lab.hooks`), the
-model's `compute_loss` and `call` and each optimizer's `apply` and
-`_backend_update_step` while a step runs, and records the predictions, the loss, the gradients each optimizer
-applied (where the Probe reads them too) and the variables the step created.
+model's `compute_loss` and `call`, its metrics' `result`, and each optimizer's
+`apply` and `_backend_update_step` while a step runs, and records the
+predictions, the loss, which metric each returned result came from, the
+gradients each optimizer applied (where the Probe reads them too) and the
+variables the step created.
 In a `tf.function` the hooks run while tracing, and what they saw is returned
 from the compiled step. `hint(...)` names the fix for the usual mistakes.
 """
@@ -17,7 +19,7 @@ import tensorflow as tf
 from lab import compat
 from lab.compat import regrouped_through
 from lab.hooks import hooks_for
-from lab.probes import variable_keys
+from lab.probes import variable_keys, watched_metrics
 
 _LOSS_ARGS = ("x", "y", "y_pred", "sample_weight", "training")
 
@@ -56,6 +58,7 @@ class StepCapture:
         self.regrouped = []  # keys whose update Grappler may regroup once the capture reads the gradient
         self.created = []
         self.applies = []  # (optimizer name, {key: gradient}) per apply, in order
+        self._results = {}  # id(tensor) -> (metric, tensor): what each metric's result() gave
         self._hooks = hooks_for(model)
         self._depth = 0
         self._keys = {}
@@ -70,6 +73,8 @@ class StepCapture:
         try:
             self._patch(model, "compute_loss", self._wrap_compute_loss)
             self._patch(model, "call", self._wrap_call)
+            for metric in watched_metrics(model):
+                self._patch(metric, "result", lambda inner, m=metric: self._wrap_result(m, inner))
             for name, optimizer in self.optimizers.items():
                 self._patch(optimizer, "apply", lambda inner, o=optimizer: self._wrap_apply(o, inner))
                 self._patch(optimizer, "_backend_update_step", lambda inner, n=name: self._wrap_update(n, inner))
@@ -94,6 +99,7 @@ class StepCapture:
         self.y_pred = self.call_output = self.loss = None
         self.gradients, self.learning_rates = {}, {}
         self.no_gradient, self.applies = [], []
+        self._results = {}
 
     def _patch(self, target, name, factory):
         self._hooks.wrap(self, target, name, factory, role="capture")
@@ -135,6 +141,22 @@ class StepCapture:
 
         call.__signature__ = inspect.signature(original)
         return call
+
+    def _wrap_result(self, metric, original):
+        def result(*args, **kwargs):
+            value = original(*args, **kwargs)
+            if not isinstance(value, dict):
+                self._results[id(value)] = (metric, value)
+            return value
+
+        return result
+
+    def metric_of(self, value):
+        """The metric whose `result()` returned `value` in this step, or None:
+        the probe's rule, so a tracker logged under another name (a VAE's
+        `total_loss` returned as "loss") is still found."""
+        found = self._results.get(id(value))
+        return found[0] if found is not None and found[1] is value else None
 
     def _wrap_apply(self, optimizer, original):
         def apply(grads, trainable_variables=None):

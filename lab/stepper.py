@@ -211,6 +211,7 @@ class Stepper:
         self._step_function = _step_fn  # from_step: the user's step instead of train_step
         self._extra_optimizers = list(_optimizers)
         self._replayed = {}  # step index -> the weights a rewound step ended with
+        self._logged_metrics = {}  # logged name -> the metric whose result the step returned
         self._told_unrepeatable = False
         self.last_trace = None
 
@@ -561,6 +562,9 @@ class Stepper:
         if not tf.executing_eagerly():
             self._graph_no_gradient = list(capture.no_gradient)
         outputs = {"logs": {k: v for k, v in logs.items() if v is not None and not (isinstance(v, dict) and not v)}}
+        # Python values, kept at trace time: the metric behind each logged name.
+        found = {name: capture.metric_of(value) for name, value in _log_entries(outputs["logs"])}
+        self._logged_metrics = {name: metric for name, metric in found.items() if metric is not None}
         for name in ("y_pred", "loss"):
             value = getattr(capture, name)
             if value is not None:
@@ -629,18 +633,17 @@ class Stepper:
     # ---- outputs -------------------------------------------------------------
 
     def _fill_outputs(self, trace, outputs, capture, before, after):
-        trace.logs = {}
-        for name, value in outputs["logs"].items():
-            # A metrics container's result is a dict: its entries are the logs.
-            entries = value if isinstance(value, dict) else {name: value}
-            trace.logs.update({k: _scalar_or_array(v) for k, v in entries.items()})
+        trace.logs = {name: _scalar_or_array(value) for name, value in _log_entries(outputs["logs"])}
         trace.y_pred = to_numpy(outputs.get("y_pred"))
         trace.gradients = {k: np.asarray(g) for k, g in outputs["gradients"].items()}
         trace.no_gradient = list(capture.no_gradient)
         row = {}
         if "loss" in outputs:
             row["loss"] = float(np.mean(np.asarray(outputs["loss"])))
-        metrics = leaf_metrics(self.model)
+        # The metric whose result the step returned under a name, else the
+        # one of that name: the Recorder's rule (a tracker may be logged
+        # under another name than its own).
+        metrics = {**leaf_metrics(self.model), **self._logged_metrics}
         trace.running = []
         for name, value in trace.logs.items():
             metric = metrics.get(name)
@@ -707,6 +710,13 @@ def _own_train_step(model):
     """The model's train_step, without a Recorder's probe around it: a step
     taken here must not become a row of the fit() that is paused meanwhile."""
     return hooks_for(model).original(model, "train_step")
+
+
+def _log_entries(logs):
+    """(name, value) pairs of a step's logs: a metrics container's result is
+    a dict, whose entries are the logs."""
+    for name, value in logs.items():
+        yield from (value.items() if isinstance(value, dict) else [(name, value)])
 
 
 def _scalar_or_array(value):

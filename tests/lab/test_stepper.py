@@ -522,6 +522,55 @@ def test_a_gan_step_records_both_optimizers_and_rewinds_both():
     assert replay.logs == steps[-1].logs  # the noise replays too: its seed state was restored
 
 
+class RenamedTrackers(keras.Model):
+    """Trackers logged under other names than their own: a VAE's Mean("total_loss")
+    returned as "loss", a conditional GAN's "discriminator_loss" as "d_loss"."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(6)
+        self.total_tracker = keras.metrics.Mean(name="total_loss")
+        self.squared_tracker = keras.metrics.Mean(name="discriminator_loss")
+
+    @property
+    def metrics(self):
+        return [self.total_tracker, self.squared_tracker]
+
+    def call(self, x):
+        return self.dense(x)
+
+    def train_step(self, data):
+        with tf.GradientTape() as tape:
+            total = tf.reduce_mean(tf.square(self(data) - data))
+        self.optimizer.apply(tape.gradient(total, self.trainable_variables), self.trainable_variables)
+        self.total_tracker.update_state(total)
+        self.squared_tracker.update_state(tf.square(total))
+        return {"loss": self.total_tracker.result(), "d_loss": self.squared_tracker.result()}
+
+
+def renamed_trackers():
+    keras.utils.set_random_seed(0)
+    model = RenamedTrackers()
+    model.compile("sgd")
+    model(X[:1])
+    return model
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_a_tracker_logged_under_another_name_gives_each_batch_its_own_value(mode):
+    run = lab.Run()
+    stepper = lab.Stepper(renamed_trackers(), X, batch_size=8, shuffle=False, run=run, mode=mode)
+    traces = [stepper.step() for _ in range(4)]
+    recorder = lab.Recorder()
+    renamed_trackers().fit(X, batch_size=8, shuffle=False, epochs=1, steps_per_epoch=4, verbose=0,
+                           callbacks=[recorder])
+    rows, fitted = run.batches(), recorder.run.batches()
+    for column in ("loss", "d_loss"):
+        np.testing.assert_allclose(rows[column], fitted[column], rtol=1e-6)
+    # Not Keras' running means, which the step returned.
+    assert rows["loss"].iloc[-1] != pytest.approx(traces[-1].logs["loss"])
+
+
 class OwnLoss(Recording):
     """A custom step that never calls compute_loss: predictions come from the model's call."""
 
