@@ -41,7 +41,10 @@ def write_state(state):
 
 
 def training_variables(model, optimizers, created):
-    """Every variable a step may change, by id of the tf.Variable behind it."""
+    """Every variable a step may change, by id of the tf.Variable behind it.
+
+    `created` holds those outside the model's and optimizers' lists: made
+    during a step, or a hand-written step's own metrics."""
     found = list(model.variables) + list(getattr(model, "metrics_variables", []))
     for layer in compat.all_layers(model):
         found += compat.recurrent_state_variables(layer)  # a stateful RNN's, in no variables list

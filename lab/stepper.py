@@ -174,7 +174,7 @@ class Stepper:
 
     def __init__(self, model, data, batch_size=None, shuffle=True, seed=None, *, mode="eager",
                  history=16, steps_per_epoch=None, run=None, start_step=None, start_batch=(0, 0),
-                 _step_fn=None, _optimizers=()):
+                 _step_fn=None, _optimizers=(), _metrics=()):
         if not isinstance(model, keras.Model):
             raise TypeError(f"Stepper needs a keras.Model, got {type(model).__name__}.")
         if _step_fn is None and not getattr(model, "compiled", False):
@@ -210,6 +210,7 @@ class Stepper:
         self._condition_state = {}
         self._step_function = _step_fn  # from_step: the user's step instead of train_step
         self._extra_optimizers = list(_optimizers)
+        self._extra_metrics = list(_metrics)  # from_step: metrics the user's step updates
         self._replayed = {}  # step index -> the weights a rewound step ended with
         self._logged_metrics = {}  # logged name -> the metric whose result the step returned
         self._told_unrepeatable = False
@@ -218,8 +219,13 @@ class Stepper:
     # ---- public ------------------------------------------------------------
 
     @classmethod
-    def from_step(cls, step_fn, model, data, optimizers=(), **kwargs):
+    def from_step(cls, step_fn, model, data, optimizers=(), metrics=(), **kwargs):
         """A stepper for a step function the user wrote instead of a `train_step`.
+
+        `rewind` restores the model's variables, the optimizers' and the
+        metrics' state passed here; any other state the step changes (a
+        metric or variable held outside the model and not passed as
+        `metrics`, a Python counter) keeps its value.
 
         Args:
             step_fn: callable, `step_fn(x, y)` runs one training step and
@@ -228,6 +234,10 @@ class Stepper:
             data: as for `Stepper`.
             optimizers: sequence of keras optimizers the step applies; their
                 state is snapshotted and their gradients recorded.
+            metrics: sequence of `keras.metrics.Metric` the step updates that
+                are not the model's (a loop's `train_acc_metric`): rewound
+                with the model, and reset at each epoch start as the model's
+                own metrics are (your loop's `reset_state()` at an epoch end).
             **kwargs: as for `Stepper`.
 
         Example:
@@ -235,20 +245,23 @@ class Stepper:
         ```python
         def step(x, y):
             with tf.GradientTape() as tape:
-                loss = loss_fn(y, model(x, training=True))
+                logits = model(x, training=True)
+                loss = loss_fn(y, logits)
             opt.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+            train_acc_metric.update_state(y, logits)
             return {"loss": loss}
 
-        stepper = lab.Stepper.from_step(step, model, (x, y), optimizers=[opt])
+        stepper = lab.Stepper.from_step(step, model, (x, y), optimizers=[opt], metrics=[train_acc_metric])
         ```
         """
         if not callable(step_fn):
             raise TypeError(f"step_fn must be callable as step_fn(x, y), got {type(step_fn).__name__}.")
+        metrics = _check_metrics(metrics)
         # A `@tf.function` step runs as the Python it was written as: eagerly
         # in "eager" mode (every value inspectable), inside the stepper's own
         # tf.function in "graph" mode.
         step_fn = getattr(step_fn, "python_function", step_fn)
-        return cls(model, data, _step_fn=step_fn, _optimizers=optimizers, **kwargs)
+        return cls(model, data, _step_fn=step_fn, _optimizers=optimizers, _metrics=metrics, **kwargs)
 
     @property
     def traces(self):
@@ -337,7 +350,8 @@ class Stepper:
     def rewind(self, n=1):
         """Restores the model and data position to before the last `n` steps.
 
-        Weights, optimizer slots and iterations, metric state and random-seed
+        Weights, optimizer slots and iterations, metric state (the model's,
+        and for `from_step` the `metrics` passed there) and random-seed
         state (Keras' SeedGenerators) are restored; the rewound batches come
         next again; their traces are dropped. TensorFlow's own random ops
         (`tf.random.normal`, ...) keep their streams outside the model: a
@@ -426,6 +440,8 @@ class Stepper:
         try:
             if fed.batch == 0:
                 self.model.reset_metrics()  # fit() does this at every epoch start
+                for metric in self._extra_metrics:
+                    metric.reset_state()
             outputs = self._run(fed.data, capture)
             trace.seconds = time.perf_counter() - start
             # Reading what the step returned may fail too (a value that cannot
@@ -580,7 +596,8 @@ class Stepper:
 
     def _variables(self):
         return training_variables(self.model, self._optimizers().values(),
-                                   [v for v, _ in self._created.values()])
+                                   [v for v, _ in self._created.values()]
+                                   + [v for metric in self._extra_metrics for v in metric.variables])
 
     def _optimizers(self):
         found = dict(find_optimizers(self.model))
@@ -704,6 +721,23 @@ def _check_list_data(model, data):
             f"data is a list of {len(data)} arrays, which fit() reads as the inputs x of a model "
             f"with several inputs; {model.name!r} has one input. Pass the arrays as a tuple: "
             "`lab.Stepper(model, (x, y))`, as `model.fit(x, y)` takes them.")
+
+
+def _check_metrics(metrics):
+    """from_step's `metrics` as a list of Keras metrics, or a TypeError that names the fix."""
+    if isinstance(metrics, keras.metrics.Metric):
+        metrics = [metrics]
+    if isinstance(metrics, (str, dict)) or not isinstance(metrics, (list, tuple)):
+        raise TypeError(
+            f"metrics must be a list of the keras.metrics.Metric objects the step updates, "
+            f"got {type(metrics).__name__}: `Stepper.from_step(step, model, data, metrics=[train_acc_metric])`.")
+    wrong = [m for m in metrics if not isinstance(m, keras.metrics.Metric)]
+    if wrong:
+        raise TypeError(
+            f"metrics must hold keras.metrics.Metric objects (the ones the step updates), got "
+            f"{', '.join(repr(m) if isinstance(m, str) else type(m).__name__ for m in wrong[:3])}: a name "
+            "such as 'accuracy' is for compile(); pass the metric your step calls update_state on.")
+    return list(metrics)
 
 
 def _own_train_step(model):

@@ -470,6 +470,49 @@ def test_from_step_steps_a_hand_written_step_and_rewinds_it():
     assert again.row["loss"] == first.row["loss"]
 
 
+def loop_from_scratch():
+    """writing_a_training_loop_from_scratch: a model, an optimizer and a metric of the loop's own."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    optimizer = keras.optimizers.Adam(0.01)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    train_acc_metric = keras.metrics.SparseCategoricalAccuracy()
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            logits = model(x, training=True)
+            loss = loss_fn(y, logits)
+        optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+        train_acc_metric.update_state(y, logits)
+        return {"loss": loss}
+
+    return step, model, optimizer, train_acc_metric
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_from_step_rewinds_the_loops_own_metric_passed_as_metrics(mode):
+    step, model, optimizer, accuracy = loop_from_scratch()
+    stepper = lab.Stepper.from_step(step, model, (X, Y), optimizers=[optimizer], metrics=[accuracy],
+                                    batch_size=8, shuffle=False, mode=mode)
+    stepper.step(2)
+    counted = [v.numpy().copy() for v in accuracy.variables]
+    stepper.rewind(1)
+    stepper.step(1)
+    for variable, saved in zip(accuracy.variables, counted):
+        np.testing.assert_array_equal(variable.numpy(), saved)  # 16 samples seen, not 24
+    stepper.step(4)  # on into the second epoch: the metric starts it afresh, as the model's would
+    assert float(accuracy.count.numpy()) == 8
+
+
+def test_from_step_says_what_metrics_takes():
+    step, model, optimizer, _ = loop_from_scratch()
+    with pytest.raises(TypeError, match=r"keras.metrics.Metric.*metrics=\[train_acc_metric\]"):
+        lab.Stepper.from_step(step, model, (X, Y), optimizers=[optimizer], metrics="accuracy")
+    with pytest.raises(TypeError, match="'accuracy' is for compile"):
+        lab.Stepper.from_step(step, model, (X, Y), optimizers=[optimizer], metrics=["accuracy"])
+
+
 # ---- a custom step with two optimizers ----------------------------------------------
 
 
