@@ -779,8 +779,17 @@ def trace_condition(condition, make_variable=None):
                 variables[name] = tf.Variable(value, trainable=False)
             return variables[name]
 
+        told = []
+
         def check_on_device(trace):
             loss = trace.row.get("loss")
+            if loss is None and getattr(condition, "reads_loss", False) and not told:
+                told.append(True)
+                warnings.warn(f"{condition.name} watches the step's loss, and this step logs no 'loss' "
+                              f"(its values: {', '.join(sorted(trace.row)) or 'none'}): it can never hit. "
+                              "Stop on a logged value with a condition instead: "
+                              "stepper.run_until(lambda trace: trace.row['g_loss'] > 10).",
+                              UserWarning, stacklevel=3)
             loss = None if loss is None else tf.constant(loss, tf.float32)
             gradients = [tf.constant(g) for g in trace.gradients.values()]
             return bool(condition.check(loss, gradients, keep))

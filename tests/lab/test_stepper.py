@@ -788,3 +788,32 @@ def test_a_graph_stepper_says_where_grappler_may_round_an_update_otherwise_than_
     else:
         assert len(said) == 1 and "Stepper(mode='eager')" in said[0]
         assert list(run.events()["kind"]) == ["warning"]
+
+
+def test_a_loss_spike_on_a_step_that_logs_no_loss_warns_that_it_can_never_hit():
+    # It read no loss, never hit, and said nothing.
+    class OwnLoss(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(1)
+            self.tracker = keras.metrics.Mean(name="own_loss")
+
+        def call(self, x):
+            return self.dense(x)
+
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = keras.ops.mean((self(x) - y) ** 2)
+            self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+            self.tracker.update_state(loss)
+            return {"own_loss": self.tracker.result()}
+
+    keras.utils.set_random_seed(0)
+    model = OwnLoss()
+    model.compile(optimizer=keras.optimizers.SGD(1e-3))
+    x = np.random.default_rng(0).random((64, 4)).astype("float32")
+    stepper = lab.Stepper(model, (x, np.zeros((64, 1), "float32")), batch_size=8, shuffle=False)
+    with pytest.warns(UserWarning, match=r"loss_spike\(3\) watches the step's loss.*own_loss.*never hit"):
+        stepper.run_until(lab.breakpoints.loss_spike(3.0, warmup=1), max_steps=3)
+    assert not stepper.hit
