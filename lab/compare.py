@@ -14,7 +14,9 @@ def compare(runs, table="batches", columns=None):
 
     Rows are ordered by `step`, then by the order the runs were given, so the
     rows of one step sit together. A column that only some runs have is NaN in
-    the others' rows.
+    the others' rows. A step a run took more than once (a `Stepper` rewound
+    and replayed it) is in the table once, with its last row: the one that
+    stands, as in the run.
 
     Args:
         runs: list of `lab.Run` (or Recorders, or paths of run files), named
@@ -43,6 +45,10 @@ def compare(runs, table="batches", columns=None):
         frame = getattr(run, table)()
         if len(frame.columns) == 0:
             continue
+        if table == "batches":
+            # A replayed step's earlier rows were superseded; keeping them
+            # would give one run two rows at a step (and break `pivot`).
+            frame = frame.drop_duplicates("step", keep="last")
         frame.insert(0, "run", name)
         frame["_order"] = order
         frames.append(frame)

@@ -49,6 +49,19 @@ def test_compare_aligns_runs_by_step_in_one_long_table():
     assert wide.loc[1].tolist() == [0.5, 1.0]
 
 
+def test_a_rewound_and_replayed_step_is_compared_once_with_its_last_row():
+    stepped = made_run("stepped", [1.0, 0.9, 0.8, 0.7])
+    stepped.next_step = 2  # as Stepper.rewind(2) leaves it: steps 2 and 3 are taken again
+    stepped.append_batches({"loss": np.array([0.6, 0.5], np.float32)})
+    assert stepped.batches()["step"].tolist() == [0, 1, 2, 3, 2, 3]
+    long = lab.compare([stepped, made_run("fit", [2.0, 1.0, 0.5, 0.25])])
+    assert list(zip(long["run"], long["step"])) == [
+        ("stepped", 0), ("fit", 0), ("stepped", 1), ("fit", 1),
+        ("stepped", 2), ("fit", 2), ("stepped", 3), ("fit", 3)]
+    wide = long.pivot(index="step", columns="run", values="loss")  # the docstring's example
+    assert wide["stepped"].tolist() == pytest.approx([1.0, 0.9, 0.6, 0.5])
+
+
 def test_compare_takes_a_dict_of_names_and_repeated_names_get_numbers():
     a, b = made_run("run", [1.0]), made_run("run", [2.0])
     assert lab.compare([a, b])["run"].tolist() == ["run", "run#2"]
