@@ -5,6 +5,7 @@ doubling (float32 for values: 4 bytes per value per step), epoch rows and
 events in small lists. Views subscribe; files and comparisons read it.
 """
 
+import os
 import threading
 import time
 import weakref
@@ -304,7 +305,14 @@ class Run:
             lab.RunFileError: the file is missing, damaged, foreign or unsafe;
                 the message names it and the problem.
         """
-        return cls._from_parts(runfile.load(path))
+        parts = runfile.load(path)
+        try:
+            return cls._from_parts(parts)
+        except Exception as error:  # noqa: BLE001 - parts that passed the reader's checks but make no run
+            raise runfile.RunFileError(
+                f"{os.fsdecode(os.fspath(path))!r}: its rows cannot be made a run "
+                f"({type(error).__name__}: {error}); the file is damaged or not written by training-lab."
+            ) from error
 
     @classmethod
     def _from_parts(cls, parts):

@@ -11,7 +11,9 @@ Layout of a run file (format "training-lab-run", version 2):
   column i is the dataset `c<i>`, whose `kind` attribute is `int`, `float`,
   `bool` or `string`. A string column's `c<i>` holds int64 codes into its
   distinct values (-1: missing), which are the UTF-8 bytes `u<i>` (uint8)
-  cut at the offsets `o<i>` (int64, where each value ends).
+  cut at the offsets `o<i>` (int64, where each value ends). An `int`
+  column of unsigned integers (training-lab writes none) is read as the
+  signed type that holds its values, or refused when none does.
 
 Nothing in a version 2 file is variable-length, so it has no HDF5 global
 heap and every size in it is bounded by the file's own. Version 1 files
@@ -702,8 +704,23 @@ def _read_table(group, table, reader, digest):
                 reader.fail(f"{column} is marked {kind} but holds {dataset.dtype}; the file is damaged.")
             values = dataset[()]
             _digest_numbers(digest, kind, values)
+            if values.dtype.kind == "u":
+                values = _signed(values, column, reader)
         data[name] = values
     return data
+
+
+def _signed(values, column, reader):
+    """Unsigned integers (which lab never writes) as the signed type that holds them.
+
+    A Run marks missing integers with -1, which no unsigned type holds.
+    """
+    if values.dtype.itemsize < 8:
+        return values.astype(f"i{2 * values.dtype.itemsize}")
+    if len(values) and values.max() > np.iinfo(np.int64).max:
+        reader.fail(f"{column} holds {int(values.max())}, beyond the signed 64-bit integers "
+                    "run files hold; the file is damaged or not written by training-lab.")
+    return values.astype(np.int64)
 
 
 def _read_coded_strings(group, i, codes, length, column, reader):

@@ -298,6 +298,46 @@ def test_a_string_step_column_is_refused(tmp_path):
         lab.Run.load(path)
 
 
+def crafted_file(path, batches, epochs=(), events=()):
+    """A run file with the given tables, as `runfile.save` writes them (digest
+    included): only the loader's checks of the contents stand in its way."""
+    tables = {"batches": pd.DataFrame(batches), "epochs": pd.DataFrame(list(epochs)),
+              "events": pd.DataFrame(list(events))}
+    record = type("Crafted", (), {"name": "crafted", "metadata": {},
+                                  **{t: (lambda frame=frame: frame) for t, frame in tables.items()}})
+    return runfile.save(record, path)
+
+
+def test_unsigned_integer_columns_load_as_signed_and_the_run_keeps_growing(tmp_path):
+    path = crafted_file(tmp_path / "run.h5", {
+        "step": np.array([0, 1, 2], np.uint64), "batch": np.array([0, 1, 2], np.uint32),
+        "flag": np.array([1, 0, 255], np.uint8), "loss": np.array([1.0, 2.0, 3.0], np.float32)})
+    run = lab.Run.load(path)
+    frame = run.batches()
+    assert frame["flag"].tolist() == [1, 0, 255] and frame["step"].tolist() == [0, 1, 2]
+    assert all(frame[c].dtype.kind == "i" for c in ("step", "batch", "flag"))
+    run.append_batches({"loss": [4.0]})  # a row without `flag`: missing, as in any run
+    assert run.batches()["step"].tolist() == [0, 1, 2, 3] and run.batches()["flag"].tolist()[-1] == -1
+
+
+def test_an_unsigned_step_beyond_64_bit_signed_integers_is_refused(tmp_path):
+    path = crafted_file(tmp_path / "run.h5", {"step": np.array([0, 2**64 - 1], np.uint64),
+                                              "loss": np.array([1.0, 2.0], np.float32)})
+    with pytest.raises(lab.RunFileError, match=r"run\.h5.*column 'step'.*18446744073709551615"):
+        lab.Run.load(path)
+
+
+def test_parts_that_make_no_run_raise_the_run_file_error_naming_the_file(tmp_path, monkeypatch):
+    path = handmade_run().save(tmp_path / "run.h5")
+
+    def unbuildable(cls, parts):
+        raise OverflowError("Python integer -1 out of bounds for uint8")
+
+    monkeypatch.setattr(lab.Run, "_from_parts", classmethod(unbuildable))
+    with pytest.raises(lab.RunFileError, match=r"run\.h5.*cannot be made a run.*OverflowError"):
+        lab.Run.load(path)
+
+
 def test_a_changed_value_is_caught_by_the_digest(tmp_path):
     path = handmade_run().save(tmp_path / "run.h5")
     with h5py.File(path, "a") as f:
