@@ -29,7 +29,10 @@ virtual dataset would read another file), datasets whose raw data lives in
 other files, filters (run files use none; a plugin filter would load a shared
 library, a compressed one could inflate without bound) and declared sizes the
 file cannot hold. Everything read is checked against the digest, so a damaged
-file raises `RunFileError` instead of loading different numbers.
+file raises `RunFileError` instead of loading different numbers. A table
+with rows lacking a column every run writes (`step`; an epoch's `epoch`; an
+event's `kind`, `detail` and `time`), or a step beyond 2**53 either way, is
+refused too: what reads a run relies on them.
 
 This module reads and writes plain parts (`RunParts`); `lab.Run.save` and
 `lab.Run.load` turn them into a Run.
@@ -56,6 +59,13 @@ VERSION = 2
 _TABLES = ("batches", "epochs", "events")
 _KINDS = ("int", "float", "bool", "string")
 _INTEGER_COLUMNS = ("step", "epoch", "batch")
+# The columns every row of a table has had since the first run file: lab.compare,
+# the exports and the widgets read them from any run with rows.
+_REQUIRED_COLUMNS = {"batches": ("step",), "epochs": ("epoch", "step"),
+                     "events": ("step", "kind", "detail", "time")}
+# Past any real run, and steps stay exact as floats (how pandas holds a column
+# with missing values); a step near 2**63 would make the next one overflow.
+_MAX_STEP = 2**53
 # More links than any run could need (a column and its mask per name): a
 # damaged group that claims millions of members is refused, not walked.
 _MAX_MEMBERS = 200_000
@@ -671,6 +681,13 @@ def _read_table(group, table, reader, digest):
     if length < 0 or length > reader.size or (length and not columns):
         reader.fail(f"{where} declares {length} rows, which its {len(columns)} columns in a file of "
                     f"{reader.size} bytes cannot hold; the file is damaged.")
+    missing = [repr(c) for c in _REQUIRED_COLUMNS[table] if c not in columns]
+    if length and missing:
+        rows = "row" if length == 1 else "rows"
+        names = missing[0] if len(missing) == 1 else f"{', '.join(missing[:-1])} or {missing[-1]}"
+        reader.fail(f"{where} has {length} {rows} but no {names} column; every run writes "
+                    f"{'it' if len(missing) == 1 else 'them'}, so the file is damaged or not written "
+                    "by training-lab.")
     _digest_table(digest, group.name, columns, length)
     data = {}
     for i, name in enumerate(columns):
@@ -706,6 +723,10 @@ def _read_table(group, table, reader, digest):
             _digest_numbers(digest, kind, values)
             if values.dtype.kind == "u":
                 values = _signed(values, column, reader)
+            if name == "step" and length and not -_MAX_STEP <= values.min() <= values.max() <= _MAX_STEP:
+                absurd = values.max() if values.max() > _MAX_STEP else values.min()
+                reader.fail(f"{column} holds step {int(absurd)}; no run takes 2**53 steps (the next "
+                            "step could overflow). The file is damaged.")
         data[name] = values
     return data
 

@@ -327,6 +327,31 @@ def test_an_unsigned_step_beyond_64_bit_signed_integers_is_refused(tmp_path):
         lab.Run.load(path)
 
 
+@pytest.mark.parametrize("tables, message", [
+    ({"batches": {"loss": [1.0, 2.0]}}, r"table 'batches' has 2 rows but no 'step' column"),
+    ({"batches": {"step": [0]}, "epochs": [{"epoch": 0, "loss": 1.0}]},
+     r"table 'epochs' has 1 row but no 'step' column"),
+    ({"batches": {"step": [0]}, "events": [{"step": 0, "kind": "note", "detail": ""}]},
+     r"table 'events' has 1 row but no 'time' column"),
+])
+def test_a_table_without_the_columns_every_run_writes_is_refused(tmp_path, tables, message):
+    path = crafted_file(tmp_path / "run.h5", **tables)
+    with pytest.raises(lab.RunFileError, match=rf"run\.h5.*{message}"):
+        lab.Run.load(path)
+    with pytest.raises(lab.RunFileError, match=message):
+        lab.compare([path, path])  # was a raw KeyError: 'step' from a file that loaded
+
+
+def test_a_step_no_run_reaches_is_refused_and_a_step_of_minus_one_loads(tmp_path):
+    huge = crafted_file(tmp_path / "huge.h5", {"step": np.array([0, 1, 2**63 - 1], np.int64)})
+    with pytest.raises(lab.RunFileError, match=r"huge\.h5.*column 'step'.*9223372036854775807.*overflow"):
+        lab.Run.load(huge)  # loaded, its next step would have wrapped to -2**63
+    run = lab.Run()
+    run.add_event("note", "before the first step")  # at step -1
+    run.append_batches({"loss": [1.0]})
+    assert lab.Run.load(run.save(tmp_path / "early.h5")).events()["step"].tolist() == [-1]
+
+
 def test_parts_that_make_no_run_raise_the_run_file_error_naming_the_file(tmp_path, monkeypatch):
     path = handmade_run().save(tmp_path / "run.h5")
 
