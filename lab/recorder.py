@@ -549,7 +549,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
                 return
 
     def _note_record_errors(self):
-        told = self.run.metadata.setdefault("record_errors", [])
+        told = self.run.metadata.setdefault(schema.RECORD_ERRORS, [])
         for message in self._probe.record_errors:
             if message not in told:
                 told.append(message)

@@ -306,6 +306,12 @@ class Run:
                 the message names it and the problem.
         """
         parts = runfile.load(path)
+        problem = schema.metadata_problem(parts.metadata)
+        if problem:
+            # The lab reads these keys back (schema.value_kind, a recorder
+            # continuing the run): refused here, not as a TypeError there.
+            raise runfile.RunFileError(f"{os.fsdecode(os.fspath(path))!r}: {problem}; the file is damaged "
+                                       "or not written by training-lab.")
         try:
             return cls._from_parts(parts)
         except Exception as error:  # noqa: BLE001 - parts that passed the reader's checks but make no run

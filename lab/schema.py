@@ -38,6 +38,14 @@ RUNNING = "running"
 RUNNING_VALUES = "running_values"  # run.metadata key: columns holding running values
 XLA_TRACED = "traced_in_xla"  # run.metadata key: XLA compiled the lab's reads with the step (probes.XLA_NOTE)
 TOLD_PREFIX = "told_"  # run.metadata keys: variables named in a probe's trace-time warning, one a line
+RECORD_ERRORS = "record_errors"  # run.metadata key: why steps could not be recorded, one message an item
+TRACE_NOTE_KINDS = ("regrouped", "changed_after", "random", "update_step")  # probes.TRACE_NOTES' kinds
+
+# The run.metadata keys the lab reads back (a continued run's recorder adds
+# to them), and what each holds: a run file's metadata is checked against
+# these when it is loaded. Other keys are free-form.
+METADATA_TYPES = {RUNNING_VALUES: "names", RECORD_ERRORS: "names",
+                  **{f"{TOLD_PREFIX}{kind}": "text" for kind in TRACE_NOTE_KINDS}}
 
 # Columns starting with "_" are the probe's bookkeeping, never shown or saved.
 INTERNAL = "_"
@@ -70,3 +78,25 @@ def is_variable_column(name):
 def value_kind(run, name):
     """`BATCH` or `RUNNING` for a column of `run`."""
     return RUNNING if name in run.metadata.get(RUNNING_VALUES, ()) else BATCH
+
+
+def metadata_problem(metadata):
+    """What in `metadata` (a run's) the lab could not read, as a sentence, or None.
+
+    A key of `METADATA_TYPES` must hold what it says: a list of strings
+    ("names") or a string ("text").
+    """
+    for key, holds in METADATA_TYPES.items():
+        if key not in metadata:
+            continue
+        value = metadata[key]
+        if holds == "names" and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            wanted = "a list of strings"
+        elif holds == "text" and not isinstance(value, str):
+            wanted = "a string"
+        else:
+            continue
+        shown = repr(value)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        return f"its metadata {key!r} is {shown}, not {wanted}"
+    return None

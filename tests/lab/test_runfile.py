@@ -352,6 +352,33 @@ def test_a_step_no_run_reaches_is_refused_and_a_step_of_minus_one_loads(tmp_path
     assert lab.Run.load(run.save(tmp_path / "early.h5")).events()["step"].tolist() == [-1]
 
 
+def crafted_metadata_file(path, metadata):
+    """A run file of one batch row whose metadata is `metadata`, digest included."""
+    record = type("Crafted", (), {"name": "crafted", "metadata": metadata,
+                                  "batches": lambda: pd.DataFrame({"step": [0], "loss": [1.0]}),
+                                  "epochs": pd.DataFrame, "events": pd.DataFrame})
+    return runfile.save(record, path)
+
+
+@pytest.mark.parametrize("metadata, message", [
+    ({"running_values": 5}, r"metadata 'running_values' is 5, not a list of strings"),
+    ({"running_values": "loss"}, r"metadata 'running_values' is 'loss', not a list of strings"),
+    ({"record_errors": [1]}, r"metadata 'record_errors' is \[1\], not a list of strings"),
+    ({"told_regrouped": ["dense/kernel"]}, r"metadata 'told_regrouped' is \['dense/kernel'\], not a string"),
+])
+def test_metadata_the_lab_reads_back_of_the_wrong_type_is_refused(tmp_path, metadata, message):
+    path = crafted_metadata_file(tmp_path / "run.h5", metadata)
+    with pytest.raises(lab.RunFileError, match=rf"run\.h5.*{message}"):
+        lab.Run.load(path)  # loaded, then schema.value_kind raised a raw TypeError: 'int' is not iterable
+    free = crafted_metadata_file(tmp_path / "free.h5", {"model": 5, "running_values": ["loss"], "told_x": 1})
+    assert lab.schema.value_kind(lab.Run.load(free), "loss") == lab.schema.RUNNING
+
+
+def test_the_metadata_types_name_every_trace_note():
+    from lab import probes
+    assert set(probes.TRACE_NOTES) == set(lab.schema.TRACE_NOTE_KINDS)
+
+
 def test_parts_that_make_no_run_raise_the_run_file_error_naming_the_file(tmp_path, monkeypatch):
     path = handmade_run().save(tmp_path / "run.h5")
 
