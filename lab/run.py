@@ -152,7 +152,7 @@ class Run:
         with self._lock:
             event = {
                 "step": self._next_step - 1 if step is None else int(step),
-                "kind": kind,
+                "kind": str(kind),  # text, as a run file's events hold it
                 "detail": str(detail),
                 "time": time.time(),
             }

@@ -31,7 +31,8 @@ library, a compressed one could inflate without bound) and declared sizes the
 file cannot hold. Everything read is checked against the digest, so a damaged
 file raises `RunFileError` instead of loading different numbers. A table
 with rows lacking a column every run writes (`step`; an epoch's `epoch`; an
-event's `kind`, `detail` and `time`), or a step beyond 2**53 either way, is
+event's `kind`, `detail` and `time`), an event's `kind` or `detail` that is
+not text or its `time` not a time, or a step beyond 2**53 either way, is
 refused too: what reads a run relies on them.
 
 This module reads and writes plain parts (`RunParts`); `lab.Run.save` and
@@ -63,6 +64,9 @@ _INTEGER_COLUMNS = ("step", "epoch", "batch")
 # the exports and the widgets read them from any run with rows.
 _REQUIRED_COLUMNS = {"batches": ("step",), "epochs": ("epoch", "step"),
                      "events": ("step", "kind", "detail", "time")}
+# What an event's columns hold (its `step` is an integer column): the views and
+# the report read them as text and as a time.time() to show as a local time.
+_EVENT_COLUMN_KINDS = {"kind": ("string",), "detail": ("string",), "time": ("float", "int")}
 # Past any real run, and steps stay exact as floats (how pandas holds a column
 # with missing values); a step near 2**63 would make the next one overflow.
 _MAX_STEP = 2**53
@@ -703,6 +707,9 @@ def _read_table(group, table, reader, digest):
         if name in _INTEGER_COLUMNS and kind != "int" and length:
             reader.fail(f"{column} holds {kind} values; {name!r} counts and holds integers. "
                         "The file is damaged.")
+        if table == "events" and length and kind not in _EVENT_COLUMN_KINDS.get(name, (kind,)):
+            reader.fail(f"{column} holds {kind} values; an event's {name!r} is "
+                        f"{'a time in seconds' if name == 'time' else 'text'}. The file is damaged.")
         stored = "int" if kind == "string" and reader.version >= 2 else kind
         if not reader.stored_as(dataset.id.get_type(), stored):
             reader.fail(f"{column} is marked {kind} but stored as another type; the file is damaged.")
@@ -727,8 +734,23 @@ def _read_table(group, table, reader, digest):
                 absurd = values.max() if values.max() > _MAX_STEP else values.min()
                 reader.fail(f"{column} holds step {int(absurd)}; no run takes 2**53 steps (the next "
                             "step could overflow). The file is damaged.")
+        if table == "events" and length and name in _EVENT_COLUMN_KINDS:
+            _check_event_column(name, values, column, reader)
         data[name] = values
     return data
+
+
+def _check_event_column(name, values, column, reader):
+    """Refuses missing text and times that are no time (`Run.add_event` writes neither)."""
+    if name != "time":
+        if any(value is None for value in values):
+            reader.fail(f"{column} has missing values; every event has its {name}. The file is damaged.")
+        return
+    for value in (values.min(), values.max()):
+        try:
+            time.localtime(float(value))
+        except (OverflowError, ValueError, OSError):
+            reader.fail(f"{column} holds {float(value)!r}, not a time; the file is damaged.")
 
 
 def _signed(values, column, reader):

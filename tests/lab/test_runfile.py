@@ -379,6 +379,34 @@ def test_the_metadata_types_name_every_trace_note():
     assert set(probes.TRACE_NOTES) == set(lab.schema.TRACE_NOTE_KINDS)
 
 
+EVENT = {"step": 0, "kind": "note", "detail": "", "time": 1.7e9}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"time": "t"}, r"column 'time' of table 'events' holds string values"),
+    ({"kind": 3}, r"column 'kind' of table 'events' holds int values"),
+    ({"detail": 1.5}, r"column 'detail' of table 'events' holds float values"),
+    ({"kind": None}, r"column 'kind' of table 'events' has missing values"),
+    ({"time": float("nan")}, r"column 'time' of table 'events' holds nan, not a time"),
+    ({"time": 1e300}, r"column 'time' of table 'events' holds 1e\+300, not a time"),
+])
+def test_an_events_column_of_the_wrong_type_is_refused(tmp_path, change, message):
+    path = crafted_file(tmp_path / "run.h5", {"step": [0]}, events=[dict(EVENT, **change)])
+    with pytest.raises(lab.RunFileError, match=rf"run\.h5.*{message}"):
+        lab.Run.load(path)  # loaded, then widgets' report failed on time.localtime("t")
+
+
+def test_events_as_a_run_adds_them_load_and_an_event_kind_is_kept_as_text(tmp_path):
+    run = lab.Run()
+    run.append_batches({"loss": [1.0]})
+    run.add_event(7, "a kind that is no string")
+    run.add_event(8, 3)  # every kind an int: saved as text, or the file would hold an int column
+    events = lab.Run.load(run.save(tmp_path / "run.h5")).events()
+    assert events["kind"].tolist() == ["7", "8"] and events["detail"].tolist() == ["a kind that is no string", "3"]
+    assert lab.Run.load(crafted_file(tmp_path / "int_time.h5", {"step": [0]},
+                                     events=[dict(EVENT, time=1700000000)])).events()["time"].tolist() == [1700000000]
+
+
 def test_parts_that_make_no_run_raise_the_run_file_error_naming_the_file(tmp_path, monkeypatch):
     path = handmade_run().save(tmp_path / "run.h5")
 
