@@ -101,6 +101,9 @@ class Run:
             start, stop = self._length, self._length + count
             if "step" not in rows:
                 rows = dict(rows, step=np.arange(self._next_step, self._next_step + count))
+            steps = np.asarray(rows["step"])
+            _check_step(steps.max(), "a batch row's step")
+            _check_step(steps.min(), "a batch row's step")
             for name, values in rows.items():
                 column = self._columns.get(name)
                 if column is None:
@@ -151,7 +154,7 @@ class Run:
         """Records an event (`mode`, `breakpoint`, `nonfinite`, `interrupt`, `error`, ...)."""
         with self._lock:
             event = {
-                "step": self._next_step - 1 if step is None else int(step),
+                "step": self._next_step - 1 if step is None else _check_step(int(step), "an event's step"),
                 "kind": str(kind),  # text, as a run file's events hold it
                 "detail": str(detail),
                 "time": time.time(),
@@ -193,6 +196,7 @@ class Run:
         step = int(step)
         if step < 0:
             raise ValueError(f"next_step counts training steps from 0; got {step}.")
+        _check_step(step, "next_step")
         with self._lock:
             self._next_step = step
 
@@ -338,6 +342,14 @@ class Run:
 
     def __repr__(self):
         return f"<lab.Run {self.name!r}: {self._length} batches, {len(self._epochs)} epochs, {len(self._events)} events>"
+
+
+def _check_step(step, what):
+    """`step`, or a ValueError when a run file could not hold it (`runfile.MAX_STEP`)."""
+    if not -runfile.MAX_STEP <= step <= runfile.MAX_STEP:
+        raise ValueError(f"{what} is {int(step)}, beyond {runfile.MAX_STEP} (2**53), the largest step a run "
+                         "(and its file) holds either way; no run takes that many steps.")
+    return step
 
 
 def _is_scalar(value):

@@ -69,7 +69,8 @@ _REQUIRED_COLUMNS = {"batches": ("step",), "epochs": ("epoch", "step"),
 _EVENT_COLUMN_KINDS = {"kind": ("string",), "detail": ("string",), "time": ("float", "int")}
 # Past any real run, and steps stay exact as floats (how pandas holds a column
 # with missing values); a step near 2**63 would make the next one overflow.
-_MAX_STEP = 2**53
+# `lab.Run` refuses steps beyond it, so it never saves a file this refuses.
+MAX_STEP = 2**53
 # More links than any run could need (a column and its mask per name): a
 # damaged group that claims millions of members is refused, not walked.
 _MAX_MEMBERS = 200_000
@@ -730,8 +731,8 @@ def _read_table(group, table, reader, digest):
             _digest_numbers(digest, kind, values)
             if values.dtype.kind == "u":
                 values = _signed(values, column, reader)
-            if name == "step" and length and not -_MAX_STEP <= values.min() <= values.max() <= _MAX_STEP:
-                absurd = values.max() if values.max() > _MAX_STEP else values.min()
+            if name == "step" and length and not -MAX_STEP <= values.min() <= values.max() <= MAX_STEP:
+                absurd = values.max() if values.max() > MAX_STEP else values.min()
                 reader.fail(f"{column} holds step {int(absurd)}; no run takes 2**53 steps (the next "
                             "step could overflow). The file is damaged.")
         if table == "events" and length and name in _EVENT_COLUMN_KINDS:

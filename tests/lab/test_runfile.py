@@ -407,6 +407,25 @@ def test_events_as_a_run_adds_them_load_and_an_event_kind_is_kept_as_text(tmp_pa
                                      events=[dict(EVENT, time=1700000000)])).events()["time"].tolist() == [1700000000]
 
 
+def test_a_run_refuses_a_step_its_file_could_not_hold_when_it_is_given(tmp_path):
+    run = lab.Run()
+    with pytest.raises(ValueError, match=r"next_step is 9007199254740993, beyond 9007199254740992 \(2\*\*53\)"):
+        run.next_step = 2**53 + 1  # was taken, and the run saved a file that load refuses
+    with pytest.raises(ValueError, match=r"a batch row's step is 1152921504606846976, beyond 9007199254740992"):
+        run.append_batches({"step": [0, 2**60], "loss": [1.0, 2.0]})
+    with pytest.raises(ValueError, match=r"a batch row's step is -1152921504606846976, beyond"):
+        run.append_batches({"step": [-2**60], "loss": [1.0]})
+    with pytest.raises(ValueError, match=r"an event's step is 1152921504606846976, beyond"):
+        run.add_event("note", step=2**60)
+    assert len(run) == 0 and run.columns == [] and len(run.events()) == 0  # nothing went in
+    run.next_step = 2**53
+    run.append_batches({"loss": [1.0]})  # the last step a run holds
+    with pytest.raises(ValueError, match=r"a batch row's step is 9007199254740993, beyond"):
+        run.append_batches({"loss": [2.0]})
+    assert len(run) == 1
+    assert lab.Run.load(run.save(tmp_path / "run.h5")).batches()["step"].tolist() == [2**53]
+
+
 def test_parts_that_make_no_run_raise_the_run_file_error_naming_the_file(tmp_path, monkeypatch):
     path = handmade_run().save(tmp_path / "run.h5")
 
