@@ -559,9 +559,3 @@ def test_every_reliability_promise_in_the_readme_names_a_test_that_exists():
             path = os.path.join(root, file if file.startswith("tests/") else os.path.join("tests", "lab", file))
             assert os.path.isfile(path), row
             assert not test or f"def {test}(" in open(path, encoding="utf-8").read(), (file, test)
-
-
-def test_the_trace_notes_a_run_file_is_checked_for_are_those_the_probes_write():
-    from lab import probes, schema
-
-    assert set(schema.TRACE_NOTE_KINDS) == set(probes.TRACE_NOTES)
