@@ -243,6 +243,8 @@ class Stepper:
         Example:
 
         ```python
+        train_acc_metric = keras.metrics.SparseCategoricalAccuracy()
+
         def step(x, y):
             with tf.GradientTape() as tape:
                 logits = model(x, training=True)
