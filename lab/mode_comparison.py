@@ -8,7 +8,9 @@ the model's state and every random stream a step draws from are as they
 were.
 """
 
+import collections.abc
 import math
+import numbers
 import random
 import statistics
 import time
@@ -39,6 +41,7 @@ from lab.compat import (
     symbolic_build,
     tf_global_generator,
 )
+from lab.arguments import check_number
 from lab.hooks import hooks_for
 from lab.probes import find_optimizers
 
@@ -75,9 +78,9 @@ def compare_modes(model, data, steps=32, batch_size=None, modes=MODES, steps_per
             largest `steps_per_execution`, so each run has a timed call after
             the first.
         batch_size: int or None, for arrays (default 32); None for a Dataset.
-        modes: sequence of str, among "eager", "graph", "xla".
-        steps_per_execution: sequence of int, the second axis; None (the
-            default) takes 1 and 8, keeping those that `steps` allows.
+        modes: str or sequence of str, among "eager", "graph", "xla".
+        steps_per_execution: int or sequence of int, the second axis; None
+            (the default) takes 1 and 8, keeping those that `steps` allows.
 
     Returns:
         pandas.DataFrame, one row per (mode, steps_per_execution): `mode`,
@@ -102,15 +105,28 @@ def compare_modes(model, data, steps=32, batch_size=None, modes=MODES, steps_per
     ```
     """
     check_compiled(model)
+    if isinstance(modes, str):
+        modes = [modes]  # one mode, not its letters
+    if modes is None or not isinstance(modes, collections.abc.Iterable):
+        raise TypeError(f"modes must be a mode or a list of modes among {list(MODES)}, got {modes!r}: "
+                        "modes=['graph', 'xla'].")
     modes = list(modes)
     for mode in modes:
         check_mode(mode)
+    if batch_size is not None:
+        check_number("lab.compare_modes", "batch_size", batch_size, numbers.Integral, lambda v: v >= 1,
+                     "a whole number of samples, 1 or more (or None: 32 for arrays)", "batch_size=64")
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)):
         raise TypeError(f"steps must be an int (training steps per run), got {steps!r}.")
     if steps < 2:
         raise ValueError(f"steps={steps} is too few: use at least 2, so each run has a timed call after its first.")
     if steps_per_execution is None:
         steps_per_execution = [n for n in (1, 8) if 2 * n <= steps]
+    elif isinstance(steps_per_execution, (int, np.integer)) and not isinstance(steps_per_execution, bool):
+        steps_per_execution = [steps_per_execution]
+    elif not isinstance(steps_per_execution, collections.abc.Iterable) or isinstance(steps_per_execution, str):
+        raise TypeError(f"steps_per_execution must be an int or a list of ints, got {steps_per_execution!r}: "
+                        "steps_per_execution=[1, 8].")
     spes = [check_steps_per_execution(n) for n in steps_per_execution]
     if not modes or not spes:
         raise ValueError("Give at least one mode and one steps_per_execution.")

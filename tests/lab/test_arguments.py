@@ -135,6 +135,25 @@ def test_compare_modes_says_steps_must_be_an_int():
         lab.compare_modes(tiny_model(), data(), steps=16.0)
 
 
+@pytest.mark.parametrize(("arguments", "error", "named"), [
+    (dict(modes=None), TypeError, r"modes must be a mode or a list of modes.*None"),
+    (dict(steps_per_execution="8"), TypeError, r"steps_per_execution must be an int or a list of ints"),
+    (dict(batch_size=0), ValueError, r"compare_modes\(batch_size=\.\.\.\).*1 or more"),
+    (dict(batch_size=2.5), TypeError, r"compare_modes\(batch_size=\.\.\.\)"),
+])
+def test_compare_modes_names_a_bad_argument_at_the_call(arguments, error, named):
+    # modes=None and steps_per_execution=8 failed with "... is not iterable",
+    # batch_size=0 ran with 32, and batch_size=2.5 failed inside TensorFlow.
+    with pytest.raises(error, match=named):
+        lab.compare_modes(tiny_model(), data(), steps=16, **arguments)
+
+
+def test_compare_modes_takes_one_mode_and_one_steps_per_execution_as_they_are():
+    # modes="graph" was split into letters ("Unknown mode 'g'").
+    frame = lab.compare_modes(tiny_model(), data(), steps=4, modes="graph", steps_per_execution=2)
+    assert frame[["mode", "steps_per_execution"]].values.tolist() == [["graph", 2]]
+
+
 # ---- one run, one model ------------------------------------------------------------
 
 def test_a_run_refuses_rows_of_a_second_model():
