@@ -65,6 +65,22 @@ SCALES_LOSS_BY_REPLICAS = KERAS_VERSION >= (3, 8)
 # before, it passes the first step, also at steps_per_execution > 1.
 BATCH_END_REPORTS_LAST_STEP = KERAS_VERSION >= (3, 11)
 
+
+
+def steps_in_execution(begin, end, steps_per_execution, total=None):
+    """How many steps the execution ran that Keras numbered `begin` at its
+    batch begin and `end` at its batch end: Keras 3.11+ passes the span
+    (a last, partial execution by its full span, cut here at `total`, the
+    epoch's steps where known); before, the same number twice."""
+    if end > begin or BATCH_END_REPORTS_LAST_STEP:
+        steps = max(1, end - begin + 1)
+    else:
+        steps = int(steps_per_execution or 1)
+    if total:
+        steps = max(1, min(steps, int(total) - begin))
+    return steps
+
+
 # Keras 3.7's make_train_function binds `self.train_step` when it builds the
 # function (`self._make_function(self.train_step)`); before, the step is
 # looked up on the model when the function is traced.

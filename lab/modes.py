@@ -534,7 +534,9 @@ class ModeSwitcher(keras.callbacks.Callback):
         self._begin = batch
 
     def on_train_batch_end(self, batch, logs=None):
-        self.step += batch - self._begin + 1
+        # Keras before 3.11 passes an execution's first step here too.
+        self.step += compat.steps_in_execution(self._begin, batch, self.model.steps_per_execution,
+                                               (self.params or {}).get("steps"))
 
     def on_train_end(self, logs=None):
         training_ended(self.model)

@@ -317,14 +317,8 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         return batch - steps + 1 if self._numbered_by_last else batch
 
     def _steps_in_execution(self, batch):
-        if batch > self._begin_step or compat.BATCH_END_REPORTS_LAST_STEP:
-            return max(1, batch - self._begin_step + 1)
-        # Keras before 3.11 reports the first step of an execution at its end.
-        steps = int(self.model.steps_per_execution)
-        total = (self.params or {}).get("steps")
-        if total:
-            steps = max(1, min(steps, int(total) - self._begin_step))
-        return steps
+        return compat.steps_in_execution(self._begin_step, batch, self.model.steps_per_execution,
+                                         (self.params or {}).get("steps"))
 
     def on_epoch_end(self, epoch, logs=None):
         self.flush()

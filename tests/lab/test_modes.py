@@ -117,6 +117,17 @@ def test_switch_inside_fit_continues_the_same_trajectory(data, deterministic):
     assert modes.current_mode(model) == "graph"
 
 
+def test_a_schedule_counts_steps_not_executions_at_several_steps_per_execution(data):
+    # Keras before 3.11 passes an execution's first step at its end too: the
+    # switcher counted one step an execution, and its switch never came.
+    x, y = data
+    model = make_model(steps_per_execution=4)
+    recorder, switcher = lab.Recorder(), lab.ModeSwitcher({4: "eager"})
+    model.fit(x[:64], y[:64], batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[recorder, switcher])
+    assert switcher.step == 16  # 2 epochs of 2 executions of 4
+    assert list(recorder.run.batches()["mode"]) == ["graph"] * 4 + ["eager"] * 12
+
+
 class TraceRecordingModel(keras.Sequential):
     """Notes, for each time train_step runs as Python, whether eager or XLA traced it."""
 
