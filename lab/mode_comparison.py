@@ -44,6 +44,7 @@ from lab.compat import (
 from lab.arguments import check_number
 from lab.hooks import hooks_for
 from lab.probes import find_optimizers
+from lab.state import held_variables, raw_variable, replica_copies
 
 
 def compare_modes(model, data, steps=32, batch_size=None, modes=MODES, steps_per_execution=None):
@@ -384,7 +385,14 @@ def _loss(logs):
 
 
 class _State:
-    """Copies of a model's variables and settings, restored after comparing."""
+    """Copies of a model's variables and settings, restored after comparing.
+
+    Every tf.Variable the model holds is copied (see `held_variables`:
+    optimizers in a list, a step counter, a `tf.random.Generator`'s state
+    too), and under a tf.distribute strategy each replica's copy of it, so
+    that per-replica values (BatchNormalization's moving statistics under
+    MirroredStrategy) are each put back as they were.
+    """
 
     def __init__(self, model, created=()):
         self.model = model
@@ -392,18 +400,20 @@ class _State:
         optimizers = find_optimizers(model).values()
         groups = [model.variables, model.metrics_variables] + [o.variables for o in optimizers]
         groups.append([variable for variable, _ in created])
+        groups.append(held_variables(model).values())
         for group in groups:
             for variable in group:
+                variable = raw_variable(variable)
                 if id(variable) not in seen:
                     seen.add(id(variable))
                     variables.append(variable)
-        self.variables = variables
-        self.values = [np.array(v.numpy(), copy=True) for v in variables]
+        self.copies = [copy for v in variables for copy in replica_copies(v)]
+        self.values = [np.array(copy.numpy(), copy=True) for copy in self.copies]
         self.settings = Settings(model)
 
     def restore_values(self):
-        for variable, value in zip(self.variables, self.values):
-            variable.assign(value)
+        for copy, value in zip(self.copies, self.values):
+            copy.assign(value)
 
     def restore(self):
         self.restore_values()

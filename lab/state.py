@@ -72,3 +72,51 @@ def raw_variable(variable):
 def same_array(a, b):
     """Bit-for-bit equality (NaN equals NaN): what decides whether a step changed a variable."""
     return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+def held_variables(model):
+    """Every tf.Variable `model` holds, wherever it holds it: besides its
+    layers' and optimizers' lists, a tf.Variable on the model or a layer (a
+    step counter), a `tf.random.Generator`'s state, and the variables of
+    optimizers (and any other trackable) kept in a list, tuple or dict
+    attribute, which TensorFlow's object graph does not reach through
+    Keras' tracked containers. By id of the tf.Variable behind each."""
+    roots, seen_roots = [model], {id(model)}
+    for layer in compat.all_layers(model):
+        for value in vars(layer).values():
+            for item in _container_items(value):
+                if isinstance(item, tf.__internal__.tracking.Trackable) and id(item) not in seen_roots:
+                    seen_roots.add(id(item))
+                    roots.append(item)
+    found = {}
+    for root in roots:
+        objects = [root] + list(tf.train.TrackableView(root).descendants())
+        for item in objects:
+            inner = getattr(item, "inner_optimizer", None)  # a LossScaleOptimizer's, if not reached
+            for candidate in [item] + (list(inner.variables) if inner is not None else []):
+                variable = raw_variable(candidate)
+                if isinstance(variable, tf.Variable):
+                    found.setdefault(id(variable), variable)
+    return found
+
+
+def _container_items(value):
+    """The items of a list, tuple or dict attribute (nested ones too); nothing for anything else."""
+    if isinstance(value, dict):
+        value = list(value.values())
+    if not isinstance(value, (list, tuple)):
+        return []
+    items = []
+    for item in value:
+        items += _container_items(item) if isinstance(item, (list, tuple, dict)) else [item]
+    return items
+
+
+def replica_copies(variable):
+    """The per-device copies of a variable: each replica's under a
+    tf.distribute strategy (they may differ: a BatchNormalization's moving
+    statistics are kept per replica), the variable itself otherwise."""
+    copies = getattr(variable, "values", None)
+    if isinstance(variable, tf.distribute.DistributedValues) and copies:
+        return tuple(copies)
+    return (variable,)

@@ -113,6 +113,14 @@ def test_stepper_and_mode_switch_on_a_mirrored_model(mirrored):
     assert "outside `with strategy.scope():`" in tools["in_scope_hint"]
 
 
+def test_compare_modes_puts_back_each_replicas_copy_of_a_mirrored_model(mirrored):
+    # It put replica 0's BatchNormalization moving statistics on every replica.
+    assert "compare_modes_error" not in mirrored, mirrored["compare_modes_error"]
+    compared = mirrored["compare_modes"]
+    assert compared["replicas_differ"], "the check needs replicas whose moving statistics differ"
+    assert compared["unchanged"]
+
+
 def test_eager_recording_on_a_mirrored_model(mirrored):
     assert "tools_error" not in mirrored, mirrored["tools_error"]
     tools = mirrored["tools"]

@@ -427,6 +427,93 @@ def test_the_fit_after_compare_modes_trains_as_it_would_have(data, draw, mode):
         np.testing.assert_array_equal(got, want)
 
 
+class CountedModel(keras.Sequential):
+    """Keeps its own step counter, a tf.Variable (e.g. for a warm-up ramp)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.step_count = tf.Variable(0.0, trainable=False)
+
+    def train_step(self, data):
+        self.step_count.assign_add(1.0)
+        x, y = data
+        return super().train_step((x * tf.minimum(1.0, self.step_count / 10.0), y))
+
+
+class GeneratorNoise(keras.layers.Layer):
+    """Noise from a tf.random.Generator of its own, as TensorFlow's random-number guide has it."""
+
+    def __init__(self):
+        super().__init__()
+        self.rng = tf.random.Generator.from_seed(7)
+
+    def call(self, inputs, training=False):
+        return inputs + self.rng.normal(tf.shape(inputs), stddev=0.1) if training else inputs
+
+
+class ListedOptimizers(keras.Model):
+    """Each half of the model updated by its own optimizer, kept in a list."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(8, activation="relu")
+        self.out = keras.layers.Dense(10)
+
+    def call(self, inputs):
+        return self.out(self.hidden(inputs))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = keras.losses.sparse_categorical_crossentropy(y, self(x, training=True), from_logits=True)
+            loss = tf.reduce_mean(loss)
+        first, second = self.hidden.trainable_variables, self.out.trainable_variables
+        grads = tape.gradient(loss, first + second)
+        self.optimizers[0].apply(grads[:len(first)], first)
+        self.optimizers[1].apply(grads[len(first):], second)
+        return {"loss": loss}
+
+
+def held_state_model(case):
+    keras.utils.set_random_seed(0)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    if case == "counter":
+        model = CountedModel([keras.Input((64,)), keras.layers.Dense(10)])
+        model.compile("sgd", loss)
+        return model, lambda: [model.step_count]
+    if case == "generator":
+        noise = GeneratorNoise()
+        model = keras.Sequential([keras.Input((64,)), noise, keras.layers.Dense(10)])
+        model.compile("sgd", loss)
+        return model, lambda: [noise.rng.state]
+    model = ListedOptimizers()
+    model.compile("sgd")
+    model.optimizers = [keras.optimizers.Adam(0.01), keras.optimizers.Adam(0.02)]
+    return model, lambda: model.optimizers[0].variables + model.optimizers[1].variables
+
+
+@pytest.mark.parametrize("case", ["counter", "generator", "optimizer_list"])
+def test_compare_modes_puts_back_state_held_outside_the_models_variables(data, case):
+    # A tf.Variable on the model, a layer's tf.random.Generator and optimizers in a list
+    # were left as the comparison's steps had moved them: the next fit() trained differently.
+    x, y = data
+
+    def next_fit(compare):
+        model, held = held_state_model(case)
+        model.fit(x[:32], y[:32], batch_size=8, shuffle=False, verbose=0)
+        before = [v.numpy().copy() for v in held()]
+        if compare:
+            lab.compare_modes(model, (x, y), steps=2, batch_size=8, modes=("eager", "graph"),
+                              steps_per_execution=(1,))
+        assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, held()))
+        keras.utils.set_random_seed(1)
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+        return model.get_weights()
+
+    for got, want in zip(next_fit(compare=True), next_fit(compare=False)):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_a_stall_while_the_input_is_timed_does_not_make_a_slow_model_data_bound(data):
     x, y = data
     drawn = []

@@ -77,6 +77,29 @@ def breakpoint_run(strategy, x, y):
     }
 
 
+def compare_modes_replicas(strategy, x, y):
+    """compare_modes on a mirrored model with BatchNormalization: each
+    replica's copy of every variable (the moving statistics differ between
+    replicas) must be put back as it was, not replica 0's copied onto all."""
+    with strategy.scope():
+        model = make_model(normalized=True)
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+
+    def copies():
+        return [c.numpy().copy() for v in model.variables + model.optimizer.variables
+                for c in strategy.experimental_local_results(v.value)]
+
+    first, second = strategy.experimental_local_results(model.get_layer("bn").moving_mean.value)
+    differ = not np.array_equal(first.numpy(), second.numpy())
+    before = copies()
+    lab.compare_modes(model, (x, y), steps=2, batch_size=16, modes=("eager", "graph"), steps_per_execution=(1,))
+    after = copies()
+    return {
+        "replicas_differ": differ,
+        "unchanged": len(before) == len(after) and all(np.array_equal(a, b) for a, b in zip(before, after)),
+    }
+
+
 def stepper_and_modes(strategy, x, y):
     """The Stepper, and set_mode's eager mode and XLA refusal, on a mirrored model."""
     with strategy.scope():
@@ -335,6 +358,10 @@ def main():
             out["tools"] = stepper_and_modes(mirrored, x, y)
         except Exception as error:  # noqa: BLE001 - reported, so the other checks still run
             out["tools_error"] = f"{type(error).__name__}: {error}"
+        try:
+            out["compare_modes"] = compare_modes_replicas(mirrored, x, y)
+        except Exception as error:  # noqa: BLE001 - reported, so the other checks still run
+            out["compare_modes_error"] = f"{type(error).__name__}: {error}"
     print(json.dumps(out))
 
 
