@@ -23,6 +23,7 @@ from lab.status import StatusReporter
 from lab.breakpoints import as_breakpoints
 
 _WARNED_OLD_STYLE = weakref.WeakSet()
+_HELD_AFTER = "_held_after"  # in a device hit's row: how many later rows of its read ran held
 _NOT_OURS = ("a step another caller ran",)  # in `_pending`: a row that is no batch of this fit()
 
 RECORDING_THIS_FIT = (
@@ -153,7 +154,6 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self.last_batch_ended = -1  # the epoch's last batch whose execution has ended
         self._calls_unlabelled = 0  # this fit()'s step calls whose on_train_batch_end has not come
         self._not_ours_after = 0  # rows of other callers' steps that follow the unlabelled calls
-        self._held_after_hit = 0  # rows after a device hit in its read: batches run held
         self._epoch = 0
         self._begin_step = 0
         self._t0 = None
@@ -278,9 +278,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         elapsed = time.perf_counter() - self._t0 if self._t0 is not None else float("nan")
         steps = self._steps_in_execution(batch)
-        total = (self.params or {}).get("steps")
-        self.last_batch_ended = self._begin_step + steps - 1 if not total else \
-            min(self._begin_step + steps, int(total)) - 1
+        self.last_batch_ended = self._begin_step + steps - 1  # steps is cut at the epoch's end
         mode = self._step_mode or modes.current_mode(self.model)
         self._step_mode = None
         if mode != self._mode:
@@ -560,10 +558,11 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         if hits is None or not (hits > 0).any():
             return None
         first = int(np.argmax(hits > 0))
-        self._held_after_hit = len(hits) - first - 1
+        row = {name: values[first] for name, values in columns.items()}
+        row[_HELD_AFTER] = len(hits) - first - 1  # batches that ran held before fit() could stop
         for name in list(columns):
             columns[name] = columns[name][: first + 1]
-        return {name: values[first] for name, values in columns.items()}
+        return row
 
     def _on_device_hit(self, row):
         point = self._probe.breakpoints[int(row["_hit"]) - 1]
@@ -581,7 +580,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         detail = f"{point.name} at step {step}; " + _updates_detail(row)
         if culprits:
             detail += "; not finite: " + ", ".join(culprits)
-        held, self._held_after_hit = self._held_after_hit, 0
+        held = row[_HELD_AFTER]
         if held:
             detail += (f"; {held} later batch(es) ran with their updates held before fit() stopped "
                        "(Keras' logs, History and other callbacks count them)")
