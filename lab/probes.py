@@ -619,7 +619,7 @@ class MeanParts:
         total = _all_reduce(tf.cast(total - total_before, tf.float32), "SUM")
         count = _all_reduce(tf.cast(count - count_before, tf.float32), "SUM")
         # A metric the step did not update has no value for this batch (not 0).
-        return tf.where(count > 0, tf.math.divide_no_nan(total, count), np.float32(np.nan))
+        return tf.where(count > 0, tf.math.divide_no_nan(total, count), np.float32(np.nan)), count
 
     @classmethod
     def names(cls, key):
@@ -660,6 +660,7 @@ class StepState:
 
 
 ENCODED = "_encoded/"  # a row value `read()` finishes: see `encoded_norms_of`
+WEIGHTLESS = "_weightless/"  # 1 where a mean metric's batch changed its count by nothing
 _UPDATE_NORM = "_update_norm/"  # the norm of a variable's update, for `update_ratio/` on the host
 LOSS_OBJECT = "_loss_object"  # the batch's loss from the one Keras loss object a step called, unscaled
 NONFINITE_GRADIENT = "_nonfinite_gradient/"  # 1 where nonfinite()'s gate found the gradient of <key> not finite
@@ -701,6 +702,7 @@ class Probe:
         self.running_columns = set()  # logged values that are Keras' running ones
         self.record_errors = []  # why steps could not be recorded (the lab's own failures)
         self.infinite = {}  # of the last read: norm columns the host finished as inf -> first row
+        self.weightless = {}  # of the last read: mean metric columns -> first row with no weight
         self.traced_in_xla = False  # a step with these hooks was compiled by XLA (see XLA_NOTE)
         # Columns a traced step gives a value (others, such as the gradient
         # norm of a variable no optimizer updates, are only padding: NaN).
@@ -1377,6 +1379,9 @@ class Probe:
         Notes in `infinite` (column -> first row) the columns it finished
         that came out inf (`encoded_norms_of`)."""
         self.infinite = {}
+        self.weightless = {}
+        for name in [n for n in rows if n.startswith(WEIGHTLESS)]:
+            self._note_weightless(name[len(WEIGHTLESS):], rows.pop(name) > 0)
         for name in [n for n in rows if n.startswith(ENCODED)]:
             plain = name[len(ENCODED):]
             norms = decode_norms(rows.pop(name))
@@ -1392,6 +1397,7 @@ class Probe:
             key = name[len(MeanParts.FIRST):]
             total, count, total_before, count_before = (rows.pop(n) for n in MeanParts.names(key))
             total, count = total - total_before, count - count_before
+            self._note_weightless(key, count <= 0)
             with np.errstate(divide="ignore", invalid="ignore"):
                 rows[key] = np.where(count > 0, total / np.where(count > 0, count, 1), np.nan).astype(np.float32)
         for name in [n for n in rows if n.startswith(_UPDATE_NORM)]:
@@ -1402,6 +1408,12 @@ class Probe:
                     ratio = np.where(weight == 0, np.float32(0.0), update / weight).astype(np.float32)
                 rows[f"update_ratio/{key}"] = ratio
         return rows
+
+    def _note_weightless(self, key, none):
+        """Notes in `weightless` (column -> first row) a mean metric's first
+        row whose batch changed its count by nothing (`none`, a bool per row)."""
+        if none.any():
+            self.weightless[key] = int(np.flatnonzero(none)[0])
 
     def _metric_totals(self):
         totals = {}
@@ -1417,7 +1429,7 @@ class Probe:
         """The loss tracker when its batch value needs no reading (Keras' own step), else None."""
         return leaf_metrics(self.model).get("loss") if _keras_defines(type(self.model), "train_step") else None
 
-    def _metric_delta(self, metric, before, state):
+    def _metric_delta(self, metric, before, state, column=None):
         """The batch's own value of a mean metric: the change of its total
         over the change of its count. In the step's own graph, outside XLA
         and on one replica, the four values go into the row as they are
@@ -1426,7 +1438,10 @@ class Probe:
         parts = MeanParts(total, count, total_before, count_before)
         if self._finishes_on_host(state) and _replica_context() is None and parts.float32():
             return parts
-        return parts.on_device()
+        value, count = parts.on_device()
+        if column is not None:
+            state.values[WEIGHTLESS + column] = tf.cast(count <= 0, tf.float32)
+        return value
 
     def _logged_metric(self, state, key, value, by_name):
         """The metric whose `result()` the step returned under `key`: found
@@ -1464,7 +1479,7 @@ class Probe:
                 continue
             metric = self._logged_metric(state, key, value, by_name)
             if metric is not None and id(metric) in totals:
-                values[key] = self._metric_delta(metric, totals[id(metric)], state)
+                values[key] = self._metric_delta(metric, totals[id(metric)], state, column=key)
                 continue
             tensor = _scalar_tensor(value)
             if tensor is None:
@@ -1589,7 +1604,8 @@ class Probe:
             self._buffer_traced = True
         unknown = [name for name in values if name not in self.columns]
         values, converted = self._reconciled(values)
-        unknown = [name for name in unknown if name not in converted]
+        # A later trace's note of weightless batches the first did not make: no value to keep.
+        unknown = [name for name in unknown if name not in converted and not name.startswith(WEIGHTLESS)]
         if unknown and tf.executing_eagerly() and not self._buffer_traced and _replica_context() is None:
             # A step run eagerly makes only the branches it takes: a first
             # step that did not update (gradient accumulation, a
@@ -1650,7 +1666,7 @@ class Probe:
                     values[name] = tf.constant(part, tf.float32) if isinstance(part, float) else part
             elif MeanParts.FIRST + column in values:
                 source = MeanParts.FIRST + column
-                values[column] = MeanParts(*(values[name] for name in MeanParts.names(column))).on_device()
+                values[column] = MeanParts(*(values[name] for name in MeanParts.names(column))).on_device()[0]
                 converted.update(MeanParts.names(column))
             else:
                 continue

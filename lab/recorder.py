@@ -82,6 +82,9 @@ NONFINITE_TRAINING_NOTE = (
     "Training is not finite from step {step} on: {what}. "
     "lab.breakpoints.nonfinite() stops at the first such batch with its update kept out: "
     "`lab.Recorder(breakpoints=[lab.breakpoints.nonfinite()])`.")
+WEIGHTLESS_NOTE = (
+    "{columns}: from step {step} on, a batch that gave the metric no weight (its sample weights all 0, or a step "
+    "that did not update it) has NaN in its row, meaning \"no value\"; Keras' running value stays as it was")
 _TOLD_NONFINITE = "told_nonfinite_training"  # run.metadata: the step the run was told of
 
 
@@ -143,6 +146,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self._breakpoint_listeners = Observers("a recorder's breakpoints")
         self._saw_nonfinite = False
         self._infinite_told = set()  # norm columns whose inf the run was told of
+        self._weightless_told = set()  # metric columns whose weightless batch the run was told of
         self._python_points = any(not getattr(p, "on_device", False) for p in self.breakpoints)
         self._probe = None
         self._probe_state = None  # the CompiledState the probe was made for
@@ -417,6 +421,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         for name in [name for name in columns if name.startswith(NONFINITE_GRADIENT)]:
             del columns[name]  # read for a hit's culprits, not a column of the run
         self._note_infinite_norms(len(columns["epoch"]))
+        self._note_weightless(len(columns["epoch"]))
         self.run.append_batches(columns)
         self._note_running_values()
         self._probe.note_xla(self.run, self.run.next_step - 1)
@@ -516,6 +521,20 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         message = infinite_norms_message(columns, step, also=also)
         self.run.add_event("warning", message, step=step)
         warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+    def _note_weightless(self, count):
+        """Says once per metric column where a batch first gave it no weight
+        (its sample weights all 0, or a step that did not update it): the
+        row holds NaN, meaning "no value", where Keras' running value stays
+        as it was."""
+        weightless = {column: row for column, row in self._probe.weightless.items()
+                      if row < count and column not in self._weightless_told}
+        if not weightless:
+            return
+        self._weightless_told.update(weightless)
+        columns = sorted(weightless, key=weightless.get)
+        step = self.run.next_step + weightless[columns[0]]
+        self.run.add_event("warning", WEIGHTLESS_NOTE.format(columns=shown_names(columns), step=step), step=step)
 
     def _note_ema_swap(self):
         """Says once that Keras put the optimizer's moving averages in place

@@ -144,6 +144,29 @@ def test_functional_model_and_sample_weights(digits):
     np.testing.assert_allclose(rec.run.column("loss"), expected, rtol=1e-5)
 
 
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_batch_with_no_weight_is_told_not_shown_as_nan_training(digits, jit_compile):
+    # A weighted metric has no value on a batch whose sample weights are all
+    # 0 (Keras' running value stays): its row is NaN, and the run says why,
+    # once, at that step; the loss (0.0 there, as Keras logs) and an
+    # unweighted metric keep their values.
+    x, y, _, _ = digits
+    keras.utils.set_random_seed(1)
+    model = make_mlp()
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=["accuracy"],
+                  weighted_metrics=["accuracy"], jit_compile=jit_compile)
+    weights = np.ones(len(x), "float32")
+    weights[2 * BATCH:3 * BATCH] = 0.0
+    rec = lab.Recorder()
+    model.fit(x, y, sample_weight=weights, batch_size=BATCH, shuffle=False, callbacks=[rec], verbose=0)
+    weighted = rec.run.column("weighted_accuracy")
+    assert np.isnan(weighted[2]) and np.isfinite(np.delete(weighted, 2)).all()
+    assert np.isfinite(rec.run.column("accuracy")).all() and rec.run.column("loss")[2] == 0.0
+    told = rec.run.events()
+    told = told[told["detail"].str.startswith("weighted_accuracy: ")]
+    assert list(told["step"]) == [2] and "sample weights all 0" in told["detail"].iloc[0]
+
+
 class Keras3Step(keras.Model):
     def __init__(self):
         super().__init__()
