@@ -708,6 +708,9 @@ def _read_table(group, table, reader, digest):
         if name in _INTEGER_COLUMNS and kind != "int" and length:
             reader.fail(f"{column} holds {kind} values; {name!r} counts and holds integers. "
                         "The file is damaged.")
+        if table == "epochs" and length and kind == "string":
+            reader.fail(f"{column} holds text; an epoch's values are numbers (Keras' epoch logs). "
+                        "The file is damaged or not written by training-lab.")
         if table == "events" and length and kind not in _EVENT_COLUMN_KINDS.get(name, (kind,)):
             reader.fail(f"{column} holds {kind} values; an event's {name!r} is "
                         f"{'a time in seconds' if name == 'time' else 'text'}. The file is damaged.")

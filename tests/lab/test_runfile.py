@@ -379,6 +379,15 @@ def test_the_metadata_types_name_every_trace_note():
     assert set(probes.TRACE_NOTES) == set(lab.schema.TRACE_NOTE_KINDS)
 
 
+def test_an_epoch_value_of_text_is_refused_and_numbers_load(tmp_path):
+    text = crafted_file(tmp_path / "text.h5", {"step": [0, 1]}, epochs=[{"epoch": 0, "step": 1, "val_loss": "x"}])
+    with pytest.raises(lab.RunFileError, match=r"text\.h5.*column 'val_loss' of table 'epochs' holds text"):
+        lab.Run.load(text)  # loaded, then RunCompare failed on float("x")
+    numbers = crafted_file(tmp_path / "numbers.h5", {"step": [0, 1]},
+                           epochs=[{"epoch": 0, "step": 1, "val_loss": 0.5, "lr_drops": 2, "stopped": True}])
+    assert lab.Run.load(numbers).epochs().iloc[0][["val_loss", "lr_drops"]].tolist() == [0.5, 2]
+
+
 EVENT = {"step": 0, "kind": "note", "detail": "", "time": 1.7e9}
 
 
