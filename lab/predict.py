@@ -27,7 +27,11 @@ def predict_stream(model, data, batch_size=32, collect=None, steps=None):
     Only one batch of inputs and outputs is alive at a time (plus what the
     caller keeps), whatever the size of `data`. A model built under a
     tf.distribute strategy is predicted on one device, as `predict_step`
-    called outside the strategy reads its mirrored variables.
+    called outside the strategy reads its mirrored variables: with the
+    first replica's copy of each, so where replicas' copies differ
+    (BatchNormalization's moving statistics under MirroredStrategy, each
+    replica updating its own from its share of the batch) the predictions
+    can differ from `model.predict`'s, which runs on every replica.
 
     Args:
         model: keras.Model, built or buildable on the data.
