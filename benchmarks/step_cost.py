@@ -21,7 +21,7 @@ Switches, one per tensor its branches read; not the nodes of a function
 that is called as one node, `lab.compat.rarely`'s branch).
 
 `--overflow-check` measures one part of it instead: what the norms'
-overflow check costs per update, `lab.probes.norms_of` against the same
+overflow check costs per update, `lab.norms.norms_of` against the same
 sums of squares with no check (the floor) and with the check as a plain
 `tf.cond` (a Switch per tensor), for 6, 18 and 150 tensors (a 6-variable
 update's gradients; with weights and updates; a 50-variable one's). Each
@@ -185,7 +185,7 @@ def _checked_by_cond(tensors):
     """`norms_of` with its overflow check as a plain `tf.cond` (what it was)."""
     import tensorflow as tf
 
-    from lab.probes import _scaled_norms
+    from lab.norms import _scaled_norms
 
     squares = 2.0 * tf.stack([tf.nn.l2_loss(t) for t in tensors])
     return tf.cond(tf.reduce_all(tf.math.is_finite(squares)), lambda: tf.sqrt(squares),
@@ -208,7 +208,7 @@ def overflow_check(rounds, calls=20, elements=1000, counts=OVERFLOW_COUNTS):
     one, for each number of tensors in `counts`."""
     import tensorflow as tf
 
-    from lab.probes import norms_of
+    from lab.norms import norms_of
 
     forms = {"`norms_of` (one Switch)": norms_of, "as a `tf.cond`": _checked_by_cond, "no check": _unchecked}
     results = {}

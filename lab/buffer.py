@@ -85,3 +85,70 @@ class _null_scope:
 
     def __exit__(self, *exc):
         return False
+
+
+class Part:
+    """Element `index` of `vector`: one value of a step that was computed
+    with others in one op (the norms of all the variables of one update).
+
+    Such values stay whole vectors until the row is written, so a row costs
+    one gather however many variables there are, not one slice per column.
+    """
+
+    __slots__ = ("index", "vector")
+
+    def __init__(self, vector, index):
+        self.vector = vector
+        self.index = index
+
+    def tensor(self):
+        return self.vector[self.index]
+
+
+def scalar(value):
+    """A step value as a scalar tensor (a `Part` sliced out of its vector)."""
+    return value.tensor() if isinstance(value, Part) else value
+
+
+def whole_vector(values):
+    """The vector that `values` are all the parts of, in order, else None."""
+    first = values[0] if values else None
+    if isinstance(first, Part) and len(values) == int(first.vector.shape[0]) and all(
+            isinstance(v, Part) and v.vector is first.vector and v.index == i for i, v in enumerate(values)):
+        return first.vector
+    return None
+
+
+def vector_of(values):
+    """One float32 1-D tensor of `values` (scalars and `Part`s), in order.
+
+    A run of `Part`s that is a whole vector in order costs nothing; the rest
+    is one stack of the scalars, one concat and one gather."""
+    if not values:
+        return tf.zeros([0], tf.float32)
+    whole = whole_vector(values)
+    if whole is not None:
+        return tf.cast(whole, tf.float32)
+    scalars, vectors, offsets, positions = [], [], {}, []
+    for value in values:
+        if isinstance(value, Part):
+            key = id(value.vector)
+            if key not in offsets:
+                offsets[key] = len(vectors)
+                vectors.append(tf.cast(value.vector, tf.float32))
+            positions.append(("v", offsets[key], value.index))
+        else:
+            positions.append(("s", len(scalars), 0))
+            scalars.append(tf.cast(value, tf.float32))
+    if not vectors:
+        return tf.stack(scalars)
+    pieces = ([tf.stack(scalars)] if scalars else []) + vectors
+    starts, start = [], len(scalars)
+    for vector in vectors:
+        starts.append(start)
+        start += int(vector.shape[0])
+    index = [which if kind == "s" else starts[which] + i for kind, which, i in positions]
+    joined = tf.concat(pieces, axis=0)
+    if index == list(range(start)):
+        return joined  # every value in place: the row needs no gather
+    return tf.gather(joined, tf.constant(index, tf.int32))

@@ -27,8 +27,8 @@ from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGra
 
 from lab import compat
 from lab.compat import in_xla_trace
-from lab.probes import (Probe, StepState, _replica_context, half_sum_of_squares, infinite_norms_message,
-                        newly_infinite, total_grad_norm, variable_keys)
+from lab.norms import half_sum_of_squares, infinite_norms_message, newly_infinite, total_grad_norm
+from lab.probes import Probe, StepState, _replica_context, variable_keys
 
 # Slots kept free for variables the model did not list when watching began
 # (a subclassed model is often built by its first step).

@@ -15,8 +15,8 @@ from lab import compat, modes, schema
 from lab.arguments import check_seconds
 from lab.hooks import CompiledState, hooks_for, release_all
 from lab.observers import Observers
-from lab.probes import (LOSS_OBJECT, NONFINITE_GRADIENT, Probe, _keras_defines, infinite_norms_message, leaf_metrics,
-                        newly_infinite, shown_names)
+from lab.norms import infinite_norms_message, newly_infinite, shown_names
+from lab.probes import LOSS_OBJECT, NONFINITE_GRADIENT, Probe, _keras_defines, leaf_metrics
 from lab.state import raw_variable
 from lab.run import Run
 from lab.status import StatusReporter
@@ -421,7 +421,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         for name in [name for name in columns if name.startswith(NONFINITE_GRADIENT)]:
             del columns[name]  # read for a hit's culprits, not a column of the run
         self._note_infinite_norms(len(columns["epoch"]))
-        self._note_weightless(len(columns["epoch"]))
+        self._note_weightless(columns)
         self.run.append_batches(columns)
         self._note_running_values()
         self._probe.note_xla(self.run, self.run.next_step - 1)
@@ -522,13 +522,15 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self.run.add_event("warning", message, step=step)
         warnings.warn(message, RuntimeWarning, stacklevel=2)
 
-    def _note_weightless(self, count):
-        """Says once per metric column where a batch first gave it no weight
-        (its sample weights all 0, or a step that did not update it): the
-        row holds NaN, meaning "no value", where Keras' running value stays
-        as it was."""
+    def _note_weightless(self, columns):
+        """Says once per metric column of the rows about to go in (`columns`)
+        where a batch first gave it no weight (its sample weights all 0, or
+        a step that did not update it): the row holds NaN, meaning "no
+        value", where Keras' running value stays as it was."""
+        count = len(columns["epoch"])
         weightless = {column: row for column, row in self._probe.weightless.items()
-                      if row < count and column not in self._weightless_told}
+                      if row < count and column in columns and not schema.is_internal(column)
+                      and column not in self._weightless_told}
         if not weightless:
             return
         self._weightless_told.update(weightless)

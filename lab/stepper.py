@@ -31,7 +31,8 @@ from lab import schema
 from lab.arguments import check_number
 from lab.feed import Feed, to_numpy
 from lab.hooks import CompiledState, hooks_for
-from lab.probes import find_optimizers, is_mean, leaf_metrics, shown_names, variable_keys
+from lab.norms import shown_names
+from lab.probes import find_optimizers, is_mean, leaf_metrics, variable_keys
 from lab.state import raw_variable, read_variables, same_array, training_variables
 from lab.step_capture import StepCapture, hint
 

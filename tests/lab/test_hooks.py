@@ -504,13 +504,13 @@ def test_metrics_keras_logs_under_numbered_or_weighted_names_hold_each_batchs_ow
 
 
 def test_grad_norm_is_finite_for_finite_gradients_whose_squares_overflow():
-    norm = lab.probes.scaled_norm(tf.constant([3e19, 4e19], tf.float32))
+    norm = lab.norms.scaled_norm(tf.constant([3e19, 4e19], tf.float32))
     assert np.isclose(float(norm), 5e19, rtol=1e-6)
-    combined = lab.probes.combined_norm([tf.constant(3e30), tf.constant(np.nan), tf.constant(4e30)])
+    combined = lab.norms.combined_norm([tf.constant(3e30), tf.constant(np.nan), tf.constant(4e30)])
     assert np.isclose(float(combined), 5e30, rtol=1e-6)
-    cheap = lab.probes.global_norm([tf.constant(3e30), tf.constant(np.nan), tf.constant(4e30)])
+    cheap = lab.norms.global_norm([tf.constant(3e30), tf.constant(np.nan), tf.constant(4e30)])
     assert np.isclose(float(cheap), 5e30, rtol=1e-6)
-    assert np.allclose(lab.probes.norms_of([tf.constant([3e20, 4e20]), tf.constant([3.0, 4.0])]), [5e20, 5.0])
+    assert np.allclose(lab.norms.norms_of([tf.constant([3e20, 4e20]), tf.constant([3.0, 4.0])]), [5e20, 5.0])
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "graph"])
@@ -520,9 +520,9 @@ def test_norms_of_overflow_branch_matches_each_tensors_scaled_norm(compiled):
     tensors = [tf.constant([3e20, 4e20]), tf.constant([[3.0, 4.0], [0.0, 0.0]]), tf.zeros([0]),
                tf.constant([1.0, np.nan]), tf.constant([np.inf, 1.0]), tf.constant([1e-30, -1e-30]),
                tf.constant([-5e37, 5e37, 1.0])]
-    norms_of = tf.function(lab.probes.norms_of) if compiled else lab.probes.norms_of
+    norms_of = tf.function(lab.norms.norms_of) if compiled else lab.norms.norms_of
     got = norms_of(tensors).numpy()
-    want = np.array([float(lab.probes.scaled_norm(t)) for t in tensors], np.float32)
+    want = np.array([float(lab.norms.scaled_norm(t)) for t in tensors], np.float32)
     assert np.array_equal(np.isnan(got), np.isnan(want)) and np.isnan(got[3])
     assert np.allclose(got[~np.isnan(got)], want[~np.isnan(want)], rtol=1e-6, atol=0)
     assert got[0] == np.float32(5e20) and got[2] == 0.0 and got[4] == np.inf
@@ -535,14 +535,14 @@ def test_the_overflow_branch_of_many_large_tensors_gives_each_its_norm(mode, chu
     # updates, and empty ones first and last; one overflows, so the branch runs.
     # In chunks (as for a large model), the 65,536-element tensors go alone.
     if chunk:
-        monkeypatch.setattr(lab.probes, "_CHUNK_ELEMENTS", chunk)
+        monkeypatch.setattr(lab.norms, "_CHUNK_ELEMENTS", chunk)
     sizes = [16384, 256, 65536, 256, 2560, 10] * 3
     tensors = [tf.zeros([0])] + [tf.fill([n], float(i + 1)) for i, n in enumerate(sizes)] + [tf.zeros([0])]
     tensors[3] = tf.fill([sizes[2]], 1e20)
     if mode == "dynamic":
-        function = tf.function(lab.probes.norms_of, input_signature=[[tf.TensorSpec([None], tf.float32)] * len(tensors)])
+        function = tf.function(lab.norms.norms_of, input_signature=[[tf.TensorSpec([None], tf.float32)] * len(tensors)])
     else:
-        function = tf.function(lab.probes.norms_of, jit_compile=mode == "xla")
+        function = tf.function(lab.norms.norms_of, jit_compile=mode == "xla")
     got = function(tensors).numpy()
     want = np.array([0.0] + [np.sqrt(n) * (i + 1) for i, n in enumerate(sizes)] + [0.0], np.float32)
     want[3] = np.sqrt(sizes[2]) * 1e20
@@ -556,17 +556,17 @@ def test_the_overflow_branch_of_many_large_tensors_gives_each_its_norm(mode, chu
 
 def test_a_row_of_scalars_and_vector_parts_keeps_each_value_in_its_column():
     vector = tf.constant([10.0, 11.0, 12.0])
-    Part = lab.probes.Part
+    Part = lab.buffer.Part
     values = [tf.constant(1.0), Part(vector, 2), tf.constant(2.0), Part(vector, 0), Part(vector, 1)]
-    assert lab.probes.vector_of(values).numpy().tolist() == [1.0, 12.0, 2.0, 10.0, 11.0]
-    assert lab.probes.vector_of([Part(vector, i) for i in range(3)]).numpy().tolist() == [10.0, 11.0, 12.0]
+    assert lab.buffer.vector_of(values).numpy().tolist() == [1.0, 12.0, 2.0, 10.0, 11.0]
+    assert lab.buffer.vector_of([Part(vector, i) for i in range(3)]).numpy().tolist() == [10.0, 11.0, 12.0]
 
 
 def test_total_grad_norm_on_the_host_skips_missing_variables_and_steps_without_update():
     columns = {"grad_norm/a": np.array([3.0, np.nan, 3e30, 1.0], np.float32),
                "grad_norm/b": np.array([4.0, np.nan, 4e30, 1.0], np.float32),
                "grad_norm/replica_0": np.array([99.0] * 4, np.float32)}
-    total = lab.probes.total_grad_norm(columns, np.array([1, 1, 1, 0]))
+    total = lab.norms.total_grad_norm(columns, np.array([1, 1, 1, 0]))
     assert total[0] == 5.0 and np.isnan(total[1]) and np.isclose(total[2], 5e30, rtol=1e-6) and np.isnan(total[3])
 
 

@@ -173,7 +173,7 @@ def test_a_half_sum_of_squares_under_xla_is_l2_loss_up_to_rounding(columns, monk
     tensors += [np.where(np.arange(5000) == 4999, np.nan, 1.0).astype(np.float32),
                 np.where(np.arange(5000) == 7, np.inf, 1.0).astype(np.float32),
                 np.full(4100, 2.6e17, np.float32)]
-    compiled = tf.function(lambda t: lab.probes.half_sum_of_squares(t), jit_compile=True)
+    compiled = tf.function(lambda t: lab.norms.half_sum_of_squares(t), jit_compile=True)
     for tensor in tensors:
         got = float(compiled(tf.constant(tensor)))
         want = float(tf.nn.l2_loss(tf.cast(tf.constant(tensor), tf.float32)))
