@@ -1,5 +1,7 @@
 """Model state on the host: read all the state a training step may change, write it back."""
 
+import weakref
+
 import numpy as np
 import tensorflow as tf
 
@@ -54,7 +56,27 @@ def training_variables(model, optimizers, created):
     unique = {}
     for variable in found:
         unique.setdefault(id(raw_variable(variable)), raw_variable(variable))
+    for key, variable in _held_beyond(model, unique).items():
+        unique.setdefault(key, variable)
     return unique
+
+
+# model -> (how many variables its lists held, the held variables beyond them)
+_HELD_BEYOND = weakref.WeakKeyDictionary()
+
+
+def _held_beyond(model, listed):
+    """The variables `held_variables` finds on `model` beyond `listed` (a
+    tf.Variable attribute counting steps, a `tf.random.Generator`'s state).
+    Walking the object graph costs about 10 ms for 50 layers, so the
+    answer is kept while the lists hold as many variables as when it was
+    found; a step's new variables are its caller's to add (`created`)."""
+    kept = _HELD_BEYOND.get(model)
+    if kept is None or kept[0] != len(listed):
+        beyond = {key: v for key, v in held_variables(model).items() if key not in listed}
+        kept = (len(listed), beyond)
+        _HELD_BEYOND[model] = kept
+    return kept[1]
 
 
 def read_variables(variables):

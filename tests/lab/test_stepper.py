@@ -727,6 +727,47 @@ def test_rewind_puts_back_a_stateful_rnns_recurrent_state_and_the_replay_is_exac
         assert stepper.step(1).logs["loss"] == first
 
 
+class CountsItsSteps(keras.Model):
+    """A step counter in a plain tf.Variable attribute and noise from a
+    tf.random.Generator: state the model holds in no `variables` list."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(3)
+        self.seen = tf.Variable(0.0, trainable=False)
+        self.noise = tf.random.Generator.from_seed(1)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def train_step(self, data):
+        x, y = data
+        self.seen.assign_add(1.0)
+        x = x + 0.1 * self.noise.normal(tf.shape(x))
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self(x, training=True) - y)) * self.seen
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return {"loss": loss}
+
+
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+def test_rewind_puts_back_a_tf_variable_attribute_and_a_generators_state(mode):
+    rng = np.random.default_rng(0)
+    x, y = rng.random((32, 4), np.float32), rng.random((32, 3), np.float32)
+    keras.utils.set_random_seed(0)
+    model = CountsItsSteps()
+    model.compile("sgd")
+    model(x[:1])
+    stepper = lab.Stepper(model, (x, y), batch_size=8, shuffle=False, mode=mode)
+    first = [stepper.step().logs["loss"] for _ in range(3)]
+    stepper.rewind(3)
+    assert float(model.seen.numpy()) == 0.0  # was left at 3: rewind missed it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no "ended with other weights" replay warning
+        assert [stepper.step().logs["loss"] for _ in range(3)] == first
+
+
 @pytest.mark.parametrize("mode", ["graph", "eager"])
 def test_a_stepper_kept_across_a_fine_tuning_recompile_steps_as_fit_does_after_it(mode):
     # Keras' transfer-learning guide: train the head on a frozen base, then
