@@ -354,9 +354,11 @@ class Stepper:
         """Restores the model and data position to before the last `n` steps.
 
         Weights, optimizer slots and iterations, metric state (the model's,
-        and for `from_step` the `metrics` passed there) and random-seed
-        state (Keras' SeedGenerators) are restored; the rewound batches come
-        next again; their traces are dropped. TensorFlow's own random ops
+        and for `from_step` the `metrics` passed there), random-seed state
+        (Keras' SeedGenerators) and state the model holds outside its
+        `variables` (a `tf.Variable` attribute, a `tf.random.Generator`) are
+        restored; the rewound batches come next again; their traces are
+        dropped. TensorFlow's own random ops
         (`tf.random.normal`, ...) keep their streams outside the model: a
         replayed step that draws from them ends otherwise than the first
         time, and the stepper says so (a `warning` event and a RuntimeWarning).
@@ -457,6 +459,29 @@ class Stepper:
             # Ctrl-C mid-step: undone as a failed step is, then it stops the caller too.
             self._failed(trace, error, fed, before_state, capture, start)
             raise
+        try:
+            changed = self._bookkeep(trace, capture, before_state, after)
+        except BaseException as error:
+            # Ctrl-C after the step returned, before it was kept: undone as
+            # one interrupted inside it, so the model and the history agree.
+            self._state = before_state
+            self._failed(trace, error, fed, before_state, capture, start)
+            raise
+        self._snapshots.append(_Snapshot(trace, fed, changed, CompiledState(self.model)))
+        self._index += 1
+        if self.run is not None:
+            try:
+                self._append_row(trace)
+            except BaseException:
+                self.run.add_event("interrupt", f"step {trace.index} stands (rewind undoes it), but its row "
+                                   "was not recorded", step=trace.index)
+                raise
+        self.last_trace = trace
+        return trace
+
+    def _bookkeep(self, trace, capture, before_state, after):
+        """What a step that returned leaves: the stepper's state, the trace's
+        weights, and the values it changed (`changed`, for rewind)."""
         self._absorb_created(capture)
         self._note_regrouped(capture, trace)
         changed = {}
@@ -473,12 +498,7 @@ class Stepper:
         trace.weights_before = self._trainable_arrays({**self._created, **before_state})
         trace.weights_after = self._trainable_arrays(after)
         self._check_replay(trace)
-        self._snapshots.append(_Snapshot(trace, fed, changed, CompiledState(self.model)))
-        self._index += 1
-        if self.run is not None:
-            self._append_row(trace)
-        self.last_trace = trace
-        return trace
+        return changed
 
     def _note_regrouped(self, capture, trace):
         """Says once which variables' updates Grappler may compute otherwise

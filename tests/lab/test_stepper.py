@@ -399,6 +399,32 @@ def test_an_interrupted_step_is_undone_and_its_batch_comes_next_again():
     assert list(run.batches()["batch"]) == [0, 1, 2]
 
 
+def test_an_interrupt_after_the_step_returned_undoes_it_as_one_inside_it(monkeypatch):
+    # Ctrl-C in the stepper's own bookkeeping, after train_step returned:
+    # the model had moved while the history said the step never ran.
+    model, run = interrupted_model(), lab.Run()
+    stepper = lab.Stepper(model, (X, Y), batch_size=8, shuffle=False, run=run)
+    stepper.step(2)
+    before = [v.numpy().copy() for v in model.weights + model.optimizer.variables + model.metrics_variables]
+
+    def interrupted(trace):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(stepper, "_check_replay", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            stepper.step()
+    for saved, variable in zip(before, model.weights + model.optimizer.variables + model.metrics_variables):
+        np.testing.assert_array_equal(variable.numpy(), saved)
+    assert stepper.next_index == 2 and len(stepper.traces) == 2
+    assert list(run.events()["kind"]) == ["interrupt"]
+    assert (stepper.step().batch, len(stepper.traces)) == (2, 3)  # the same batch, and rewind still reaches back
+    stepper.rewind(3)
+    straight = interrupted_model()
+    for mine, theirs in zip(model.weights + model.optimizer.variables, straight.weights + straight.optimizer.variables):
+        np.testing.assert_array_equal(mine.numpy(), theirs.numpy())
+
+
 def test_a_none_gradient_hint_names_the_variables_that_got_none():
     model = broken("no_tape")
     trace = lab.Stepper(model, (X, Y), batch_size=8).step()
