@@ -275,6 +275,44 @@ def tracing_tf_function(describe=repr, depth=2):
     return None
 
 
+def function_mode(function, reach=6):
+    """The mode Keras made a train (test, predict) function in: "eager",
+    "graph" or "xla"; None when it cannot be told (not Keras' own).
+
+    Keras reads `run_eagerly` and `jit_compile` once, when
+    `make_train_function` makes the function, and keeps it when the
+    attributes are set again by hand. Both Keras 3.5 and 3.15 make a plain
+    Python function (3.15) or `tf.function` (3.5) whose closures hold the
+    step's `tf.function`s, with the step's `jit_compile` on the innermost;
+    an eager function holds none.
+    """
+    flags = _closure_jit_flags(function, reach, set())
+    if flags:
+        return "xla" if any(flags) else "graph"
+    if getattr(function, "__module__", "").startswith("keras."):
+        return "eager"
+    return None
+
+
+def _closure_jit_flags(function, reach, seen):
+    """The `jit_compile` of each tf.function in `function` or its closures."""
+    if reach < 0 or id(function) in seen:
+        return []
+    seen.add(id(function))
+    flags = []
+    if isinstance(function, tf.types.experimental.PolymorphicFunction):
+        flags.append(bool(getattr(function, "_jit_compile", False)))
+        function = getattr(function, "python_function", None)
+    for cell in getattr(function, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # a cell not filled yet
+            continue
+        if isinstance(value, tf.types.experimental.PolymorphicFunction) or inspect.isfunction(value):
+            flags += _closure_jit_flags(value, reach - 1, seen)
+    return flags
+
+
 def in_xla_trace():
     """Whether the code running is being traced into an XLA program."""
     return not tf.executing_eagerly() and bool(_in_xla_context(tf.compat.v1.get_default_graph()))

@@ -370,7 +370,7 @@ class CompiledState:
     Objects compare by identity.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, mode=None):
         from lab.probes import find_optimizers  # probes builds on this module
 
         self._objects = (
@@ -380,10 +380,16 @@ class CompiledState:
             getattr(model, "loss", None),
             model.distribute_strategy,
         )
-        self._values = (bool(model.run_eagerly), model.jit_compile, int(model.steps_per_execution),
-                        getattr(model, "compiled", False))
+        # `mode`: the mode of the function that runs, where it differs from
+        # the attributes' (Keras keeps a function when they are set by hand).
+        self.mode = mode or ("eager" if model.run_eagerly else "xla" if model.jit_compile is True else "graph")
+        self._values = (int(model.steps_per_execution), getattr(model, "compiled", False))
 
     def __eq__(self, other):
+        return self.same_compile(other) and self.mode == other.mode
+
+    def same_compile(self, other):
+        """Whether `other` is this compiled state, whatever the mode."""
         if not isinstance(other, CompiledState) or self._values != other._values:
             return False
         return _same(self._objects, other._objects)

@@ -22,6 +22,7 @@ the next `compile()` or rebuild, and it takes itself off after the first
 step that runs.
 """
 
+import contextlib
 import re
 import threading
 import warnings
@@ -67,6 +68,31 @@ def current_mode(model):
     if model.jit_compile is True:
         return "xla"
     return "graph"
+
+
+def running_mode(model):
+    """The mode of the train function the model runs: "eager", "graph" or "xla".
+
+    The function's own mode, not the attributes': Keras keeps a made train
+    function when `run_eagerly` or `jit_compile` is set by hand (only
+    `compile()` or `set_mode` make a new one). The attributes' mode
+    (`current_mode`) when no function is made yet, or it is not Keras' own.
+    """
+    function = hooks_for(model).train_function_base()
+    if isinstance(function, _FirstStepCheck):
+        function = function.function
+    mode = None
+    if function is not None:
+        try:
+            mode = _function_modes.get(function)
+            if mode is None:
+                mode = _function_modes[function] = compat.function_mode(function)
+        except TypeError:  # a callable that takes no weak reference
+            mode = compat.function_mode(function)
+    return mode or current_mode(model)
+
+
+_function_modes = weakref.WeakKeyDictionary()  # train function -> the mode Keras made it in
 
 
 # ---- switching -------------------------------------------------------------
@@ -201,6 +227,24 @@ def set_attributes(model, mode, steps_per_execution=None):
         model.jit_compile = mode == "xla"
     if steps_per_execution is not None:
         model.steps_per_execution = steps_per_execution
+
+
+@contextlib.contextmanager
+def made_in(model, mode):
+    """Has a train function made in the block be made in `mode`, whatever
+    the attributes say; they are put back after it. The lab traces the
+    function `fit()` runs with its hooks in, in the mode of the function
+    Keras would have run, which is not the attributes' when they were set
+    by hand after Keras made it."""
+    if mode == current_mode(model):
+        yield
+        return
+    saved = Settings(model)
+    set_attributes(model, mode)
+    try:
+        yield
+    finally:
+        saved.restore(model, functions=False)
 
 
 class Settings:

@@ -166,6 +166,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self._active = False
         self._mode = None
         self._step_mode = None  # the mode of the execution running now, read as it was called
+        self._make_in = None  # the mode fit() makes its train function in, when not the attributes'
         self._hooks = None
         self._fit_frame = None  # the frame of the fit() this recorder records, while it runs
         self._failure = None  # the exception that ended the last fit(), once recorded
@@ -196,7 +197,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
     def _attach(self, model, callbacks):
         if self._fit_frame is not None:  # fit(), not evaluate() or predict(), which train nothing
             _check_trainable_since_built(model, self.run)
-        state = CompiledState(model)
+        state = CompiledState(model, self._mode_kept(model))
         if self._probe is not None and (self._probe.model is not model or self._probe_state != state):
             # Another model, or this one recompiled: the old probe's hooks and
             # its traced function belong to the old compiled state.
@@ -224,6 +225,20 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
             model.train_function = cached[1]
         else:
             model.train_function = None  # fit() traces a new one, through the hooks
+            # in the mode of the function Keras would have run, not the
+            # attributes' when they were set by hand since it was made
+            self._make_in = state.mode
+
+    def _mode_kept(self, model):
+        """The mode of the train function this fit() runs without the lab:
+        the one on the model; or, where the lab dropped it at the end of its
+        last fit() and nothing was compiled since, the one the lab traced."""
+        if hooks_for(model).train_function_base() is not None:
+            return modes.running_mode(model)
+        cached = self._cached
+        if cached is not None and cached[0].same_compile(CompiledState(model)):
+            return cached[0].mode
+        return modes.current_mode(model)
 
     def is_training(self):
         """Whether this recorder is inside a running fit()."""
@@ -256,11 +271,12 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         _watch_cells(self)
         self._pending = []
         self._calls_unlabelled = self._not_ours_after = 0
+        self._make_in = None  # fit() made its function
         if self._probe.buffer is not None:
             self._probe.buffer.skip_unread()
         self._probe.release()
         self._fill_metadata()
-        self._mode = modes.current_mode(self.model)
+        self._mode = modes.running_mode(self.model)
         modes.training_began(self.model)
         self._hooks.wrap_train_function(self, self._guard_factory, role="guard")
         self._hooks.sync_train_function()
@@ -283,7 +299,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         elapsed = time.perf_counter() - self._t0 if self._t0 is not None else float("nan")
         steps = self._steps_in_execution(batch)
         self.last_batch_ended = self._begin_step + steps - 1  # steps is cut at the epoch's end
-        mode = self._step_mode or modes.current_mode(self.model)
+        mode = self._step_mode or modes.running_mode(self.model)
         self._step_mode = None
         if mode != self._mode:
             self.run.add_event("mode", f"{self._mode} -> {mode}", step=self.run.next_step + len(self._pending))
@@ -676,7 +692,9 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
             recorder._calls_unlabelled += 1
             # The mode the step runs in, read as it is called: a callback
             # ahead of this recorder may switch at batch end for the next.
-            recorder._step_mode = modes.current_mode(recorder.model)
+            # The function's own: Keras keeps running a function made before
+            # `run_eagerly` or `jit_compile` was set by hand.
+            recorder._step_mode = modes.running_mode(recorder.model)
             try:
                 return function(iterator)
             except _END_OF_DATA:
@@ -731,8 +749,20 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
 
             return make_function
 
+        def make_train_factory(inner):
+            def make_train_function(*args, **kwargs):
+                recorder.abandon_if_gone()
+                mode, recorder._make_in = recorder._make_in, None
+                if mode is None or model.train_function is not None:
+                    return inner(*args, **kwargs)
+                with modes.made_in(model, mode):
+                    return inner(*args, **kwargs)
+
+            return make_train_function
+
         self._hooks.wrap(self, model, "evaluate", evaluate_factory, role="guard")
-        for name in ("make_train_function", "make_test_function", "make_predict_function"):
+        self._hooks.wrap(self, model, "make_train_function", make_train_factory, role="guard")
+        for name in ("make_test_function", "make_predict_function"):
             self._hooks.wrap(self, model, name, heal_factory, role="guard")
 
     def _guard_callbacks(self, callbacks):
@@ -796,7 +826,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
             if status in ("finished", "stopped") and self._hooks is not None:
                 function = self._hooks.train_function_base()
                 if function is not None:
-                    self._cached = (CompiledState(self.model), function)
+                    self._cached = (CompiledState(self.model, modes.running_mode(self.model)), function)
         finally:
             self._active = False
             self._release()
@@ -844,7 +874,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         if optimizer is not None:
             meta.setdefault("optimizer", type(optimizer).__name__)
         meta.setdefault("started", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-        meta.setdefault("mode", modes.current_mode(model))
+        meta.setdefault("mode", modes.running_mode(model))
         if optimizer is not None:
             try:
                 meta.setdefault("optimizer_config", optimizer.get_config())

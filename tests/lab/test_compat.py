@@ -174,3 +174,13 @@ def test_the_loss_scaling_window_counts_on_its_own_thread_only_and_puts_keras_fu
             raise RuntimeError("the step failed")
     assert (seen.unscaled, inner.unscaled, seen.scaled) == (2, 1, [])
     assert (loss_module.scale_loss_for_distribution, loss_module.unscale_loss_for_distribution) == own
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
+def test_the_mode_a_train_function_was_made_in_is_read_from_the_function(mode):
+    model = tiny()
+    model.compile(optimizer="sgd", loss="mse", run_eagerly=mode == "eager", jit_compile=mode == "xla")
+    model.make_train_function()
+    model.run_eagerly, model.jit_compile = mode != "eager", False  # set by hand: Keras keeps the function
+    assert compat.function_mode(model.train_function) == mode
+    assert compat.function_mode(lambda iterator: None) is None  # not Keras' own: cannot be told

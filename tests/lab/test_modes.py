@@ -159,6 +159,69 @@ def test_a_switch_inside_a_watched_fit_runs_the_new_mode(data, mode, watcher):
         assert recorder.run.metadata.get("traced_in_xla")
 
 
+class FlipInFit(keras.callbacks.Callback):
+    """Sets a mode attribute by hand (no compile(), no set_mode) after the third batch."""
+
+    def __init__(self, attribute):
+        super().__init__()
+        self.attribute = attribute
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 2:
+            setattr(self.model, self.attribute, True)
+
+
+def fit_flipped(data, attribute, when, recorder=None):
+    """Two fits of one epoch; `attribute` set True by hand between them or inside the first."""
+    x, y = data
+    model = make_model(TraceRecordingModel)
+    TraceRecordingModel.seen = []
+    callbacks = [recorder] if recorder is not None else []
+    keras.utils.set_random_seed(1)
+    history = model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+                        callbacks=callbacks + ([FlipInFit(attribute)] if when == "inside" else []))
+    if when == "between":
+        setattr(model, attribute, True)
+    keras.utils.set_random_seed(2)
+    history.history.update({f"2/{k}": v for k, v in model.fit(
+        x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=callbacks).history.items()})
+    return model, history.history, list(TraceRecordingModel.seen)
+
+
+@pytest.mark.parametrize("when", ["between", "inside"])
+@pytest.mark.parametrize("attribute", ["run_eagerly", "jit_compile"])
+def test_an_attribute_set_by_hand_is_recorded_as_what_keras_runs(data, attribute, when):
+    # Keras keeps the train function it made when `run_eagerly` or
+    # `jit_compile` is set by hand: the steps run in graph mode still. The
+    # lab traced the next fit()'s function in the attributes' mode (other
+    # weights than plain Keras), and labelled the steps by the attributes.
+    bare, bare_logs, bare_traces = fit_flipped(data, attribute, when)
+    assert "eager" not in bare_traces and "xla" not in bare_traces  # plain Keras: graph throughout
+    recorder = lab.Recorder()
+    model, logs, traces = fit_flipped(data, attribute, when, recorder)
+    assert traces == bare_traces
+    assert all(np.array_equal(a, b) for a, b in zip(state(model), state(bare)))
+    assert logs == bare_logs
+    assert list(recorder.run.batches()["mode"]) == ["graph"] * 20
+    assert "mode" not in set(recorder.run.events()["kind"]) and "recompile" not in set(recorder.run.events()["kind"])
+    assert getattr(model, attribute) is True  # the attribute stays as the user set it
+
+
+def test_after_an_attribute_set_by_hand_compile_runs_the_new_mode(data):
+    x, y = data
+    model = make_model(TraceRecordingModel)
+    recorder = lab.Recorder()
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    model.run_eagerly = True
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy",
+                  run_eagerly=True)
+    TraceRecordingModel.seen = []
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[recorder])
+    assert TraceRecordingModel.seen == ["eager"] * 10
+    assert list(recorder.run.batches()["mode"]) == ["eager"] * 10
+    assert recorder.run.metadata["mode"] == "eager"
+
+
 def test_changing_steps_per_execution_skips_no_optimizer_step(data):
     x, y = data
     model = make_model()
