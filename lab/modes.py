@@ -158,7 +158,7 @@ def set_mode(model, mode, steps_per_execution=None):
             )
     if mode == "xla":
         check_xla(model)
-    previous = current_mode(model)
+    previous = running_mode(model)
     saved = Settings(model)
     set_attributes(model, mode, steps_per_execution)
     if current_mode(model) != mode:
@@ -481,7 +481,7 @@ def request_mode(model, mode):
             _pending[model] = mode
             return "pending"
         _pending.pop(model, None)
-    if mode != current_mode(model):
+    if mode != running_mode(model):  # the function's: a set attribute may not run yet
         set_mode(model, mode)
     return "applied"
 
@@ -505,7 +505,7 @@ def apply_pending_mode(model):
         return None
     with _lock:
         mode = _pending.pop(model, None)
-    if mode is None or mode == current_mode(model):
+    if mode is None or mode == running_mode(model):
         return None
     set_mode(model, mode)
     return mode
@@ -573,7 +573,7 @@ class ModeSwitcher(keras.callbacks.Callback):
         mode = None
         while self._due and self._due[0] <= self.step:
             mode = self.schedule[self._due.pop(0)]
-        if mode is not None and mode != current_mode(self.model):
+        if mode is not None and mode != running_mode(self.model):
             set_mode(self.model, mode)
         self._begin = batch
 

@@ -18,7 +18,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from lab.mode_comparison import compare_modes
-from lab.modes import MODES, ModeError, add_mode_listener, current_mode, pending_mode, request_mode
+from lab.modes import MODES, ModeError, add_mode_listener, pending_mode, request_mode, running_mode
 
 _LABELS = {"eager": "eager", "graph": "graph", "xla": "XLA"}
 _TOOLTIPS = (
@@ -148,7 +148,9 @@ class ModeSwitch(ipywidgets.VBox):
 
 
 def _current(model):
-    return pending_mode(model) or current_mode(model)
+    # The mode of the function that runs: Keras keeps a made one when
+    # `run_eagerly` or `jit_compile` is set by hand.
+    return pending_mode(model) or running_mode(model)
 
 
 def _bar_label(row):

@@ -29,6 +29,17 @@ def test_toggle_follows_a_switch_made_elsewhere(comm_log, make_model):
     assert switch.toggle.value == "eager"
 
 
+def test_toggle_shows_the_mode_keras_runs_after_an_attribute_set_by_hand(comm_log, make_model, digits):
+    (x, y), _ = digits
+    model = make_model()
+    model.fit(x[:64], y[:64], batch_size=32, verbose=0)
+    model.run_eagerly = True  # Keras keeps running the graph function it made
+    switch = ModeSwitch(model)
+    assert switch.toggle.value == "graph"  # was "eager", from the attribute
+    switch.toggle.value = "eager"
+    assert modes.running_mode(model) == "eager"  # the switch made Keras drop the graph function
+
+
 def test_toggle_refuses_a_mode_that_cannot_run_and_shows_why(comm_log, make_model):
     model = make_model()
     switch = ModeSwitch(model)
