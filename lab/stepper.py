@@ -427,6 +427,10 @@ class Stepper:
     def _step_once(self):
         fed = self.feed.next()
         try:
+            try:
+                self._build_before_step(fed.data)
+            except Exception:  # noqa: BLE001 - the step itself fails on it, with its hint
+                pass
             changed_outside = self._refresh_state()
             if changed_outside:
                 # The model moved (a fit(), set_weights): older snapshots no longer apply.
@@ -564,6 +568,16 @@ class Stepper:
         outputs = self._graph_step(data)
         capture.no_gradient = capture.no_gradient or getattr(self, "_graph_no_gradient", [])
         return outputs
+
+    def _build_before_step(self, data):
+        """Makes the variables a step builds before it runs (the optimizer's
+        slots under a strategy; in graph mode the model's and optimizer's,
+        before tracing) ahead of reading the state the step is undone to:
+        made after it, Adam's moments kept the first step's values through
+        a rewind."""
+        self._build_optimizer_in_scope()
+        if self.mode == "graph" and (self._graph_step is None or self._graph_compiled != CompiledState(self.model)):
+            self._build_for_graph(data)
 
     def _build_optimizer_in_scope(self):
         """Under a distribution strategy, builds the compiled optimizer in its

@@ -753,6 +753,34 @@ def test_rewind_puts_back_a_stateful_rnns_recurrent_state_and_the_replay_is_exac
         assert stepper.step(1).logs["loss"] == first
 
 
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+def test_rewinding_the_first_steps_puts_adams_new_moments_back_to_zero_and_the_replay_is_fit(mode):
+    # The graph step built Adam's slots before tracing, after the state it
+    # is undone to was read: rewind kept the first steps' moments.
+    rng = np.random.default_rng(1)
+    x, y = rng.random((48, 4), np.float32), rng.integers(0, 3, 48).astype("int32")
+
+    def make():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
+        model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    model = make()
+    stepper = lab.Stepper(model, (x, y), batch_size=16, shuffle=False, mode=mode)
+    first = stepper.step(3).weights_after
+    stepper.rewind(3)
+    assert all(not np.any(v.numpy()) for v in model.optimizer.variables if "moment" in v.path or "velocity" in v.path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no "ended with other weights" replay warning
+        again = stepper.step(3).weights_after
+    assert all(np.array_equal(first[key], again[key]) for key in first)
+    bare = make()
+    bare.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    for mine, theirs in zip(model.optimizer.variables, bare.optimizer.variables):
+        np.testing.assert_allclose(mine.numpy(), theirs.numpy(), rtol=1e-5, atol=1e-7)
+
+
 class CountsItsSteps(keras.Model):
     """A step counter in a plain tf.Variable attribute and noise from a
     tf.random.Generator: state the model holds in no `variables` list."""
