@@ -16,6 +16,7 @@ about 270 MB) plus the kept batches. Lower `history` to spend less.
 """
 
 import collections
+import contextlib
 import dataclasses
 import numbers
 import time
@@ -427,10 +428,6 @@ class Stepper:
     def _step_once(self):
         fed = self.feed.next()
         try:
-            try:
-                self._build_before_step(fed.data)
-            except Exception:  # noqa: BLE001 - the step itself fails on it, with its hint
-                pass
             changed_outside = self._refresh_state()
             if changed_outside:
                 # The model moved (a fit(), set_weights): older snapshots no longer apply.
@@ -551,7 +548,8 @@ class Stepper:
         return trace
 
     def _run(self, data, capture):
-        self._build_optimizer_in_scope()
+        with _built_here(self, capture):
+            self._build_optimizer_in_scope()
         if self.mode == "eager":
             return self._traced(data, capture)
         if self.mode != "graph":
@@ -560,7 +558,8 @@ class Stepper:
         if self._graph_step is None or self._graph_compiled != compiled:
             # First, or the model was compiled again (fine-tuning: a new
             # optimizer, layers unfrozen): trace its step anew, as fit() does.
-            self._build_for_graph(data)
+            with _built_here(self, capture):
+                self._build_for_graph(data)
             self._graph_capture = capture
             self._graph_step = tf.function(lambda d: self._traced(d, self._graph_capture), reduce_retracing=True)
             self._graph_compiled = compiled
@@ -568,16 +567,6 @@ class Stepper:
         outputs = self._graph_step(data)
         capture.no_gradient = capture.no_gradient or getattr(self, "_graph_no_gradient", [])
         return outputs
-
-    def _build_before_step(self, data):
-        """Makes the variables a step builds before it runs (the optimizer's
-        slots under a strategy; in graph mode the model's and optimizer's,
-        before tracing) ahead of reading the state the step is undone to:
-        made after it, Adam's moments kept the first step's values through
-        a rewind."""
-        self._build_optimizer_in_scope()
-        if self.mode == "graph" and (self._graph_step is None or self._graph_compiled != CompiledState(self.model)):
-            self._build_for_graph(data)
 
     def _build_optimizer_in_scope(self):
         """Under a distribution strategy, builds the compiled optimizer in its
@@ -775,6 +764,19 @@ def _check_metrics(metrics):
             f"{', '.join(repr(m) if isinstance(m, str) else type(m).__name__ for m in wrong[:3])}: a name "
             "such as 'accuracy' is for compile(); pass the metric your step calls update_state on.")
     return list(metrics)
+
+
+@contextlib.contextmanager
+def _built_here(stepper, capture):
+    """Counts the variables made in the block (the optimizer's slots, built
+    before a graph step is traced) among those the step created, at their
+    first values: the state read before the step did not hold them, and
+    rewind puts them back to these (Adam's moments to zero)."""
+    known = set(stepper._variables())
+    yield
+    for key, variable in stepper._variables().items():
+        if key not in known:
+            capture.created.append((variable, np.array(variable.numpy(), copy=True)))
 
 
 def _own_train_step(model):
