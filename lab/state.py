@@ -13,8 +13,10 @@ def read_state(model):
     """A host copy of all the state a training step of `model` may change.
 
     Weights, non-trainable variables (random-seed state too), metric
-    variables, and the slots and iterations of every optimizer the model
-    holds. Costs one copy of that state in host memory.
+    variables, the slots and iterations of every optimizer the model
+    holds, and any other tf.Variable it holds (see `held_variables`);
+    under a tf.distribute strategy, each replica's copy. Costs one copy
+    of that state in host memory.
 
     Args:
         model: keras.Model.
@@ -38,7 +40,7 @@ def read_state(model):
 def write_state(state):
     """Puts back a state taken by `read_state` (only variables that differ are written)."""
     for variable, array in state.values():
-        if not same_array(np.asarray(variable.numpy()), array):
+        if not replicated(variable) and not same_array(np.asarray(variable.numpy()), array):
             variable.assign(array)
 
 
@@ -46,7 +48,12 @@ def training_variables(model, optimizers, created):
     """Every variable a step may change, by id of the tf.Variable behind it.
 
     `created` holds those outside the model's and optimizers' lists: made
-    during a step, or a hand-written step's own metrics."""
+    during a step, or a hand-written step's own metrics. Any other
+    tf.Variable the model holds is there too (`held_variables`: a step
+    counter, a `tf.random.Generator`, optimizers kept in a list). A
+    variable with one copy per replica (`replicated`) comes with each of its
+    copies, by their own ids: write those, never it (its value reads one
+    replica's, or their sum)."""
     found = list(model.variables) + list(getattr(model, "metrics_variables", []))
     for layer in compat.all_layers(model):
         found += compat.recurrent_state_variables(layer)  # a stateful RNN's, in no variables list
@@ -58,6 +65,10 @@ def training_variables(model, optimizers, created):
         unique.setdefault(id(raw_variable(variable)), raw_variable(variable))
     for key, variable in _held_beyond(model, unique).items():
         unique.setdefault(key, variable)
+    for variable in list(unique.values()):
+        if replicated(variable):
+            for copy in replica_copies(variable):
+                unique.setdefault(id(copy), copy)
     return unique
 
 
@@ -142,3 +153,8 @@ def replica_copies(variable):
     if isinstance(variable, tf.distribute.DistributedValues) and copies:
         return tuple(copies)
     return (variable,)
+
+
+def replicated(variable):
+    """True for a variable kept as one copy per replica: restore its copies, not it."""
+    return len(replica_copies(variable)) > 1

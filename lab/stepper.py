@@ -34,7 +34,7 @@ from lab.feed import Feed, to_numpy
 from lab.hooks import CompiledState, hooks_for
 from lab.norms import shown_names
 from lab.probes import find_optimizers, is_mean, leaf_metrics, variable_keys
-from lab.state import raw_variable, read_variables, same_array, training_variables
+from lab.state import raw_variable, read_variables, replicated, same_array, training_variables
 from lab.step_capture import StepCapture, hint
 
 
@@ -355,11 +355,12 @@ class Stepper:
         """Restores the model and data position to before the last `n` steps.
 
         Weights, optimizer slots and iterations, metric state (the model's,
-        and for `from_step` the `metrics` passed there), random-seed state
-        (Keras' SeedGenerators) and state the model holds outside its
-        `variables` (a `tf.Variable` attribute, a `tf.random.Generator`) are
-        restored; the rewound batches come next again; their traces are
-        dropped. TensorFlow's own random ops
+        and for `from_step` the `metrics` passed there), random-seed
+        state (Keras' SeedGenerators, a `tf.random.Generator` the model
+        holds), any other tf.Variable the model holds (a step counter,
+        optimizers kept in a list) and, under a tf.distribute strategy, each
+        replica's copy of each variable are restored; the rewound batches come
+        next again; their traces are dropped. TensorFlow's own random ops
         (`tf.random.normal`, ...) keep their streams outside the model: a
         replayed step that draws from them ends otherwise than the first
         time, and the stepper says so (a `warning` event and a RuntimeWarning).
@@ -406,7 +407,8 @@ class Stepper:
             restore.update(snapshot.before)
         for key, array in restore.items():
             variable = self._state[key][0]
-            variable.assign(array)
+            if not replicated(variable):  # else each replica's copy is written, by its own key
+                variable.assign(array)
             self._state[key] = (variable, array)
         self.feed.push_back([s.fed for s in reversed(undone)])
         self._index = undone[-1].trace.index
@@ -654,7 +656,7 @@ class Stepper:
 
     def _restore(self, state, capture):
         for key, (variable, array) in self._read_all().items():
-            if key in state and not same_array(state[key][1], array):
+            if key in state and not replicated(variable) and not same_array(state[key][1], array):
                 variable.assign(state[key][1])
         for variable, initial in capture.created:
             variable.assign(initial)

@@ -121,6 +121,13 @@ def test_compare_modes_puts_back_each_replicas_copy_of_a_mirrored_model(mirrored
     assert compared["unchanged"]
 
 
+def test_stepper_rewind_puts_back_each_replicas_copy_of_a_mirrored_model(mirrored):
+    # It put replica 0's BatchNormalization moving statistics on every replica:
+    # the fit() after a rewind trained otherwise than a bare fit().
+    assert "stepper_rewind_error" not in mirrored, mirrored["stepper_rewind_error"]
+    assert mirrored["stepper_rewind"] == {"rewound": True, "replayed": True, "fit_after": True}
+
+
 def test_eager_recording_on_a_mirrored_model(mirrored):
     assert "tools_error" not in mirrored, mirrored["tools_error"]
     tools = mirrored["tools"]

@@ -100,6 +100,41 @@ def compare_modes_replicas(strategy, x, y):
     }
 
 
+def stepper_rewind_replicas(strategy, x, y):
+    """Stepper.rewind on a mirrored model with BatchNormalization: each
+    replica's copy of every variable must be put back as it was (it put
+    replica 0's moving statistics on every replica), so stepping again, or
+    a fit() after the rewind, goes as it would have."""
+    def trained():
+        with strategy.scope():
+            model = make_model(normalized=True)
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        return model
+
+    def copies(model):
+        return [c.numpy().copy() for v in model.variables + model.optimizer.variables
+                for c in strategy.experimental_local_results(v.value)]
+
+    def same(a, b):
+        return len(a) == len(b) and all(np.array_equal(u, v) for u, v in zip(a, b))
+
+    model = trained()
+    before = copies(model)
+    stepper = lab.Stepper(model, (x, y), batch_size=16, shuffle=False)
+    stepper.step(2)
+    stepped = copies(model)
+    stepper.rewind(2)
+    rewound = copies(model)
+    stepper.step(2)
+    replayed = copies(model)
+    stepper.rewind(2)
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    bare = trained()
+    bare.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    return {"rewound": same(before, rewound), "replayed": same(stepped, replayed),
+            "fit_after": same(copies(model), copies(bare))}
+
+
 def stepper_and_modes(strategy, x, y):
     """The Stepper, and set_mode's eager mode and XLA refusal, on a mirrored model."""
     with strategy.scope():
@@ -358,6 +393,10 @@ def main():
             out["tools"] = stepper_and_modes(mirrored, x, y)
         except Exception as error:  # noqa: BLE001 - reported, so the other checks still run
             out["tools_error"] = f"{type(error).__name__}: {error}"
+        try:
+            out["stepper_rewind"] = stepper_rewind_replicas(mirrored, x, y)
+        except Exception as error:  # noqa: BLE001 - reported, so the other checks still run
+            out["stepper_rewind_error"] = f"{type(error).__name__}: {error}"
         try:
             out["compare_modes"] = compare_modes_replicas(mirrored, x, y)
         except Exception as error:  # noqa: BLE001 - reported, so the other checks still run
