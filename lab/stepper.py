@@ -456,52 +456,47 @@ class Stepper:
             # leave its graph): the step is then undone like one that raised.
             after = self._read_all()
             self._fill_outputs(trace, outputs, capture, before_state, after)
+            # The bookkeeping may fail or be interrupted too (a warning made an
+            # error, Ctrl-C): until the run has the step's row, it is undone.
+            self._record(trace, fed, capture, before_state, after)
         except Exception as error:  # noqa: BLE001 - the trace carries it
             return self._failed(trace, error, fed, before_state, capture, start)
         except BaseException as error:
             # Ctrl-C mid-step: undone as a failed step is, then it stops the caller too.
             self._failed(trace, error, fed, before_state, capture, start)
             raise
-        try:
-            changed = self._bookkeep(trace, capture, before_state, after)
-        except BaseException as error:
-            # Ctrl-C after the step returned, before it was kept: undone as
-            # one interrupted inside it, so the model and the history agree.
-            self._state = before_state
-            self._failed(trace, error, fed, before_state, capture, start)
-            raise
-        self._snapshots.append(_Snapshot(trace, fed, changed, CompiledState(self.model)))
-        self._index += 1
         if self.run is not None:
-            try:
-                self._append_row(trace)
-            except BaseException:
-                self.run.add_event("interrupt", f"step {trace.index} stands (rewind undoes it), but its row "
-                                   "was not recorded", step=trace.index)
-                raise
-        self.last_trace = trace
+            self.run.note_running_values(trace.running, trace.index)
         return trace
 
-    def _bookkeep(self, trace, capture, before_state, after):
-        """What a step that returned leaves: the stepper's state, the trace's
-        weights, and the values it changed (`changed`, for rewind)."""
-        self._absorb_created(capture)
-        self._note_regrouped(capture, trace)
+    def _record(self, trace, fed, capture, before_state, after):
+        """Keeps a step that ran: its snapshot, the stepper's state and the
+        run's row. The stepper's own state changes only once the row is in
+        the run (the step is then taken), so a step whose bookkeeping raises
+        is undone whole by `_failed`."""
+        created = {**self._created, **{id(v): (v, initial) for v, initial in capture.created}}
         changed = {}
         for key, (variable, array) in after.items():
-            old = before_state.get(key) or self._created.get(key)
+            old = before_state.get(key) or created.get(key)
             if old is None:
                 continue
             if same_array(old[1], array):
                 after[key] = (variable, old[1])  # share the array: copy-on-step
             else:
                 changed[key] = old[1]
-        self._state = after
         # Variables built inside this step: their initial values are the "before".
-        trace.weights_before = self._trainable_arrays({**self._created, **before_state})
+        trace.weights_before = self._trainable_arrays({**created, **before_state})
         trace.weights_after = self._trainable_arrays(after)
+        self._note_regrouped(capture, trace)
         self._check_replay(trace)
-        return changed
+        snapshot = _Snapshot(trace, fed, changed, CompiledState(self.model))
+        if self.run is not None:
+            self._append_row(trace)
+        self._created = created
+        self._state = after
+        self._snapshots.append(snapshot)
+        self._index += 1
+        self.last_trace = trace
 
     def _note_regrouped(self, capture, trace):
         """Says once which variables' updates Grappler may compute otherwise
@@ -732,7 +727,6 @@ class Stepper:
                    "seconds": [trace.seconds], "mode": [self.mode], "source": ["stepper"]}
         columns.update({k: [v] for k, v in trace.row.items()})
         self.run.append_batches(columns)
-        self.run.note_running_values(trace.running, trace.index)
 
 
 def _check_list_data(model, data):

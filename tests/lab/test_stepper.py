@@ -416,6 +416,59 @@ def test_an_error_in_the_step_leaves_the_model_as_before(mistake):
     np.testing.assert_array_equal(fixed.x, X[:8])
 
 
+@pytest.mark.parametrize("where", ["_check_replay", "append_batches", "note_running_values"])
+def test_an_interrupt_in_the_bookkeeping_after_the_step_leaves_the_history_as_the_model_is(where, monkeypatch):
+    # Ctrl-C after train_step returned, before the step was kept, left the model
+    # trained on a batch the stepper and the run did not know of: the next step
+    # skipped it, and a row was missing from the run.
+    from lab import hooks
+
+    model, run = make_model(), lab.Run()
+    stepper = lab.Stepper(model, (X, Y), batch_size=8, shuffle=False, run=run)
+    stepper.step(2)
+    before = [v.numpy().copy() for v in model.weights + model.optimizer.variables + model.metrics_variables]
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    owner = lab.Stepper if where == "_check_replay" else lab.Run
+    with monkeypatch.context() as patched:
+        patched.setattr(owner, where, interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            stepper.step()
+    assert not hooks.hooks_for(model).active
+    now = [v.numpy() for v in model.weights + model.optimizer.variables + model.metrics_variables]
+    undone = all(np.array_equal(a, b) for a, b in zip(before, now))
+    taken = 2 if undone else 3  # undone, or kept whole: never half
+    assert (stepper.next_index, len(stepper.traces), len(run.batches()), run.next_step) == (taken,) * 4
+    assert undone == (where != "note_running_values")  # once the run has its row, the step is taken
+    stepper.step(4 - taken)
+    assert list(run.batches()["batch"]) == [0, 1, 2, 3]
+    straight = make_model()
+    lab.Stepper(straight, (X, Y), batch_size=8, shuffle=False).step(4)
+    for mine, theirs in zip(model.weights + model.optimizer.variables, straight.weights + straight.optimizer.variables):
+        np.testing.assert_array_equal(mine.numpy(), theirs.numpy())
+
+
+def test_a_warning_made_an_error_after_the_step_undoes_it():
+    # With warnings as errors, the replay warning raised after the model had
+    # moved: the step stayed in the model but not in the stepper's history.
+    model = NoisyModel("tf")
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    x = RNG.random((16, 2), dtype=np.float32)
+    stepper = lab.Stepper(model, (x, x[:, :1]), batch_size=8, shuffle=False)
+    stepper.step()
+    stepper.rewind()
+    before = [v.numpy().copy() for v in model.weights + model.optimizer.variables]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trace = stepper.step()
+    assert isinstance(trace.error, RuntimeWarning)
+    for variable, saved in zip(model.weights + model.optimizer.variables, before):
+        np.testing.assert_array_equal(variable.numpy(), saved)
+    assert (stepper.next_index, len(stepper.traces)) == (0, 0)
+
+
 class InterruptedAfterUpdate(Recording):
     """Ctrl-C lands after the optimizer moved the weights, before the metrics saw the batch."""
 
@@ -465,15 +518,7 @@ def test_an_interrupted_step_is_undone_and_its_batch_comes_next_again():
     assert list(run.batches()["batch"]) == [0, 1, 2]
 
 
-def test_an_interrupt_after_the_step_returned_undoes_it_as_one_inside_it(monkeypatch):
-    # Ctrl-C in the stepper's own bookkeeping, after train_step returned:
-    # the model had moved while the history said the step never ran.
-    model, run = interrupted_model(), lab.Run()
-    stepper = lab.Stepper(model, (X, Y), batch_size=8, shuffle=False, run=run)
-    stepper.step(2)
-    before = [v.numpy().copy() for v in model.weights + model.optimizer.variables + model.metrics_variables]
-
-    def interrupted(trace):
+def interrupted(trace):
         raise KeyboardInterrupt
 
     with monkeypatch.context() as patch:
