@@ -518,24 +518,6 @@ def test_an_interrupted_step_is_undone_and_its_batch_comes_next_again():
     assert list(run.batches()["batch"]) == [0, 1, 2]
 
 
-def interrupted(trace):
-        raise KeyboardInterrupt
-
-    with monkeypatch.context() as patch:
-        patch.setattr(stepper, "_check_replay", interrupted)
-        with pytest.raises(KeyboardInterrupt):
-            stepper.step()
-    for saved, variable in zip(before, model.weights + model.optimizer.variables + model.metrics_variables):
-        np.testing.assert_array_equal(variable.numpy(), saved)
-    assert stepper.next_index == 2 and len(stepper.traces) == 2
-    assert list(run.events()["kind"]) == ["interrupt"]
-    assert (stepper.step().batch, len(stepper.traces)) == (2, 3)  # the same batch, and rewind still reaches back
-    stepper.rewind(3)
-    straight = interrupted_model()
-    for mine, theirs in zip(model.weights + model.optimizer.variables, straight.weights + straight.optimizer.variables):
-        np.testing.assert_array_equal(mine.numpy(), theirs.numpy())
-
-
 def test_a_none_gradient_hint_names_the_variables_that_got_none():
     model = broken("no_tape")
     trace = lab.Stepper(model, (X, Y), batch_size=8).step()
