@@ -460,10 +460,16 @@ class Stepper:
             # error, Ctrl-C): until the run has the step's row, it is undone.
             self._record(trace, fed, capture, before_state, after)
         except Exception as error:  # noqa: BLE001 - the trace carries it
+            if self.last_trace is trace:  # the run has its row: the step stands (see `_record`)
+                raise
             return self._failed(trace, error, fed, before_state, capture, start)
         except BaseException as error:
             # Ctrl-C mid-step: undone as a failed step is, then it stops the caller too.
-            self._failed(trace, error, fed, before_state, capture, start)
+            if self.last_trace is not trace:
+                self._failed(trace, error, fed, before_state, capture, start)
+            elif self.run is not None:
+                self.run.add_event("interrupt", f"{type(error).__name__} after step {trace.index}, "
+                                   "once the run had its row: the step stands", step=trace.index)
             raise
         if self.run is not None:
             self.run.note_running_values(trace.running, trace.index)
@@ -473,7 +479,9 @@ class Stepper:
         """Keeps a step that ran: its snapshot, the stepper's state and the
         run's row. The stepper's own state changes only once the row is in
         the run (the step is then taken), so a step whose bookkeeping raises
-        is undone whole by `_failed`."""
+        before is undone whole by `_failed`; one whose run's listeners (a
+        view drawing the row) raise after the row is in stands, and the
+        error goes on to the caller."""
         created = {**self._created, **{id(v): (v, initial) for v, initial in capture.created}}
         changed = {}
         for key, (variable, array) in after.items():
@@ -490,13 +498,16 @@ class Stepper:
         self._note_regrouped(capture, trace)
         self._check_replay(trace)
         snapshot = _Snapshot(trace, fed, changed, CompiledState(self.model))
-        if self.run is not None:
-            self._append_row(trace)
-        self._created = created
-        self._state = after
-        self._snapshots.append(snapshot)
-        self._index += 1
-        self.last_trace = trace
+        rows = None if self.run is None else len(self.run)
+        try:
+            if self.run is not None:
+                self._append_row(trace)
+        finally:
+            if rows is None or len(self.run) > rows:
+                # One statement, then the append (no interrupt lands between
+                # them): `last_trace is trace` tells `_step_once` the step stands.
+                self._created, self._state, self._index, self.last_trace = created, after, self._index + 1, trace
+                self._snapshots.append(snapshot)
 
     def _note_regrouped(self, capture, trace):
         """Says once which variables' updates Grappler may compute otherwise

@@ -450,6 +450,35 @@ def test_an_interrupt_in_the_bookkeeping_after_the_step_leaves_the_history_as_th
         np.testing.assert_array_equal(mine.numpy(), theirs.numpy())
 
 
+@pytest.mark.parametrize("raised", [KeyboardInterrupt, ValueError])
+def test_a_view_of_the_runs_rows_raising_after_the_row_is_in_keeps_the_step(raised):
+    # Ctrl-C while a view drew the step's row (or, with warnings as errors,
+    # the warning of a view that raised) undid the step whose row stayed in
+    # the run: the run had a step the model did not.
+    model, run = make_model(), lab.Run()
+    stepper = lab.Stepper(model, (X, Y), batch_size=8, shuffle=False, run=run)
+    stepper.step(2)
+
+    def view(run, table, start, stop):
+        if table == "batches":
+            raise raised("drawing the row")
+
+    unsubscribe = run.subscribe(view)
+    with warnings.catch_warnings(), pytest.raises((KeyboardInterrupt, RuntimeWarning)):
+        warnings.simplefilter("error")
+        stepper.step()
+    unsubscribe()
+    assert (stepper.next_index, len(stepper.traces), len(run.batches()), run.next_step) == (3, 3, 3, 3)
+    assert int(model.optimizer.iterations.numpy()) == 3
+    stepper.rewind()  # the step is in the history, as in the model
+    stepper.step(2)
+    assert list(run.batches().drop_duplicates("step", keep="last")["batch"]) == [0, 1, 2, 3]
+    straight = make_model()
+    lab.Stepper(straight, (X, Y), batch_size=8, shuffle=False).step(4)
+    for mine, theirs in zip(model.weights + model.optimizer.variables, straight.weights + straight.optimizer.variables):
+        np.testing.assert_array_equal(mine.numpy(), theirs.numpy())
+
+
 def test_a_warning_made_an_error_after_the_step_undoes_it():
     # With warnings as errors, the replay warning raised after the model had
     # moved: the step stayed in the model but not in the stepper's history.
