@@ -46,9 +46,16 @@ class Feed:
         self._iterator = None
 
     def next(self):
-        """The next item: a replayed one if any, else a fresh batch."""
+        """The next item: a replayed one if any, else a fresh batch.
+
+        Interrupted (Ctrl-C) once the batch is taken from the source, the
+        batch is kept and comes next again: no batch is skipped.
+        """
         if self._replay:
-            return self._replay.popleft()
+            item = self._replay[0]
+            item = item._replace(data=_as_step_input(item.data))  # one interrupted in `next` is raw
+            self._replay.popleft()
+            return item
         while True:
             if self.steps_per_epoch is not None and self._batch >= self.steps_per_epoch:
                 self._end_epoch(keep_iterator=True)
@@ -61,8 +68,14 @@ class Feed:
                     raise self._source.empty_error(self._epoch) from None
                 self._end_epoch(keep_iterator=False)
                 continue
-            item = Fed(self._epoch, self._batch, _as_step_input(data))
-            self._batch += 1
+            position = (self._epoch, self._batch)
+            try:
+                item = Fed(*position, _as_step_input(data))
+            except BaseException:
+                self._replay.appendleft(Fed(*position, data))
+                self._batch = position[1] + 1
+                raise
+            self._batch = position[1] + 1
             return item
 
     def push_back(self, items):
@@ -71,10 +84,9 @@ class Feed:
             self._replay.appendleft(item)
 
     def _end_epoch(self, keep_iterator):
-        self._epoch += 1
-        self._batch = 0
-        if not keep_iterator:
-            self._iterator = None
+        # One statement: an interrupt between these left a new epoch on the
+        # old, spent iterator ("The arrays hold no samples" ever after).
+        self._epoch, self._batch, self._iterator = self._epoch + 1, 0, (self._iterator if keep_iterator else None)
 
 
 def to_numpy(structure):

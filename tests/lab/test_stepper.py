@@ -101,6 +101,31 @@ def test_dataset_and_generator_batches_reach_train_step():
         stepper.step()  # a generator runs once; the error says how to get epochs
 
 
+@pytest.mark.parametrize("data", ["arrays", "dataset"])
+def test_an_interrupt_while_the_batch_is_made_skips_no_batch(data, monkeypatch):
+    # Ctrl-C while the feed turned the batch it had taken into tensors lost
+    # that batch: the next step trained on the one after it.
+    from lab import feed
+
+    made, convert = [], feed._as_step_input
+
+    def interrupted_once(batch):
+        made.append(True)
+        if len(made) == 3:
+            raise KeyboardInterrupt
+        return convert(batch)
+
+    source = (X, Y) if data == "arrays" else tf.data.Dataset.from_tensor_slices((X, Y)).batch(8)
+    stepper = lab.Stepper(make_model(), source, batch_size=8 if data == "arrays" else None, shuffle=False)
+    monkeypatch.setattr(feed, "_as_step_input", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        stepper.step(4)
+    traces = stepper.traces + [stepper.step() for _ in range(4)]
+    assert [(t.epoch, t.batch) for t in traces] == [(0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (1, 0)]
+    np.testing.assert_array_equal(traces[2].x, X[16:24])
+    np.testing.assert_array_equal(traces[5].x, X[:8])
+
+
 def test_x_alone_is_handed_bare_as_fit_hands_it():
     fitted = recording_model()
     fitted.run_eagerly = True
