@@ -136,6 +136,7 @@ class _Snapshot:
     fed: object  # the Feed item the step consumed
     before: dict  # variable id -> array before the step, for variables it changed
     compiled: object = None  # the model's CompiledState when the step ran
+    conditions: dict = None  # run_until's breakpoint state (a running loss average) before its check
 
 
 class Stepper:
@@ -209,7 +210,7 @@ class Stepper:
         self._graph_compiled = None  # the CompiledState the graph step was traced for
         self._told_regrouped = False
         self._capture_slots = {}  # variables a graph step's nested values pass through
-        self._condition_state = {}
+        self._condition_state = {}  # name -> (tf.Variable, initial value)
         self._step_function = _step_fn  # from_step: the user's step instead of train_step
         self._extra_optimizers = list(_optimizers)
         self._extra_metrics = list(_metrics)  # from_step: metrics the user's step updates
@@ -331,6 +332,8 @@ class Stepper:
             trace = self._step_once()
             if trace.error is not None:
                 break
+            # What the checks are about to change, so a rewind puts it back with the step.
+            self._snapshots[-1].conditions = {name: v.numpy() for name, (v, _) in self._condition_state.items()}
             hit = next((c for c, check in checks if check(trace)), None)
             if hit is not None:
                 self.hit = True
@@ -348,8 +351,8 @@ class Stepper:
         # State a device-side breakpoint keeps across steps (a running loss
         # average) lives on the stepper, never on the model.
         if name not in self._condition_state:
-            self._condition_state[name] = tf.Variable(value, trainable=False, name=name)
-        return self._condition_state[name]
+            self._condition_state[name] = (tf.Variable(value, trainable=False, name=name), value)
+        return self._condition_state[name][0]
 
     def rewind(self, n=1):
         """Restores the model and data position to before the last `n` steps.
@@ -359,8 +362,9 @@ class Stepper:
         state (Keras' SeedGenerators, a `tf.random.Generator` the model
         holds), any other tf.Variable the model holds (a step counter,
         optimizers kept in a list) and, under a tf.distribute strategy, each
-        replica's copy of each variable are restored; the rewound batches come
-        next again; their traces are dropped. TensorFlow's own random ops
+        replica's copy of each variable are restored, and so is what
+        `run_until`'s breakpoints keep across steps (a `loss_spike`'s running
+        average); the rewound batches come next again; their traces are dropped. TensorFlow's own random ops
         (`tf.random.normal`, ...) keep their streams outside the model: a
         replayed step that draws from them ends otherwise than the first
         time, and the stepper says so (a `warning` event and a RuntimeWarning).
@@ -400,6 +404,13 @@ class Stepper:
                 "is gone. Nothing was restored; the history was dropped. Step again to start a new history."
             )
         undone = [self._snapshots.pop() for _ in range(n)]
+        # The breakpoints' state as before the oldest undone step that was
+        # checked (steps between took no check): a loss_spike's running
+        # average must not count the rewound losses twice.
+        checked = next((s.conditions for s in reversed(undone) if s.conditions is not None), None)
+        if checked is not None:
+            for name, (variable, initial) in self._condition_state.items():
+                variable.assign(checked.get(name, initial))
         for snapshot in undone:  # newest first: a step rewound twice keeps its first ending
             self._replayed[snapshot.trace.index] = snapshot.trace.weights_after
         restore = {}

@@ -370,6 +370,35 @@ def test_one_loss_spike_given_to_two_steppers_watches_each_loss_on_its_own():
         assert not stepper.hit and trace.index == 14, (level, trace.index, trace.loss)
 
 
+@pytest.mark.parametrize("back", [15, 12])
+def test_a_loss_spike_after_a_rewind_decides_as_the_first_time(back):
+    # Rewind kept the running average of the rewound steps' losses: run again
+    # to the breakpoint, the first (high) losses of training "spiked" against
+    # the average of the later, lower ones.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(160, 6)).astype("float32")
+    y = x @ rng.normal(size=(6, 1)).astype("float32")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
+                              keras.layers.BatchNormalization(), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    stepper = lab.Stepper(model, (x, y), batch_size=8, shuffle=False, history=32)
+    point = lab.breakpoints.loss_spike(1.5, warmup=3)
+
+    def run_to_step_15(start):
+        # Checked steps, then steps 5-7 without a check, then checked steps again.
+        stepper.run_until(point, max_steps=5 - start) if start < 5 else None
+        assert not stepper.hit
+        stepper.step(3)
+        last = stepper.run_until(point, max_steps=7)
+        assert not stepper.hit and last.index == 14
+        return last.loss
+
+    first = run_to_step_15(0)
+    stepper.rewind(back)
+    assert run_to_step_15(15 - back) == first
+
+
 def test_run_until_a_callable_or_a_breakpoint():
     stepper = lab.Stepper(make_model(), (X, Y), batch_size=8)
     trace = stepper.run_until(lambda t: t.index == 3, max_steps=10)
