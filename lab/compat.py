@@ -664,6 +664,19 @@ def set_eager_op_seeds(stream):
     context.context()._rng = stream
 
 
+def single_copy_variable(name, initial, device):
+    """A float32, untrained `tf.Variable` with one copy, on `device`, also
+    when made inside a `tf.distribute` strategy's scope, where `tf.Variable`
+    makes one copy per replica (a MirroredVariable). TensorFlow has no public
+    way out of a scope: the variable's own class, called directly, skips the
+    strategy's variable creator (`resource_variable_ops.ResourceVariable`,
+    TF 2.16 and 2.21)."""
+    from tensorflow.python.ops import resource_variable_ops
+
+    with tf.init_scope(), tf.device(device):
+        return resource_variable_ops.ResourceVariable(initial, dtype=tf.float32, trainable=False, name=name)
+
+
 def tf_global_generator():
     """`tf.random.get_global_generator()` without making it: None before its
     first use (`stateful_random_ops.global_generator`, TF 2.16 and 2.21)."""

@@ -346,7 +346,7 @@ class LoopProbe(Probe):
             # A row per step kept between reads, and the running one; never
             # fewer than by default, since a later block may keep more.
             rows = max(self.capacity, _RING_STEPS) + 1
-            slots = _SLOTS[self.model] = _LoopSlots(names, spare, rows, self._make_variable)
+            slots = _SLOTS[self.model] = _LoopSlots(names, spare, rows, self._make_ring_variable)
         for name, reset in names:
             slots.add(name, reset)
         slots.reset()
@@ -354,6 +354,20 @@ class LoopProbe(Probe):
         self._slots = slots
         self._hold = slots.hold
         self._hold.assign(0.0)  # a block starts with nothing held
+
+    def _make_ring_variable(self, name, initial):
+        """A variable of the ring: one copy, also for a block entered inside a
+        strategy's scope (keras-io's distributed guide keeps all its code
+        there), on the first replica's device. Every replica's step writes the
+        first replica's values once (`_scatter`) and the host reads them:
+        a MirroredVariable's copies take no such write (it failed the step).
+        A TPU's ring is made as the strategy makes its variables."""
+        if not tf.distribute.has_strategy():
+            return self._make_variable(name, initial)
+        strategy = tf.distribute.get_strategy()
+        if isinstance(strategy, tf.distribute.TPUStrategy):
+            return self._make_variable(name, initial)
+        return compat.single_copy_variable(name, initial, strategy.extended.worker_devices[0])
 
     # ---- values into slots -------------------------------------------------
 

@@ -182,9 +182,13 @@ def half_batches(x, y):
     return halves
 
 
-def watched_loop(strategy, x, y, compiled=True, breakpoints=()):
+def watched_loop(strategy, x, y, compiled=True, breakpoints=(), in_scope=False):
     """The tf.distribute guide's custom loop (`strategy.run` inside a
-    `tf.function`, or called eagerly) under `lab.watch`: its rows and weights."""
+    `tf.function`, or called eagerly) under `lab.watch`: its rows and weights.
+    With `in_scope`, the block and the loop run inside `strategy.scope()`, as
+    keras-io's distributed training guide keeps everything."""
+    import contextlib
+
     import tensorflow as tf
 
     with strategy.scope():
@@ -209,7 +213,8 @@ def watched_loop(strategy, x, y, compiled=True, breakpoints=()):
     dataset = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(16))
     hit = None
     try:
-        with lab.watch(model, optimizer, weights=not breakpoints, breakpoints=breakpoints, flush_every=3600) as run:
+        with strategy.scope() if in_scope else contextlib.nullcontext(), \
+                lab.watch(model, optimizer, weights=not breakpoints, breakpoints=breakpoints, flush_every=3600) as run:
             for batch in dataset:
                 run.step(loss=train_step(batch))
     except lab.BreakpointHit as error:
@@ -389,6 +394,15 @@ def main():
             out["loop_nonfinite"] = watched_loop(mirrored, bad, y, breakpoints=[lab.breakpoints.nonfinite()])
         except Exception as error:  # noqa: BLE001 - reported, so the other checks still run
             out["fit_error"] = f"{type(error).__name__}: {error}"
+        try:
+            bad = x.copy()
+            bad[40] = np.nan
+            out["loop_mirrored_in_scope"] = watched_loop(mirrored, x, y, in_scope=True)
+            out["loop_mirrored_in_scope_eager"] = watched_loop(mirrored, x, y, compiled=False, in_scope=True)
+            out["loop_nonfinite_in_scope"] = watched_loop(mirrored, bad, y, breakpoints=[lab.breakpoints.nonfinite()],
+                                                          in_scope=True)
+        except Exception as error:  # noqa: BLE001 - reported, so the other checks still run
+            out["loop_in_scope_error"] = f"{type(error).__name__}: {error}"
         try:
             out["tools"] = stepper_and_modes(mirrored, x, y)
         except Exception as error:  # noqa: BLE001 - reported, so the other checks still run
