@@ -280,6 +280,7 @@ class LoopProbe(Probe):
         self._slots = None
         self._frozen = None
         self._seen = set()  # the slots this block writes: its columns (`freeze`)
+        self._kind_slots = {}  # (optimizer, kind) -> the slots its updates write (`freeze`)
         self._traces = {}
         self._warned = set()
         self._infinite_told = set()  # norm columns whose inf was told of
@@ -549,6 +550,23 @@ class LoopProbe(Probe):
         ungated = np.flatnonzero((rows[:, index["_updates"]] > 0) & ~(rows[:, index["_gated"]] > 0))
         return int(ungated[0]) if ungated.size else None
 
+    def first_unrecorded(self, rows):
+        """Per setting of this block that a graph traced in an earlier block
+        may lack (`"gradients"`, `"weights"`): the first of `rows` (steps x
+        slots, as `read_rows`) in which an optimizer updated and wrote none
+        of that setting's slots, as an index into `rows`. Settings with none
+        are left out."""
+        found = {}
+        for (name, kind), where in self._kind_slots.items():
+            values = rows[:, where]
+            unwritten = (np.signbit(values) & (values == 0)) if kind == _GRAD_HALF else np.isnan(values)
+            updated = rows[:, self._slots.index[f"_updates/{name}"]] > 0
+            hits = np.flatnonzero(updated & unwritten.all(axis=1))
+            setting = "gradients" if kind == _GRAD_HALF else "weights"
+            if hits.size and (setting not in found or hits[0] < found[setting]):
+                found[setting] = int(hits[0])
+        return found
+
     def _gate(self, state, grads, keys=()):
         # A watched loop raises at the hit's step, naming what it read there:
         # no per-gradient flags (`keys` unused).
@@ -639,6 +657,15 @@ class LoopProbe(Probe):
         keys = self._keys(variables)
         self._seen.update(f"{kind}{key}" for kind in (_GRAD_HALF, _WEIGHT_HALF, _UPDATE_HALF) for key in keys)
         several = len(self.optimizers) > 1
+        # Per optimizer and kind asked for: the slots an update by a graph traced with that kind writes.
+        self._kind_slots = {}
+        for name, optimizer in self.optimizers.items():
+            optimizer_keys = self._keys(compat.optimizer_variables_for(optimizer))
+            for kind, asked in ((_GRAD_HALF, self.gradients), (_WEIGHT_HALF, self.weights)):
+                where = [self._slots.index[f"{kind}{key}"] for key in optimizer_keys
+                         if f"{kind}{key}" in self._slots.index]
+                if asked and where:
+                    self._kind_slots[name, kind] = where
         self._frozen = {}
         for name, index in self._slots.index.items():
             if name in self._seen and self._records(name):

@@ -101,6 +101,16 @@ NO_OPTIMIZER_MESSAGE = (
     "then watch the model with it), or keep the losses in a `lab.Run` yourself: "
     "`run = lab.Run()`, then `run.append_batches({{'loss': [float(loss)]}})` at each step."
 )
+UNRECORDED_MESSAGE = (
+    "This step updated the weights without its {what} being recorded: the @tf.function step "
+    "was traced in an earlier `lab.watch` block {how}, and a graph keeps the settings it was "
+    "traced under, so the run's {columns} columns are NaN. Wrap it anew inside this block, "
+    "`train_step = tf.function(train_step.python_function)`, so its graph records them."
+)
+_UNRECORDED = {
+    "gradients": ("gradient norms", "with gradients=False", "grad_norm"),
+    "weights": ("weight norms", "without weights=True", "weight_norm and update_ratio"),
+}
 UNGATED_MESSAGE = (
     "This step updated the weights without the device breakpoints being checked: the "
     "@tf.function step was traced in a `lab.watch` block without breakpoints (or before "
@@ -278,6 +288,7 @@ class WatchedRun(StatusReporter, Run):
             raw = self.probe.read_rows([p[3] for p in pending])
             if self.probe.breakpoints:
                 self._check_ungated(raw)
+            self._check_unrecorded(raw)
             rows = self.probe.row_columns(raw, first_step=len(self))
             columns.update(rows)
             self._check_unseen_updates(rows, counts)
@@ -314,6 +325,12 @@ class WatchedRun(StatusReporter, Run):
         first = self.probe.first_ungated(raw)
         if first is not None:
             self.probe.warn_once("ungated", UNGATED_MESSAGE, RuntimeWarning, step=len(self) + first)
+
+    def _check_unrecorded(self, raw):
+        for setting, first in self.probe.first_unrecorded(raw).items():
+            what, how, columns = _UNRECORDED[setting]
+            self.probe.warn_once(("unrecorded", setting), UNRECORDED_MESSAGE.format(
+                what=what, how=how, columns=columns), RuntimeWarning, step=len(self) + first)
 
     def _check_rows(self, start):
         frame = super().batches().iloc[start:]

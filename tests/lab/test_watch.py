@@ -658,6 +658,37 @@ def test_a_step_traced_without_breakpoints_is_reported_when_they_are_asked_for(d
             run.step(loss=step(x, y))
 
 
+@pytest.mark.parametrize(("first", "then", "columns"), [
+    ({"gradients": False}, {}, "grad_norm"),
+    ({}, {"weights": True}, "weight_norm/"),
+], ids=["gradients", "weights"])
+def test_a_step_traced_without_the_norms_a_later_block_asks_for_is_reported_and_retraced_records_them(
+        digits, first, then, columns):
+    # The graph keeps the settings it was traced under: the later block's
+    # columns were NaN and the run said nothing.
+    model, optimizer = make_mlp(), keras.optimizers.SGD(0.1)
+    step = make_step(model, optimizer, "graph")
+    (x, y), (x2, y2) = batches(*digits, 2)
+    with lab.watch(model, optimizer, **first) as run:
+        run.step(loss=step(x, y))
+    with pytest.warns(RuntimeWarning, match=r"traced in an earlier `lab.watch` block.*python_function"):
+        with lab.watch(model, optimizer, **then) as run:
+            run.step(loss=step(x, y))
+            run.step(loss=step(x2, y2))
+    frame = run.batches()
+    assert frame[[c for c in frame if c.startswith(columns)]].isna().all().all()
+    events = run.events()
+    assert events[events["detail"].str.contains("traced in an earlier")]["step"].tolist() == [0]
+    step = tf.function(step.python_function)  # the fix the run names
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with lab.watch(model, optimizer, **then) as run:
+            run.step(loss=step(x, y))
+    frame = run.batches()
+    assert frame[[c for c in frame if c.startswith(columns)]].notna().all().all()
+    assert events_about(run, "traced in an earlier") == []
+
+
 def test_rows_reach_the_run_when_read_and_the_model_keeps_no_trace(digits, tmp_path):
     model, optimizer = make_mlp(), keras.optimizers.SGD(0.1)
     step = make_step(model, optimizer, "graph")
