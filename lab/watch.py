@@ -471,6 +471,12 @@ def _value(name, value):
         if isinstance(value, tf.Variable):
             value = value.read_value()  # this step's value, not the variable's later one
         return value
+    if isinstance(value, tf.distribute.DistributedValues):
+        raise TypeError(
+            f"run.step({name}=...) got one value per replica (what `strategy.run` returns): give it the "
+            f"batch's value, reduced across the replicas: `strategy.reduce(\"SUM\", {name}, axis=None)` for a "
+            "loss scaled by the global batch (`tf.nn.compute_average_loss`), `\"MEAN\"` for a value each "
+            "replica averaged over its own share.")
     try:
         return float(_mean(np.asarray(value, np.float32)))
     except (TypeError, ValueError):

@@ -363,6 +363,12 @@ def test_bad_arguments_name_the_fix():
     with pytest.raises(ValueError, match="rename it"):
         with lab.watch(model, keras.optimizers.SGD()) as run:
             run.step(loss=1.0, grad_norm=2.0)
+    # strategy.run's result, one loss per replica, was refused as "got PerReplica", with no fix.
+    from tensorflow.python.distribute.values import PerReplica
+
+    with pytest.raises(TypeError, match=r"one value per replica.*strategy.reduce\(\"SUM\", loss, axis=None\)"):
+        with lab.watch(model, keras.optimizers.SGD()) as run:
+            run.step(loss=PerReplica([tf.constant(1.0), tf.constant(2.0)]))
     for bad, error in ((0, ValueError), (2.5, TypeError), ("64", TypeError), (True, TypeError)):
         with pytest.raises(error, match=r"lab.watch\(capacity=\.\.\.\) must be a positive whole number"):
             with lab.watch(model, keras.optimizers.SGD(), capacity=bad):
