@@ -414,25 +414,40 @@ class WatchedRun(StatusReporter, Run):
             self._closed = True
         if self._steps > 0 and error is None:
             self._check_applied()
-        if self._steps == 0 and error is None:
-            updates = self.probe.updates_waiting()
-            if updates > 0:
-                self.probe.warn_once("no step", (
-                    f"The optimizers updated {updates:g} times but run.step(...) was never "
-                    "called: the run has no rows. Call `run.step(loss=loss)` once per step."),
-                    RuntimeWarning)
-                self._note_warnings()
+        updates = self._updates_after_last_step()
+        unclosed = ""
+        if updates > 0:
+            unclosed = (f"the optimizers made {updates:g} update{'s' if updates != 1 else ''} after the last "
+                        f"run.step(...), which the weights hold and the run has no row for (step {self._steps})")
+        if self._steps == 0 and error is None and updates > 0:
+            self.probe.warn_once("no step", (
+                f"The optimizers updated {updates:g} times but run.step(...) was never "
+                "called: the run has no rows. Call `run.step(loss=loss)` once per step."),
+                RuntimeWarning)
+            self._note_warnings()
+        elif error is None and updates > 0:
+            self.probe.warn_once("unclosed", (
+                f"{unclosed[0].upper()}{unclosed[1:]}. Call `run.step(...)` after every step's update, "
+                "also before leaving the loop early."), RuntimeWarning)
+            self._note_warnings()
         if isinstance(error, KeyboardInterrupt):
-            self.add_event("interrupt", "KeyboardInterrupt")
+            self.add_event("interrupt", "KeyboardInterrupt" + (f"; {unclosed}" if unclosed else ""))
             self._set_status("interrupted")
         elif isinstance(error, BreakpointHit):
             self._set_status("stopped", error.detail)
         elif error is not None:
             message = f"{type(error).__name__}: {error}".strip()
-            self.add_event("error", message)
+            self.add_event("error", message + (f"; {unclosed}" if unclosed else ""))
             self._set_status("failed", message)
         else:
             self._set_status("finished")
+
+    def _updates_after_last_step(self):
+        """Updates the optimizers made since the last run.step (reads the device); 0 where it cannot tell."""
+        try:
+            return self.probe.updates_waiting()
+        except Exception:  # noqa: BLE001 - a device the user's error left unreadable: the error is what to show
+            return 0.0
 
 
 def _to_numpy(values):

@@ -724,6 +724,43 @@ def test_an_interrupted_loop_leaves_an_interrupt_event(digits):
     assert "apply" not in vars(optimizer)
 
 
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("ending", ["interrupt", "error", "caught"])
+def test_an_update_the_loop_never_closed_with_run_step_is_told_when_the_block_ends(digits, mode, ending):
+    # A Ctrl-C (or an error) between a step's update and its run.step, or a
+    # loop that catches it and breaks: the model had one update more than the
+    # run had rows, and the run said nothing of it.
+    model, optimizer = make_mlp(), keras.optimizers.SGD(0.1)
+    step = make_step(model, optimizer, mode)
+    raised = {"interrupt": KeyboardInterrupt, "error": ValueError, "caught": KeyboardInterrupt}[ending]
+    with pytest.raises(raised) if ending != "caught" else pytest.warns(RuntimeWarning, match="no row"):
+        with lab.watch(model, optimizer) as run:
+            try:
+                for index, (x, y) in enumerate(batches(*digits, 3)):
+                    loss = step(x, y)
+                    if index == 2:
+                        raise raised("stopped")
+                    run.step(loss=loss)
+            except KeyboardInterrupt:
+                if ending != "caught":
+                    raise
+    assert len(run) == 2 and int(optimizer.iterations.numpy()) == 3
+    told = events_about(run, "1 update after the last run.step")
+    assert len(told) == 1 and "no row" in told[0]
+    assert "apply" not in vars(optimizer)
+
+
+def test_a_block_that_closed_every_update_tells_of_none(digits):
+    model, optimizer = make_mlp(), keras.optimizers.SGD(0.1)
+    step = make_step(model, optimizer, "graph")
+    with pytest.raises(KeyboardInterrupt):
+        with lab.watch(model, optimizer) as run:
+            for x, y in batches(*digits, 2):
+                run.step(loss=step(x, y))
+            raise KeyboardInterrupt
+    assert list(run.events()["detail"]) == ["KeyboardInterrupt"]
+
+
 def test_a_model_too_wide_for_the_default_ring_gets_fewer_rows_within_the_64_mib_cap():
     # 2**16 slots a row: 256 rows fill the 2**24 slots (64 MiB) the ring may take.
     from lab.loop_probe import _LoopSlots
