@@ -5,8 +5,8 @@ measures goes into a device-side ring of rows, one row per step, whatever
 graph the user's step runs in (eager, `tf.function`, XLA). The graph writes
 the running row, whose start each call of the function takes from the host
 as an input (a call-time capture); `take()` closes a step by moving the
-host's row number (no op), and `read_rows()` reads the closed rows in one
-block and resets them. `row_columns` turns them into row columns on the
+host's row number (no op), `read_rows()` reads the closed rows in one
+block and `reset_rows()` resets them once the run has them. `row_columns` turns them into row columns on the
 host. The ring belongs to the model's life, not to one watch block: a step
 traced inside one block keeps writing it in later blocks.
 
@@ -237,20 +237,27 @@ class _LoopSlots:
         return tf.raw_ops.ResourceGather(resource=self.vector.handle, indices=indices, dtype=tf.float32).numpy()
 
     def read_rows(self, positions):
-        """The closed rows at `positions` (rows x width, numpy), in one read; then resets them.
+        """The closed rows at `positions` (rows x width, numpy), in one read.
 
+        They stay as they are until `reset_rows`, once the run has them: a
+        Ctrl-C landing where the host waits for this read (or a warning made
+        an error before the rows reach the run) leaves them to be read again.
         The running row is neither read nor reset: a step writing it while
         another thread reads the run loses nothing.
         """
-        positions = np.asarray(positions, np.int64)
-        flat = (positions[:, None] * self.width + np.arange(self.width)).reshape(-1)
-        flat_tensor = tf.constant(flat, tf.int64)
-        values = tf.raw_ops.ResourceGather(resource=self.vector.handle, indices=flat_tensor, dtype=tf.float32)
-        # The same indices for the reset: two eager ops, where an Nd scatter's
-        # reshaped indices took a third (each 0.1-0.3 ms after a run of steps).
-        tf.raw_ops.ResourceScatterUpdate(resource=self.vector.handle, indices=flat_tensor,
-                                         updates=tf.constant(self._reset_rows(len(positions))))
+        values = tf.raw_ops.ResourceGather(resource=self.vector.handle, indices=self._flat(positions),
+                                           dtype=tf.float32)
         return values.numpy().reshape(len(positions), self.width)
+
+    def reset_rows(self, positions):
+        """Puts the rows at `positions` back to their reset values (one eager op)."""
+        tf.raw_ops.ResourceScatterUpdate(resource=self.vector.handle, indices=self._flat(positions),
+                                         updates=tf.constant(self._reset_rows(len(positions))))
+
+    def _flat(self, positions):
+        """The ring's indices of every slot of the rows at `positions` (an int64 tensor)."""
+        positions = np.asarray(positions, np.int64)
+        return tf.constant((positions[:, None] * self.width + np.arange(self.width)).reshape(-1), tf.int64)
 
 
 _SLOTS = weakref.WeakKeyDictionary()  # model -> _LoopSlots
@@ -687,8 +694,12 @@ class LoopProbe(Probe):
         return self._slots.advance()
 
     def read_rows(self, taken):
-        """The rows `take()` closed (steps x slots, numpy), read in one block and reset."""
+        """The rows `take()` closed (steps x slots, numpy), read in one block; `reset_rows` once kept."""
         return self._slots.read_rows(taken)
+
+    def reset_rows(self, taken):
+        """Resets the rows `take()` closed, once the run has them."""
+        self._slots.reset_rows(taken)
 
     @property
     def rows_kept(self):

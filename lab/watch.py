@@ -273,6 +273,27 @@ class WatchedRun(StatusReporter, Run):
             return 0  # a subscriber reading the run while rows are being moved
         try:
             self._last_flush = time.perf_counter()
+            moved = self._move_pending()
+            if not moved:
+                return 0
+            if len(self) >= UNAPPLIED_STEPS:
+                self._check_applied()
+            self._check_constant_metrics()
+            self.probe.note_xla(self, len(self) - 1)
+            self.probe.note_trace_facts(self, len(self) - 1)
+            return moved
+        finally:
+            self._flush_lock.release()
+
+    def _move_pending(self):
+        """Reads the steps taken and appends their rows; returns how many.
+
+        Until the run has them, nothing is lost: an exception before that (a
+        Ctrl-C landing where the host waits for the device, a warning made an
+        error) leaves the steps to the next read, their rows on the device as
+        they are."""
+        pending, appended = None, False
+        try:
             with self._rows_lock:
                 pending, self._pending = self._pending, []
                 if not pending:
@@ -293,14 +314,14 @@ class WatchedRun(StatusReporter, Run):
             columns.update(rows)
             self._check_unseen_updates(rows, counts)
             self.append_batches(columns)
-            if len(self) >= UNAPPLIED_STEPS:
-                self._check_applied()
-            self._check_constant_metrics()
-            self.probe.note_xla(self, len(self) - 1)
-            self.probe.note_trace_facts(self, len(self) - 1)
+            appended = True
             return len(pending)
         finally:
-            self._flush_lock.release()
+            if appended:
+                self.probe.reset_rows([p[3] for p in pending])
+            elif pending and pending is not self._pending:
+                with self._rows_lock:
+                    self._pending = pending + self._pending
 
     def batches(self):
         if not self._closed:

@@ -750,6 +750,32 @@ def test_an_update_the_loop_never_closed_with_run_step_is_told_when_the_block_en
     assert "apply" not in vars(optimizer)
 
 
+@pytest.mark.parametrize("failure", [KeyboardInterrupt, RuntimeWarning])
+def test_a_ctrl_c_or_a_warning_made_an_error_while_the_rows_are_read_loses_no_row(digits, monkeypatch, failure):
+    # A Ctrl-C lands where the host waits, and a loop on a GPU waits for the
+    # device where the rows are read: it lost every step since the last read
+    # (the rows were reset on the device, the run had none of them).
+    model, optimizer = make_mlp(), keras.optimizers.SGD(0.1)
+    step = make_step(model, optimizer, "graph")
+    with pytest.raises(failure):
+        with lab.watch(model, optimizer, flush_every=3600) as run:
+            read = run.probe.read_rows
+
+            def read_then_fail(taken):
+                monkeypatch.setattr(run.probe, "read_rows", read)  # once
+                read(taken)
+                raise failure("while the rows were read")
+
+            monkeypatch.setattr(run.probe, "read_rows", read_then_fail)
+            for x, y in batches(*digits, 4):
+                run.step(loss=step(x, y))
+            run.batches()
+    frame = run.batches()
+    assert frame["step"].tolist() == [0, 1, 2, 3] and frame["updated"].tolist() == [1.0] * 4
+    assert frame["grad_norm"].notna().all()
+    assert run.events()["step"].tolist() == [3]
+
+
 def test_a_block_that_closed_every_update_tells_of_none(digits):
     model, optimizer = make_mlp(), keras.optimizers.SGD(0.1)
     step = make_step(model, optimizer, "graph")
