@@ -58,6 +58,7 @@ class StepCapture:
         self.regrouped = []  # keys whose update Grappler may regroup once the capture reads the gradient
         self.created = []
         self.applies = []  # (optimizer name, {key: gradient}) per apply, in order
+        self.ran = None  # after `resolve`: per value, whether the branch that makes it ran
         self._results = {}  # id(tensor) -> (metric, tensor): what each metric's result() gave
         self._hooks = hooks_for(model)
         self._depth = 0
@@ -215,10 +216,22 @@ class StepCapture:
 
     def resolve(self):
         """Reads what went through slots, after the step's nested graphs ran
-        (NaN where the branch that would have written it did not run)."""
+        (NaN where the branch that would have written it did not run).
+
+        `ran` says, per value, whether that branch ran: an update that a
+        LossScaleOptimizer skipped, or that gradient accumulation holds to
+        every k-th step, applied no gradient, as an eager step shows by
+        capturing none.
+        """
         def read(value):
             return value.read() if isinstance(value, _Slotted) else value
 
+        def ran(value):
+            return value.ran() if isinstance(value, _Slotted) else tf.constant(True)
+
+        self.ran = {"gradients": {k: ran(v) for k, v in self.gradients.items()},
+                    "applies": [{k: ran(v) for k, v in grads.items()} for _, grads in self.applies],
+                    "learning_rates": {k: ran(v) for k, v in self.learning_rates.items()}}
         self.gradients = {k: read(v) for k, v in self.gradients.items()}
         self.applies = [(name, {k: read(v) for k, v in grads.items()}) for name, grads in self.applies]
         self.learning_rates = {k: read(v) for k, v in self.learning_rates.items()}
@@ -239,8 +252,14 @@ class _Slotted:
             ok = written.read_value() > 0
             with tf.control_dependencies([current, ok]):
                 written.assign(0.0)
+            self._ran = ok
             self._read = tf.where(ok, current, nan) if current.dtype.is_floating else current
         return self._read
+
+    def ran(self):
+        """bool tensor, whether the branch that writes the value ran in this step."""
+        self.read()
+        return self._ran
 
 
 def hint(error, trace, capture):

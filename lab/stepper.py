@@ -635,6 +635,7 @@ class Stepper:
         if capture.applies:
             self._apply_names = [name for name, _ in capture.applies]  # Python values: kept at trace time
         outputs["learning_rate"] = {k: tf.convert_to_tensor(v) for k, v in capture.learning_rates.items()}
+        outputs["ran"] = capture.ran
         return outputs
 
     # ---- state ---------------------------------------------------------------
@@ -697,7 +698,11 @@ class Stepper:
     def _fill_outputs(self, trace, outputs, capture, before, after):
         trace.logs = {name: _scalar_or_array(value) for name, value in _log_entries(outputs["logs"])}
         trace.y_pred = to_numpy(outputs.get("y_pred"))
-        trace.gradients = {k: np.asarray(g) for k, g in outputs["gradients"].items()}
+        # A graph step returns every value its update could make; those of an
+        # update that did not run (held by gradient accumulation, skipped by a
+        # LossScaleOptimizer) are dropped, as an eager step never makes them.
+        ran = outputs.get("ran") or {}
+        trace.gradients = _that_ran(outputs["gradients"], ran.get("gradients"))
         trace.no_gradient = list(capture.no_gradient)
         row = {}
         if "loss" in outputs:
@@ -724,12 +729,14 @@ class Stepper:
                 continue
             if np.ndim(value) == 0:
                 row[name] = float(value)
-        rates = outputs["learning_rate"]
+        rates = _that_ran(outputs["learning_rate"], ran.get("learning_rates"))
         for name, rate in rates.items():
             row["learning_rate" if len(rates) == 1 else f"learning_rate/{name}"] = float(np.asarray(rate))
         # The probe's rule: a variable's norm covers every apply of the step
         # (in float64 here, so no finite gradient overflows).
-        applies = [{k: np.asarray(g) for k, g in grads.items()} for grads in outputs.get("applies", [])]
+        applies = outputs.get("applies", [])
+        applies_ran = ran.get("applies") or [None] * len(applies)
+        applies = [_that_ran(grads, flags) for grads, flags in zip(applies, applies_ran)]
         squares = {}
         for grads in applies or [trace.gradients]:
             for key, grad in grads.items():
@@ -738,7 +745,7 @@ class Stepper:
             row[schema.variable_column(schema.GRAD_NORM_PREFIX, key)] = square ** 0.5
         if squares:
             row[schema.GRAD_NORM] = sum(squares.values()) ** 0.5
-        names = getattr(self, "_apply_names", [])[: len(applies)]
+        names = [name for name, grads in zip(getattr(self, "_apply_names", []), applies) if grads]
         for name in set(names):
             if names.count(name) > 1:
                 row[schema.per_optimizer_column(schema.APPLIES_PREFIX, name)] = float(names.count(name))
@@ -808,6 +815,11 @@ def _log_entries(logs):
     a dict, whose entries are the logs."""
     for name, value in logs.items():
         yield from (value.items() if isinstance(value, dict) else [(name, value)])
+
+
+def _that_ran(values, ran):
+    """{key: ndarray} of the values whose making branch ran (`ran`: key -> bool, None for all)."""
+    return {k: np.asarray(v) for k, v in values.items() if ran is None or bool(np.asarray(ran[k]))}
 
 
 def _scalar_or_array(value):

@@ -1047,3 +1047,40 @@ def test_a_loss_spike_on_a_step_that_logs_no_loss_warns_that_it_can_never_hit():
     with pytest.warns(UserWarning, match=r"loss_spike\(3\) watches the step's loss.*own_loss.*never hit"):
         stepper.run_until(lab.breakpoints.loss_spike(3.0, warmup=1), max_steps=3)
     assert not stepper.hit
+
+
+@pytest.mark.parametrize("case", ["accumulation", "loss scale overflow"])
+def test_a_graph_stepper_shows_no_gradient_for_an_update_that_did_not_run_as_an_eager_one(case):
+    # Gradient accumulation applies on every second step; a LossScaleOptimizer
+    # whose scale overflows float16 skips its updates. The graph step's update
+    # runs in a cond branch: where it did not run, its gradients were NaN, so
+    # run_until(nonfinite()) stopped at step 0 on training that bare fit() and
+    # the eager Stepper go through.
+    def build():
+        keras.utils.set_random_seed(0)
+        if case == "accumulation":
+            optimizer = keras.optimizers.SGD(0.1, gradient_accumulation_steps=2)
+        else:
+            keras.mixed_precision.set_global_policy("mixed_float16")
+            optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=2.0 ** 40)
+        try:
+            model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(5, activation="relu", name="hidden"),
+                                      keras.layers.Dense(3, name="out"),
+                                      keras.layers.Activation("linear", dtype="float32")], name="net")
+            model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        finally:
+            keras.mixed_precision.set_global_policy("float32")
+        return model
+
+    traces = {}
+    for mode in ("eager", "graph"):
+        stepper = lab.Stepper(build(), (X, Y), batch_size=8, shuffle=False, mode=mode, run=lab.Run())
+        stepper.run_until(lab.breakpoints.nonfinite(), max_steps=4)
+        assert not stepper.hit and stepper.next_index == 4, mode
+        traces[mode] = stepper.traces
+    updated = [False, True, False, True] if case == "accumulation" else [False] * 4  # every second applies the mean
+    for eager, graph, applied in zip(traces["eager"], traces["graph"], updated):
+        assert sorted(graph.gradients) == sorted(eager.gradients) and bool(graph.gradients) == applied
+        assert sorted(graph.row) == sorted(eager.row)
+        for key, gradient in eager.gradients.items():
+            np.testing.assert_allclose(graph.gradients[key], gradient, rtol=1e-5)
