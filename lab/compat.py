@@ -172,6 +172,15 @@ def watch_loss_scaling(seen):
                     loss_module.unscale_loss_for_distribution = own[1]
 
 
+def fit_builds_first(model):
+    """True where `fit()` builds the model, its metrics and its optimizer from
+    one batch before the first step: under a distribution strategy
+    (`Trainer._maybe_symbolic_build`, all supported releases). Elsewhere the
+    train function's trace builds them, and the optimizer is built on the
+    variables the step applies, not on every trainable one."""
+    return getattr(model, "_distribute_strategy", None) is not None
+
+
 def symbolic_build(model, data_batch):
     """Builds an unbuilt model, its metrics and optimizer from one batch, as
     `fit()` does under a strategy (`Trainer._symbolic_build`, all supported

@@ -35,6 +35,7 @@ from lab.modes import (
 from lab.compat import (
     array_batches,
     eager_op_seeds,
+    fit_builds_first,
     keras_global_seed_generator,
     set_eager_op_seeds,
     set_keras_global_seed_generator,
@@ -166,15 +167,20 @@ def _build(model, batch):
 
     Like `fit()` under a strategy, an unbuilt model is built symbolically from
     one batch. A model Keras cannot build that way (one with no `call()`, such
-    as a GAN or VAE that only overrides `train_step`) is built by one eager
-    step, whose effect is then undone: the variables it created are put back
-    to their initial values by `_State`. Returns those (variable, initial).
+    as a GAN or VAE that only overrides `train_step`), and an unbuilt optimizer
+    that `fit()` would build in its trace (no strategy: on the variables the
+    step applies, where a symbolic build takes every trainable one), are built
+    by one eager step, whose effect is then undone: the variables it created
+    are put back to their initial values by `_State`. Returns those
+    (variable, initial).
     """
-    try:
-        symbolic_build(model, batch)
-        return []
-    except Exception:  # noqa: BLE001 - Keras' "Unable to automatically build the model"
-        pass
+    optimizer = getattr(model, "optimizer", None)
+    if fit_builds_first(model) or optimizer is None or optimizer.built:
+        try:
+            symbolic_build(model, batch)
+            return []
+        except Exception:  # noqa: BLE001 - Keras' "Unable to automatically build the model"
+            pass
     created = []
 
     def record(next_creator, **kwargs):

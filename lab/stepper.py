@@ -577,10 +577,14 @@ class Stepper:
         if self._graph_step is None or self._graph_compiled != compiled:
             # First, or the model was compiled again (fine-tuning: a new
             # optimizer, layers unfrozen): trace its step anew, as fit() does.
-            with _built_here(self, capture):
-                self._build_for_graph(data)
             self._graph_capture = capture
             self._graph_step = tf.function(lambda d: self._traced(d, self._graph_capture), reduce_retracing=True)
+            with _built_here(self, capture):
+                self._build_for_graph(data)
+                # Traced before it runs, so that what the trace builds (the
+                # optimizer's slots, on the variables the step applies, as in
+                # fit()) is counted at its first values.
+                self._graph_step.get_concrete_function(data)
             self._graph_compiled = compiled
         self._graph_capture = capture
         outputs = self._graph_step(data)
@@ -599,9 +603,11 @@ class Stepper:
             optimizer.build(self.model.trainable_variables)
 
     def _build_for_graph(self, data):
-        """Creates the model's and optimizer's variables before tracing, as fit() does
-        under a strategy, so the first graph step can be rewound like any other."""
-        build = getattr(self.model, "_symbolic_build", None)
+        """Creates the model's and optimizer's variables before tracing where fit()
+        does (under a strategy). Elsewhere fit() leaves them to its trace: the
+        optimizer is then built on the variables the step applies, not on
+        every trainable one (a distiller's teacher that its step leaves alone)."""
+        build = getattr(self.model, "_maybe_symbolic_build", None)
         if build is None or self._step_function is not None:
             return
         try:

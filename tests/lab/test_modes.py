@@ -490,6 +490,50 @@ def test_the_fit_after_compare_modes_trains_as_it_would_have(data, draw, mode):
         np.testing.assert_array_equal(got, want)
 
 
+class StudentOnly(keras.Model):
+    """keras-io's knowledge distillation before Keras 3: the step trains the
+    student only; the teacher stays trainable, and no optimizer touches it."""
+
+    def __init__(self):
+        super().__init__()
+        self.teacher = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
+        self.student = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
+
+    def call(self, x):
+        return self.student(x)
+
+    def train_step(self, data):
+        x, y = data
+        taught = tf.nn.softmax(self.teacher(x, training=False))
+        with tf.GradientTape() as tape:
+            guess = self.student(x, training=True)
+            loss = tf.reduce_mean(keras.losses.kl_divergence(taught, tf.nn.softmax(guess)))
+        variables = self.student.trainable_variables
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        return {"distillation_loss": loss}
+
+
+def test_compare_modes_leaves_the_optimizer_to_be_built_on_the_variables_the_step_applies(data):
+    # Its symbolic build gave the optimizer slots for the teacher too, which
+    # fit() (no strategy) never makes: every later fit() carried them.
+    x, y = data
+
+    def fitted(compare):
+        keras.utils.set_random_seed(0)
+        model = StudentOnly()
+        model.compile("adam")
+        if compare:
+            lab.compare_modes(model, (x, y), steps=2, batch_size=8, modes=("eager", "graph"),
+                              steps_per_execution=(1,))
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+        return model
+
+    got, want = fitted(compare=True), fitted(compare=False)
+    assert [v.shape for v in got.optimizer.variables] == [v.shape for v in want.optimizer.variables]
+    for mine, theirs in zip(got.optimizer.variables + got.weights, want.optimizer.variables + want.weights):
+        np.testing.assert_array_equal(mine.numpy(), theirs.numpy())
+
+
 class CountedModel(keras.Sequential):
     """Keeps its own step counter, a tf.Variable (e.g. for a warm-up ramp)."""
 

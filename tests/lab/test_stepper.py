@@ -929,6 +929,51 @@ def test_rewind_puts_back_a_stateful_rnns_recurrent_state_and_the_replay_is_exac
         assert stepper.step(1).logs["loss"] == first
 
 
+class StudentOnly(keras.Model):
+    """keras-io's knowledge distillation before Keras 3: the step trains the
+    student only; the teacher stays trainable, and no optimizer touches it."""
+
+    def __init__(self):
+        super().__init__()
+        self.teacher = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+        self.student = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+
+    def call(self, x):
+        return self.student(x)
+
+    def train_step(self, data):
+        x, y = data
+        taught = tf.nn.softmax(self.teacher(x, training=False))
+        with tf.GradientTape() as tape:
+            guess = self.student(x, training=True)
+            loss = tf.reduce_mean(keras.losses.kl_divergence(taught, tf.nn.softmax(guess)))
+        variables = self.student.trainable_variables
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        return {"distillation_loss": loss}
+
+
+def test_a_graph_stepper_builds_the_optimizer_on_the_variables_the_step_applies_as_fit_does():
+    # A symbolic build before tracing gave Adam slots for the teacher too,
+    # which fit() (no strategy) never makes: 10 optimizer variables, not 6.
+    def make():
+        keras.utils.set_random_seed(0)
+        model = StudentOnly()
+        model.compile("adam")
+        return model
+
+    bare = make()
+    bare.fit(X, Y, batch_size=8, shuffle=False, verbose=0)
+    model = make()
+    stepper = lab.Stepper(model, (X, Y), batch_size=8, shuffle=False, mode="graph")
+    stepper.step(5)
+    assert [v.shape for v in model.optimizer.variables] == [v.shape for v in bare.optimizer.variables]
+    for mine, theirs in zip(model.optimizer.variables + model.weights, bare.optimizer.variables + bare.weights):
+        np.testing.assert_array_equal(mine.numpy(), theirs.numpy())
+    stepper.rewind(5)
+    assert int(model.optimizer.iterations.numpy()) == 0
+    assert all(not np.any(v.numpy()) for v in model.optimizer.variables if "momentum" in v.path or "velocity" in v.path)
+
+
 @pytest.mark.parametrize("mode", ["graph", "eager"])
 def test_rewinding_the_first_steps_puts_adams_new_moments_back_to_zero_and_the_replay_is_fit(mode):
     # The graph step built Adam's slots before tracing, after the state it
