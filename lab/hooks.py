@@ -22,8 +22,9 @@ The train function is special: Keras replaces it (`compile()`,
 every batch. `sync_train_function()` (called at batch begin) notices a
 replacement, takes the new function as the base and wraps it again. A train
 function traced while an owner's method patches were on carries those hooks
-in its graph; it is dropped from the model when that owner is released, so a
-later `fit()` without the lab traces a clean one.
+in its graph; it is dropped from the model when that owner is released, in
+favour of a clean one made in its mode (not yet traced), so a later `fit()`
+without the lab traces a clean one and runs it in the mode it would have.
 
 The hooks on the optimizer's `apply` and on methods are backend-neutral
 Python; what a wrapper computes on the device (the TensorFlow part) lives in
@@ -302,7 +303,8 @@ class Hooks:
         """Takes off everything `owner` put on; never raises.
 
         A train function traced while `owner`'s method wrappers were on is
-        dropped from the model (Keras builds a clean one when next needed).
+        dropped from the model for a clean one, made in its mode and traced
+        when next called.
         """
         errors = []
         with _lock:
@@ -336,15 +338,33 @@ class Hooks:
         return owners
 
     def _drop_traced_function(self):
+        from lab import modes  # modes builds on this module
+
         model = self._model()
         if model is None:
             return
+        dropped = self.train_function_base()
+        mode = modes.running_mode(model)
         stack = self._stacks.get((id(model), "train_function"))
         if stack is not None:
             stack.base = None
             self._compose(stack)
         else:
             model.train_function = None
+        if dropped is None or model.__dict__.get("train_function") is not None:
+            return
+        # Keras keeps its train function when `run_eagerly` or `jit_compile`
+        # is set by hand; one it makes at the next fit() follows the
+        # attributes. So a clean one is made now, in the dropped one's mode:
+        # the mode the next fit() runs in, as without the lab.
+        try:
+            with modes.made_in(model, mode):
+                model.make_train_function(force=True)
+        except Exception as error:  # noqa: BLE001 - releasing never raises
+            model.train_function = None
+            warnings.warn(f"The lab could not make a clean train function: {error}; the next fit() makes one "
+                          "in the mode run_eagerly / jit_compile say.", RuntimeWarning, stacklevel=3)
+        self.sync_train_function()
 
 
 def _adopt_replacement(stack, target):

@@ -171,7 +171,7 @@ class FlipInFit(keras.callbacks.Callback):
             setattr(self.model, self.attribute, True)
 
 
-def fit_flipped(data, attribute, when, recorder=None):
+def fit_flipped(data, attribute, when, recorder=None, second_recorded=True):
     """Two fits of one epoch; `attribute` set True by hand between them or inside the first."""
     x, y = data
     model = make_model(TraceRecordingModel)
@@ -184,7 +184,8 @@ def fit_flipped(data, attribute, when, recorder=None):
         setattr(model, attribute, True)
     keras.utils.set_random_seed(2)
     history.history.update({f"2/{k}": v for k, v in model.fit(
-        x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=callbacks).history.items()})
+        x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+        callbacks=callbacks if second_recorded else []).history.items()})
     return model, history.history, list(TraceRecordingModel.seen)
 
 
@@ -205,6 +206,21 @@ def test_an_attribute_set_by_hand_is_recorded_as_what_keras_runs(data, attribute
     assert list(recorder.run.batches()["mode"]) == ["graph"] * 20
     assert "mode" not in set(recorder.run.events()["kind"]) and "recompile" not in set(recorder.run.events()["kind"])
     assert getattr(model, attribute) is True  # the attribute stays as the user set it
+
+
+@pytest.mark.parametrize("when", ["between", "inside"])
+@pytest.mark.parametrize("attribute", ["run_eagerly", "jit_compile"])
+def test_a_plain_fit_after_a_recorded_one_runs_the_mode_keras_kept(data, attribute, when):
+    # The Recorder drops the train function it traced with its hooks at the
+    # end of its fit(); the function Keras made at the next plain fit()
+    # followed the attributes set by hand since: eager or XLA steps where
+    # plain Keras runs its kept graph function.
+    bare, bare_logs, bare_traces = fit_flipped(data, attribute, when)
+    model, logs, traces = fit_flipped(data, attribute, when, lab.Recorder(), second_recorded=False)
+    assert set(traces) == set(bare_traces) == {"graph"}  # retraced, in the mode Keras kept
+    assert all(np.array_equal(a, b) for a, b in zip(state(model), state(bare)))
+    assert logs == bare_logs
+    assert modes.running_mode(model) == "graph" and getattr(model, attribute) is True
 
 
 def test_after_an_attribute_set_by_hand_compile_runs_the_new_mode(data):

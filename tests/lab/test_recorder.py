@@ -257,6 +257,25 @@ def test_one_recorder_serves_several_fits_without_retracing(digits):
     assert np.isfinite(rows["loss"]).all()
 
 
+def times_traced(function):
+    """How often the tf.functions in a Keras train function (or its closures) were traced."""
+    seen, count, todo = set(), 0, [function]
+    while todo:
+        function = todo.pop()
+        if id(function) in seen:
+            continue
+        seen.add(id(function))
+        if isinstance(function, tf.types.experimental.PolymorphicFunction):
+            count += function.experimental_get_tracing_count()
+            function = function.python_function
+        for cell in getattr(function, "__closure__", None) or ():
+            try:
+                todo.append(cell.cell_contents)
+            except ValueError:  # a cell not filled yet
+                pass
+    return count
+
+
 def test_the_lab_leaves_no_trace_on_the_model(digits, tmp_path):
     x, y, _, _ = digits
     model = compile_(make_mlp())
@@ -266,7 +285,10 @@ def test_the_lab_leaves_no_trace_on_the_model(digits, tmp_path):
     for name in ("train_step", "compute_loss"):
         assert name not in model.__dict__
     assert "_backend_update_step" not in model.optimizer.__dict__
-    assert model.train_function is None  # a later fit() builds a clean function
+    # A clean function, not traced yet (a later fit() traces it without the
+    # hooks), in the mode of the one dropped.
+    assert times_traced(model.train_function) == 0
+    assert lab.modes.running_mode(model) == "graph"
     path = str(tmp_path / "m.weights.h5")
     model.save_weights(path)
     fresh = compile_(make_mlp(seed=5))
