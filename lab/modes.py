@@ -277,8 +277,12 @@ def guard_first_step(model):
     """
     with _lock:
         entry = _unverified.get(model)
-        if entry is not None and current_mode(model) != entry[2]:
-            # compile() or the attributes changed the mode since: nothing to check.
+    if entry is not None and running_mode(model) != entry[2]:
+        # compile() changed the mode since: nothing to check. (The mode of
+        # the function that runs, not the attributes': Keras keeps the
+        # switch's function when they are set by hand, and it still needs
+        # its check.)
+        with _lock:
             _unverified.pop(model, None)
             entry = None
     if entry is None:

@@ -301,6 +301,22 @@ def test_a_watched_fit_checks_the_first_xla_step_too(data):
     assert modes.current_mode(model) == "graph"
 
 
+@pytest.mark.parametrize("callback", [None, "switcher", "recorder"])
+def test_the_first_xla_step_is_checked_after_run_eagerly_set_by_hand(data, callback):
+    # Keras keeps the XLA function set_mode made when run_eagerly is set by
+    # hand; a ModeSwitcher or Recorder dropped its check (the attributes
+    # said eager), and the failing step raised TensorFlow's error in XLA.
+    x, y = data
+    model = make_model(extra=[NumpyIdentity()])
+    model.fit(x[:16], y[:16], batch_size=8, verbose=0)
+    lab.set_mode(model, "xla")
+    model.run_eagerly = True
+    callbacks = {None: [], "switcher": [lab.ModeSwitcher()], "recorder": [lab.Recorder()]}[callback]
+    with pytest.raises(ModeError, match="back in 'graph' mode"):
+        model.fit(x[:16], y[:16], batch_size=8, verbose=0, callbacks=callbacks)
+    assert modes.running_mode(model) == "graph" and int(model.optimizer.iterations) == 2
+
+
 def test_a_step_failing_in_eager_raises_its_own_error_and_stays_in_eager(data):
     # Eager is where one debugs a failing step: its error is the step's own.
     x, y = data
