@@ -300,29 +300,44 @@ class Hooks:
     # ---- releasing ------------------------------------------------------------
 
     def release(self, owner):
-        """Takes off everything `owner` put on; never raises.
+        """Takes off everything `owner` put on; raises only a Ctrl-C that
+        came meanwhile, once everything is off.
 
         A train function traced while `owner`'s method wrappers were on is
         dropped from the model for a clean one, made in its mode and traced
         when next called.
         """
-        errors = []
+        errors, interrupts = [], []
         with _lock:
             for role, held in list(self._roles.items()):
                 if held is owner:
                     del self._roles[role]
             for stack in list(self._stacks.values()):
                 if any(w[2] is owner for w in stack.wrappers):
-                    try:
-                        stack.wrappers = [w for w in stack.wrappers if w[2] is not owner]
-                        self._recompose(stack)
-                    except Exception as error:  # noqa: BLE001 - the rest must come off too
-                        errors.append(error)
+                    stack.wrappers = [w for w in stack.wrappers if w[2] is not owner]
+                    self._settle(lambda: self._recompose(stack), errors, interrupts)
             if id(owner) in self._tainted:
                 self._tainted.discard(id(owner))
-                self._drop_traced_function()
+                self._settle(self._drop_traced_function, errors, interrupts)
         for error in errors:
             warnings.warn(f"The lab could not take a hook off: {error}", RuntimeWarning, stacklevel=2)
+        if interrupts:
+            raise interrupts[0]
+
+    @staticmethod
+    def _settle(step, errors, interrupts):
+        """Runs one part of a release. An error is kept for a warning; a
+        Ctrl-C (or SystemExit) is kept and the part tried once more, so the
+        rest of the hooks still come off before `release` raises it."""
+        for _ in range(2):
+            try:
+                step()
+                return
+            except Exception as error:  # noqa: BLE001 - the rest must come off too
+                errors.append(error)
+                return
+            except BaseException as interrupt:  # noqa: BLE001 - raised once all is off
+                interrupts.append(interrupt)
 
     def release_all(self):
         """Takes off every owner's wrappers; returns the owners."""

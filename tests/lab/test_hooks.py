@@ -188,6 +188,35 @@ def test_an_interrupt_inside_the_labs_own_code_frees_the_model(monkeypatch, wher
     assert fresh.status == "finished"
 
 
+def test_an_interrupt_while_the_lab_takes_its_hooks_off_still_takes_them_all_off(monkeypatch):
+    # A Ctrl-C that lands inside release itself (a watch block's end, a
+    # Stepper's close: each releases once): the wrappers after it come off
+    # too, and the interrupt reaches the user.
+    model = mlp()
+    owner = object()
+    wrapped = hooks.hooks_for(model)
+    for name in ("train_step", "compute_loss", "call"):
+        wrapped.wrap(owner, model, name, lambda inner: (lambda *a, **k: inner(*a, **k)), role="probe")
+    original, fired = hooks.Hooks._recompose, []
+
+    def interrupted(self, stack):
+        if not fired:
+            fired.append(stack.name)
+            raise KeyboardInterrupt
+        return original(self, stack)
+
+    monkeypatch.setattr(hooks.Hooks, "_recompose", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        wrapped.release(owner)
+    monkeypatch.undo()
+    assert fired
+    no_lab_left(model)
+    rec = lab.Recorder(gradients=True)
+    fit(model, [rec])
+    assert rec.status == "finished" and len(rec.run) == 4
+    no_lab_left(model)
+
+
 def test_a_failure_of_the_labs_own_step_code_leaves_training_as_keras_runs_it(monkeypatch):
     model = mlp()
     bare = twin(model)
