@@ -266,7 +266,9 @@ def _parse(spec):
     missing = [i for i in indices if i >= len(available)]
     if missing:
         raise ValueError(_missing_message(spec, device_type, missing))
-    chosen = tuple(available[i] for i in indices)
+    # In the order TensorFlow lists them, as "mirrored" takes them: the same
+    # devices named in another order are the same strategy.
+    chosen = tuple(available[i] for i in sorted(indices))
     return ("one" if len(chosen) == 1 else "mirrored"), chosen
 
 

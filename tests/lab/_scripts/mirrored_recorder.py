@@ -368,7 +368,8 @@ def main():
     mirrored = lab.strategy("mirrored")
     out["replicas"] = mirrored.num_replicas_in_sync
     out["mirrored_type"] = type(mirrored).__name__
-    out["same_object"] = lab.strategy("mirrored") is mirrored and lab.strategy("cpu:0,1") is mirrored
+    out["same_object"] = (lab.strategy("mirrored") is mirrored and lab.strategy("cpu:0,1") is mirrored
+                          and lab.strategy(" CPU:1, 0") is mirrored)
     out["cpu1"] = type(lab.strategy("cpu:1")).__name__
     out["split"] = batch_split(mirrored, 33)[["device", "examples"]].values.tolist()
     out["split_against_tf"] = [(batch_split(mirrored, n)["examples"].tolist(), tf_split(mirrored, n)) for n in (33, 1)]
