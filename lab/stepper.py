@@ -55,6 +55,15 @@ UNREPEATABLE_MESSAGE = (
     "keras.random and a keras.random.SeedGenerator held by the model (its state is "
     "rewound) for steps that replay exactly.")
 
+REPLICAS_MESSAGE = (
+    "The model is under {strategy} with {replicas} replicas, and the Stepper runs train_step as "
+    "one device does: on the whole batch, where fit() splits each batch over the replicas and "
+    "sums their gradients. Every replica's copy takes the same update, but it is not fit()'s: "
+    "what a layer computes over the batch (BatchNormalization's statistics) differs, and the "
+    "sums run in another order, so weights part from a fit()'s by float rounding, and with "
+    "BatchNormalization by more. Step a copy of the model built outside the strategy's scope "
+    "to compare with a one-device fit().")
+
 
 @dataclasses.dataclass
 class StepTrace:
@@ -165,6 +174,10 @@ class Stepper:
         start_batch: tuple (epoch, batch) of the first batch (to continue a
             fit() mid-epoch: metrics are reset only at a batch 0).
 
+    A model built under a strategy with several replicas steps as one device
+    does, on the whole batch (not split over the replicas as in fit()); the
+    stepper says so once (`REPLICAS_MESSAGE`).
+
     Example:
 
     ```python
@@ -218,6 +231,7 @@ class Stepper:
         self._logged_metrics = {}  # logged name -> the metric whose result the step returned
         self._told_unrepeatable = False
         self.last_trace = None
+        self._tell_replicas()
 
     # ---- public ------------------------------------------------------------
 
@@ -590,6 +604,17 @@ class Stepper:
         outputs = self._graph_step(data)
         capture.no_gradient = capture.no_gradient or getattr(self, "_graph_no_gradient", [])
         return outputs
+
+    def _tell_replicas(self):
+        """Says, once per Stepper, that a multi-replica model steps as one device."""
+        strategy = self.model.distribute_strategy
+        if strategy.num_replicas_in_sync == 1:
+            return
+        message = REPLICAS_MESSAGE.format(strategy=type(strategy).__name__,
+                                          replicas=strategy.num_replicas_in_sync)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        if self.run is not None:
+            self.run.add_event("warning", message, step=self._index)
 
     def _build_optimizer_in_scope(self):
         """Under a distribution strategy, builds the compiled optimizer in its

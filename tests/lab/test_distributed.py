@@ -106,6 +106,10 @@ def test_stepper_and_mode_switch_on_a_mirrored_model(mirrored):
     assert tools["step_error"] == "None" and tools["step_index"] == 0
     assert np.isfinite(tools["step_loss"]) and tools["step_gradients"] == 4
     assert tools["traces_after_rewind"] == 1
+    # It steps as one device does, not as fit() splits a batch over the replicas: said once, in
+    # the notebook and in the run (BatchNormalization's weights part from a mirrored fit's by 4e-3).
+    assert len(tools["replicas_told"]) == 1 and "MirroredStrategy with 2 replicas" in tools["replicas_told"][0]
+    assert tools["replicas_events"] == tools["replicas_told"]
     assert "XLA under MirroredStrategy" in tools["xla"]
     # An optimizer with slots (Adam) steps too: it failed, its slots made inside the step.
     assert tools["adam_step_error"] == "None" and tools["adam_slots"] > 2

@@ -4,6 +4,7 @@ against the same training on one device. Prints one JSON line."""
 import json
 import os
 import sys
+import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -139,13 +140,18 @@ def stepper_and_modes(strategy, x, y):
     """The Stepper, and set_mode's eager mode and XLA refusal, on a mirrored model."""
     with strategy.scope():
         model = make_model()
-    stepper = lab.Stepper(model, (x, y), batch_size=16, shuffle=False)
+    run = lab.Run()
+    with warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
+        stepper = lab.Stepper(model, (x, y), batch_size=16, shuffle=False, run=run)
+    replicas_told = [str(w.message) for w in told if "replicas" in str(w.message)]
     trace = stepper.step()
     stepper.step()
     stepper.rewind(1)
     out = {"step_index": trace.index, "step_loss": float(trace.logs["loss"]),
            "step_gradients": len(trace.gradients or {}), "step_error": repr(trace.error),
-           "traces_after_rewind": len(stepper.traces)}
+           "traces_after_rewind": len(stepper.traces), "replicas_told": replicas_told,
+           "replicas_events": [d for d in run.events()["detail"] if "replicas" in d]}
     # Adam's slots: made in the scope before the first step, as fit() makes them.
     with strategy.scope():
         adam = make_model()
