@@ -1,5 +1,8 @@
 """Model state on the host: read all the state a training step may change, write it back."""
 
+import contextlib
+import signal
+import threading
 import weakref
 
 import numpy as np
@@ -38,10 +41,46 @@ def read_state(model):
 
 
 def write_state(state):
-    """Puts back a state taken by `read_state` (only variables that differ are written)."""
-    for variable, array in state.values():
-        if not replicated(variable) and not same_array(np.asarray(variable.numpy()), array):
+    """Puts back a state taken by `read_state` (only variables that differ are
+    written), whole: a Ctrl-C meanwhile is raised once all are written."""
+    with uninterrupted():
+        for variable, array in state.values():
+            if not replicated(variable) and not same_array(np.asarray(variable.numpy()), array):
+                variable.assign(array)
+
+
+@contextlib.contextmanager
+def uninterrupted():
+    """Holds a Ctrl-C (SIGINT) back until the block ends, then delivers it.
+
+    For writes that must happen together (a rewind's variables, its history
+    and the data position): an interrupt between two of them left a model
+    half rewound. Off the main thread, where Python delivers no signal, the
+    block runs as it is.
+
+    Example:
+
+    ```python
+    with uninterrupted():
+        for variable, array in saved:
             variable.assign(array)
+    ```
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = []
+    try:
+        previous = signal.signal(signal.SIGINT, lambda number, frame: held.append(number))
+    except ValueError:  # an embedding that owns the signals
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            signal.raise_signal(signal.SIGINT)
 
 
 def training_variables(model, optimizers, created):

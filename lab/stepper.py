@@ -34,7 +34,7 @@ from lab.feed import Feed, to_numpy
 from lab.hooks import CompiledState, hooks_for
 from lab.norms import shown_names
 from lab.probes import find_optimizers, is_mean, leaf_metrics, variable_keys
-from lab.state import raw_variable, read_variables, replicated, same_array, training_variables
+from lab.state import raw_variable, read_variables, replicated, same_array, training_variables, uninterrupted
 from lab.step_capture import StepCapture, hint
 
 
@@ -417,30 +417,31 @@ class Stepper:
                 f"{(stale or [self._index])[0]}, so the optimizer and metric state those steps changed "
                 "is gone. Nothing was restored; the history was dropped. Step again to start a new history."
             )
-        undone = [self._snapshots.pop() for _ in range(n)]
-        # The breakpoints' state as before the oldest undone step that was
-        # checked (steps between took no check): a loss_spike's running
-        # average must not count the rewound losses twice.
-        checked = next((s.conditions for s in reversed(undone) if s.conditions is not None), None)
-        if checked is not None:
-            for name, (variable, initial) in self._condition_state.items():
-                variable.assign(checked.get(name, initial))
-        for snapshot in undone:  # newest first: a step rewound twice keeps its first ending
-            self._replayed[snapshot.trace.index] = snapshot.trace.weights_after
-        restore = {}
-        for snapshot in undone:  # newest first, so the oldest value wins
-            restore.update(snapshot.before)
-        for key, array in restore.items():
-            variable = self._state[key][0]
-            if not replicated(variable):  # else each replica's copy is written, by its own key
-                variable.assign(array)
-            self._state[key] = (variable, array)
-        self.feed.push_back([s.fed for s in reversed(undone)])
-        self._index = undone[-1].trace.index
-        if self.run is not None:
-            self.run.next_step = self._index  # the rewound steps' numbers come again
-            self.run.add_event("rewind", f"to before step {self._index}", step=self._index)
-        self.last_trace = self._snapshots[-1].trace if self._snapshots else None
+        with uninterrupted():  # a Ctrl-C meanwhile left a model half rewound
+            undone = [self._snapshots.pop() for _ in range(n)]
+            # The breakpoints' state as before the oldest undone step that was
+            # checked (steps between took no check): a loss_spike's running
+            # average must not count the rewound losses twice.
+            checked = next((s.conditions for s in reversed(undone) if s.conditions is not None), None)
+            if checked is not None:
+                for name, (variable, initial) in self._condition_state.items():
+                    variable.assign(checked.get(name, initial))
+            for snapshot in undone:  # newest first: a step rewound twice keeps its first ending
+                self._replayed[snapshot.trace.index] = snapshot.trace.weights_after
+            restore = {}
+            for snapshot in undone:  # newest first, so the oldest value wins
+                restore.update(snapshot.before)
+            for key, array in restore.items():
+                variable = self._state[key][0]
+                if not replicated(variable):  # else each replica's copy is written, by its own key
+                    variable.assign(array)
+                self._state[key] = (variable, array)
+            self.feed.push_back([s.fed for s in reversed(undone)])
+            self._index = undone[-1].trace.index
+            if self.run is not None:
+                self.run.next_step = self._index  # the rewound steps' numbers come again
+                self.run.add_event("rewind", f"to before step {self._index}", step=self._index)
+            self.last_trace = self._snapshots[-1].trace if self._snapshots else None
         return self.last_trace
 
     def sync(self):

@@ -1129,3 +1129,35 @@ def test_a_graph_stepper_shows_no_gradient_for_an_update_that_did_not_run_as_an_
         assert sorted(graph.row) == sorted(eager.row)
         for key, gradient in eager.gradients.items():
             np.testing.assert_allclose(graph.gradients[key], gradient, rtol=1e-5)
+
+
+def test_a_ctrl_c_during_rewind_rewinds_whole_and_reaches_the_user(monkeypatch):
+    # A real SIGINT (the notebook's interrupt button) between two variables'
+    # writes left the model half rewound: some weights back, the history
+    # and the data position not, so stepping on replayed nothing as before.
+    import signal
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 6)).astype("float32"), rng.integers(0, 3, 32)
+    model = make_model()
+    before = [v.numpy().copy() for v in model.variables + model.optimizer.variables]
+    stepper = lab.Stepper(model, (x, y), batch_size=8, shuffle=False)
+    first = [float(trace.logs["loss"]) for trace in [stepper.step() for _ in range(3)]]
+    calls = {"n": 0}
+    replicated = lab.stepper.replicated
+
+    def interrupting(variable):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            signal.raise_signal(signal.SIGINT)
+        return replicated(variable)
+
+    monkeypatch.setattr(lab.stepper, "replicated", interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        stepper.rewind(3)
+    monkeypatch.undo()
+    after = [v.numpy() for v in model.variables + model.optimizer.variables]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+    assert calls["n"] > 2, "the interrupt must land inside the rewind's writes"
+    again = [float(trace.logs["loss"]) for trace in [stepper.step() for _ in range(3)]]
+    assert again == first and [t.index for t in stepper.traces] == [0, 1, 2]
