@@ -61,6 +61,7 @@ def uninterrupted():
     Example:
 
     ```python
+    saved = [(variable, variable.numpy()) for variable in model.variables]
     with uninterrupted():
         for variable, array in saved:
             variable.assign(array)
