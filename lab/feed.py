@@ -78,6 +78,24 @@ class Feed:
             self._batch = position[1] + 1
             return item
 
+    def signature(self, data):
+        """What to trace a step on `data`, a batch of this feed, with: the
+        shapes fit() traces its train function with, so that the Stepper's
+        graph step is fit()'s program. fit() leaves the batch size of a
+        dataset as the dataset declares it (`element_spec`), and unknown for
+        a generator, a PyDataset, and arrays that end in a partial batch; a
+        step traced on a batch of known size instead is free to fold it in,
+        and a loss's mean ended an ulp away from fit()'s (a CycleGAN's).
+        Where the batch does not fit that signature, the batch itself."""
+        spec = self._source.signature(data)
+        try:
+            tf.nest.assert_same_structure(spec, data)
+            fits = all(not isinstance(leaf, tf.TensorSpec) or leaf.is_compatible_with(value)
+                       for leaf, value in zip(tf.nest.flatten(spec), tf.nest.flatten(data)))
+        except (TypeError, ValueError):
+            fits = False
+        return spec if fits else data
+
     def push_back(self, items):
         """Puts items back so they come out next, in the given order."""
         for item in reversed(list(items)):
@@ -105,6 +123,16 @@ def _as_step_input(data):
     )
 
 
+def _any_batch_size(data):
+    """`data` with each dense tensor's first dimension left unknown."""
+    def relaxed(leaf):
+        if isinstance(leaf, tf.Tensor) and leaf.shape.rank:
+            return tf.TensorSpec([None] + leaf.shape.as_list()[1:], leaf.dtype)
+        return leaf
+
+    return keras.tree.map_structure(relaxed, data)
+
+
 def _floatx(value):
     array = np.asarray(value)
     if array.dtype.kind == "f" and array.dtype != np.dtype(keras.backend.floatx()):
@@ -115,7 +143,7 @@ def _floatx(value):
 
 def _source(data, batch_size, shuffle, seed):
     if isinstance(data, tf.data.Dataset):
-        return _Reiterable(lambda: iter(data), "tf.data.Dataset")
+        return _Reiterable(lambda: iter(data), "tf.data.Dataset", spec=data.element_spec)
     if isinstance(data, keras.utils.PyDataset):
         return _PyDatasetSource(data)
     if _is_arrays(data):
@@ -163,6 +191,10 @@ class _ArraySource:
         self.shuffle = shuffle
         self.rng = np.random.default_rng(seed)
 
+    def signature(self, data):
+        # fit()'s array adapter knows the batch size where every batch is whole.
+        return data if self.count % self.batch_size == 0 else _any_batch_size(data)
+
     def epoch(self, epoch):
         order = self.rng.permutation(self.count) if self.shuffle else np.arange(self.count)
         for start in range(0, self.count, self.batch_size):
@@ -179,8 +211,11 @@ class _ArraySource:
 
 
 class _Reiterable:
-    def __init__(self, make, kind):
-        self.make, self.kind = make, kind
+    def __init__(self, make, kind, spec=None):
+        self.make, self.kind, self.spec = make, kind, spec
+
+    def signature(self, data):
+        return _any_batch_size(data) if self.spec is None else self.spec
 
     def epoch(self, epoch):
         return self.make()
@@ -192,6 +227,9 @@ class _Reiterable:
 class _PyDatasetSource:
     def __init__(self, dataset):
         self.dataset = dataset
+
+    def signature(self, data):
+        return _any_batch_size(data)
 
     def epoch(self, epoch):
         if epoch > 0:
@@ -213,6 +251,9 @@ class _OneShot:
     def __init__(self, iterator):
         self.iterator = iterator
         self.used = False
+
+    def signature(self, data):
+        return _any_batch_size(data)
 
     def epoch(self, epoch):
         if self.used:

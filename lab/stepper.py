@@ -599,7 +599,7 @@ class Stepper:
                 # Traced before it runs, so that what the trace builds (the
                 # optimizer's slots, on the variables the step applies, as in
                 # fit()) is counted at its first values.
-                self._graph_step.get_concrete_function(data)
+                self._graph_step.get_concrete_function(self.feed.signature(data))
             self._graph_compiled = compiled
         self._graph_capture = capture
         outputs = self._graph_step(data)

@@ -14,6 +14,8 @@ on seeded random data:
   `tf.keras.backend.random_normal` draw, three Mean trackers;
 - examples/generative/wgan_gp.py: several critic applies per step with a
   gradient penalty;
+- examples/generative/cyclegan.py: four optimizers, one persistent tape, a
+  zip of two datasets;
 - examples/vision/mnist_convnet.py: a Sequential convnet, validation_split;
 - guides/training_with_built_in_methods.py: validation data, class_weight, a
   non-mean metric, add_loss, an ExponentialDecay schedule, a multi-input
@@ -725,6 +727,74 @@ def signed_images(n=8):
 
 
 # =================================================================================
+# Path of keras-io's examples/generative/cyclegan.py: two makers and two critics,
+# each with its own Adam (four optimizers held as attributes, compile() without
+# arguments), all losses taken under one persistent tape, four applies per step,
+# the raw losses returned. Data: a zip of two unshuffled datasets of 24 random
+# rows (the guide zips its horses and zebras), batches of 8.
+# =================================================================================
+
+
+def least_squares(target, score):
+    return keras.losses.MeanSquaredError()(target, score)
+
+
+class CycleGAN(keras.Model):
+    def __init__(self, maker_g, maker_f, critic_x, critic_y, cycle=10.0, identity=0.5):
+        super().__init__()
+        self.maker_g, self.maker_f, self.critic_x, self.critic_y = maker_g, maker_f, critic_x, critic_y
+        self.cycle, self.identity = cycle, identity
+
+    def compile(self, g_opt, f_opt, x_opt, y_opt):
+        super().compile()
+        self.g_opt, self.f_opt, self.x_opt, self.y_opt = g_opt, f_opt, x_opt, y_opt
+        self.mae = keras.losses.MeanAbsoluteError()
+
+    def train_step(self, data):
+        real_x, real_y = data
+        with tf.GradientTape(persistent=True) as tape:
+            fake_y, fake_x = self.maker_g(real_x, training=True), self.maker_f(real_y, training=True)
+            cycled_x, cycled_y = self.maker_f(fake_y, training=True), self.maker_g(fake_x, training=True)
+            same_x, same_y = self.maker_f(real_x, training=True), self.maker_g(real_y, training=True)
+            score_real_x, score_fake_x = self.critic_x(real_x, training=True), self.critic_x(fake_x, training=True)
+            score_real_y, score_fake_y = self.critic_y(real_y, training=True), self.critic_y(fake_y, training=True)
+            g_loss = (least_squares(tf.ones_like(score_fake_y), score_fake_y)
+                      + self.mae(real_y, cycled_y) * self.cycle
+                      + self.mae(real_y, same_y) * self.cycle * self.identity)
+            f_loss = (least_squares(tf.ones_like(score_fake_x), score_fake_x)
+                      + self.mae(real_x, cycled_x) * self.cycle
+                      + self.mae(real_x, same_x) * self.cycle * self.identity)
+            x_loss = (least_squares(tf.ones_like(score_real_x), score_real_x)
+                      + least_squares(tf.zeros_like(score_fake_x), score_fake_x)) * 0.5
+            y_loss = (least_squares(tf.ones_like(score_real_y), score_real_y)
+                      + least_squares(tf.zeros_like(score_fake_y), score_fake_y)) * 0.5
+        for loss, part, opt in ((g_loss, self.maker_g, self.g_opt), (f_loss, self.maker_f, self.f_opt),
+                                (x_loss, self.critic_x, self.x_opt), (y_loss, self.critic_y, self.y_opt)):
+            grads = tape.gradient(loss, part.trainable_variables)
+            opt.apply_gradients(zip(grads, part.trainable_variables))
+        return {"G_loss": g_loss, "F_loss": f_loss, "D_X_loss": x_loss, "D_Y_loss": y_loss}
+
+
+def cycle_part(name, outputs):
+    return keras.Sequential([keras.Input(shape=(6,)), layers.Dense(8, activation="relu"), layers.Dense(outputs)],
+                            name=name)
+
+
+def make_cyclegan():
+    keras.utils.set_random_seed(SEED)
+    model = CycleGAN(cycle_part("maker_g", 6), cycle_part("maker_f", 6), cycle_part("critic_x", 1),
+                     cycle_part("critic_y", 1))
+    model.compile(*[keras.optimizers.Adam(2e-4, beta_1=0.5) for _ in range(4)])
+    return model
+
+
+def two_domains(n=24, batch_size=8):
+    x, y = (rng(offset).random((n, 6)).astype("float32") for offset in (11, 12))
+    return tf.data.Dataset.zip((tf.data.Dataset.from_tensor_slices(x).batch(batch_size),
+                                tf.data.Dataset.from_tensor_slices(y).batch(batch_size)))
+
+
+# =================================================================================
 # Path of keras-io's examples/vision/mnist_convnet.py: a Sequential convnet
 # with Dropout and a softmax, categorical cross-entropy on one-hot labels,
 # fit(validation_split=0.1). Data: 40 random images (36 train: batches of 32 and 4).
@@ -931,6 +1001,11 @@ def _wgan():
     return (x,), {"batch_size": 8, "epochs": 1}, x, 8, 1
 
 
+def _cyclegan():
+    dataset = two_domains()
+    return (dataset,), {"epochs": 2}, dataset, None, 6
+
+
 def _convnet():
     x, y = labelled_digits()
     return (x, y), {"batch_size": 32, "epochs": 2, "validation_split": 0.1}, (x[:36], y[:36]), 32, 4
@@ -974,6 +1049,7 @@ GUIDES = {
     # fit()), not stepped nor fitted a second time.
     "wgan_gp": Guide(make_wgan, _wgan, own=("d_loss", "g_loss"), oracle=False, replay=False,
                      later_fit=False, stepped=False),
+    "cyclegan": Guide(make_cyclegan, _cyclegan, own=("G_loss", "F_loss", "D_X_loss", "D_Y_loss"), oracle=False),
     "mnist_convnet": Guide(make_convnet, _convnet, own=("loss", "accuracy")),
     "built_in/get_compiled_model": Guide(make_flat_classifier, _flat(), own=("loss", "sparse_categorical_accuracy")),
     "built_in/class_weight": Guide(make_flat_classifier, _class_weighted,
