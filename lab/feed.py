@@ -3,7 +3,7 @@
 For arrays that is `(x, y)`, `(x, y, sample_weight)`, or the bare `x` when
 there are no targets (checked with Keras 3.15: fit(x) passes x itself, a
 dataset of 1-tuples passes `(x,)`); datasets and generators pass their
-elements as they are.
+elements as they are, a PyDataset too but for a bare array, passed as `(x,)`.
 
 Arrays are batched here (seeded shuffle per epoch); datasets, PyDatasets and
 generators are iterated as fit() iterates them. Batches handed back by a
@@ -238,9 +238,11 @@ class _PyDatasetSource:
         index = 0
         while count is None or index < count:
             try:
-                yield self.dataset[index]
+                batch = self.dataset[index]
             except IndexError:
                 return
+            # fit() hands a bare array from a PyDataset as (x,), as Keras' adapter does.
+            yield (batch,) if isinstance(batch, np.ndarray) else batch
             index += 1
 
     def empty_error(self, epoch):

@@ -138,6 +138,29 @@ def test_x_alone_is_handed_bare_as_fit_hands_it():
         assert tf.is_tensor(model.handed[0]) and model.handed[0].shape == (8, 6)
 
 
+def test_a_pydatasets_bare_array_batch_is_handed_as_fit_hands_it():
+    # fit() hands a PyDataset's bare array as (x,): a step reading `data[0]`
+    # (an autoencoder's) got the first sample from the Stepper, not the batch.
+    class Inputs(keras.utils.PyDataset):
+        def __len__(self):
+            return 5
+
+        def __getitem__(self, index):
+            return X[index * 8:(index + 1) * 8]
+
+    fitted = recording_model()
+    fitted.run_eagerly = True
+    with pytest.raises(Exception):  # no targets for the loss
+        fitted.fit(Inputs(), epochs=1, shuffle=False, verbose=0)
+    stepped = recording_model()
+    trace = lab.Stepper(stepped, Inputs(), shuffle=False).step()
+    assert trace.error is not None
+    for model in (fitted, stepped):
+        assert isinstance(model.handed[0], tuple) and len(model.handed[0]) == 1
+        assert model.handed[0][0].shape == (8, 6)
+    np.testing.assert_array_equal(trace.x, X[:8])
+
+
 # ---- what a trace holds ----------------------------------------------------------
 
 
