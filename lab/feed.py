@@ -234,6 +234,7 @@ class _PyDatasetSource:
     def epoch(self, epoch):
         if epoch > 0:
             self.dataset.on_epoch_end()
+        self.dataset.on_epoch_begin()  # as fit() calls them, around each epoch
         count = self.dataset.num_batches
         index = 0
         while count is None or index < count:

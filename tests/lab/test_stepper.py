@@ -161,6 +161,34 @@ def test_a_pydatasets_bare_array_batch_is_handed_as_fit_hands_it():
     np.testing.assert_array_equal(trace.x, X[:8])
 
 
+def test_a_pydataset_that_reorders_at_each_epoch_begin_gives_fits_batches():
+    # keras.utils.PyDataset's on_epoch_begin, which fit() calls before each
+    # epoch, was never called by the Stepper: its batches came in another order.
+    class Reordered(keras.utils.PyDataset):
+        def __init__(self):
+            super().__init__()
+            self.order, self.rng = np.arange(5), np.random.default_rng(1)
+
+        def __len__(self):
+            return 5
+
+        def on_epoch_begin(self):
+            self.order = self.rng.permutation(5)
+
+        def __getitem__(self, index):
+            rows = slice(self.order[index] * 8, (self.order[index] + 1) * 8)
+            return X[rows], Y[rows]
+
+    fitted = recording_model()
+    fitted.run_eagerly = True
+    fitted.fit(Reordered(), epochs=2, shuffle=False, verbose=0)
+    stepped = recording_model()
+    lab.Stepper(stepped, Reordered(), shuffle=False).step(10)
+    assert len(fitted.handed) == len(stepped.handed) == 10
+    for fit_batch, stepped_batch in zip(fitted.handed, stepped.handed):
+        np.testing.assert_array_equal(stepped_batch[0], fit_batch[0])
+
+
 # ---- what a trace holds ----------------------------------------------------------
 
 
