@@ -148,7 +148,7 @@ def _batches(data, batch_size):
     if isinstance(data, tf.data.Dataset):
         return ((element, element) for element in data)
     if isinstance(data, keras.utils.PyDataset):
-        return ((data[i], data[i]) for i in range(len(data)))
+        return ((batch, batch) for batch in _py_dataset_batches(data))
     if _is_array_structure(data):
         return _array_batches(data, batch_size)
     if isinstance(data, (str, bytes)) or not hasattr(data, "__iter__"):
@@ -158,6 +158,14 @@ def _batches(data, batch_size):
             "or a generator yielding batches."
         )
     return ((element, element) for element in data)
+
+
+def _py_dataset_batches(dataset):
+    """Each batch made once (a PyDataset may augment at random), up to
+    `num_batches`, which is None for an endless one (Keras' own reading)."""
+    count = dataset.num_batches
+    for index in itertools.count() if count is None else range(count):
+        yield dataset[index]
 
 
 def _array_batches(data, batch_size):

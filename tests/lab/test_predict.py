@@ -70,6 +70,32 @@ def test_a_pydataset_is_read_batch_by_batch(model, x):
     np.testing.assert_allclose(streamed, model.predict(x, verbose=0), rtol=1e-6, atol=1e-7)
 
 
+def test_a_pydataset_batch_is_made_once_and_an_endless_one_runs_with_steps(model, x):
+    # Each batch was made twice (once to predict, once for collect): a
+    # PyDataset that augments at random handed collect another batch than the
+    # one predicted. One that says `num_batches` is None (endless), as Keras
+    # documents, failed on len().
+    class Augmented(keras.utils.PyDataset):
+        def __init__(self):
+            super().__init__()
+            self.made, self.rng = 0, np.random.default_rng(2)
+
+        @property
+        def num_batches(self):
+            return None
+
+        def __getitem__(self, index):
+            self.made += 1
+            start = index % 5 * 20
+            return x[start:start + 20] + self.rng.normal(size=(20, 4)).astype("float32")
+
+    data, pairs = Augmented(), []
+    assert lab.predict_stream(model, data, steps=3, collect=lambda y_pred, batch: pairs.append((y_pred, batch))) == 60
+    assert data.made == 3
+    for y_pred, batch in pairs:
+        np.testing.assert_allclose(y_pred, model.predict_on_batch(batch), rtol=1e-6, atol=1e-7)
+
+
 def test_multi_input_models_take_a_list_or_dict_of_arrays():
     a, b = keras.Input((2,), name="a"), keras.Input((3,), name="b")
     two = keras.Model([a, b], keras.layers.Dense(1)(keras.layers.Concatenate()([a, b])))
