@@ -8,6 +8,8 @@ metric totals) and a one-batch call of the train function; it needs
 `steps_per_execution=1` (otherwise nothing is kept).
 """
 
+import collections
+
 import keras
 import tensorflow as tf
 
@@ -42,6 +44,7 @@ class BatchInFlight(keras.callbacks.Callback):
         self.before = None
         self.position = (0, 0)
         self._epoch = 0
+        self._again = None  # (element_spec, pending batches, iterator over them)
 
     def is_armed(self):
         armed = self.armed() if callable(self.armed) else bool(self.armed)
@@ -66,15 +69,53 @@ class BatchInFlight(keras.callbacks.Callback):
                 return function(iterator)
             data = next(iter(iterator))
             keeper.data, keeper.before = data, read_state(keeper.model)
-            # Keras' train function runs a plain iterable of batches one by one;
-            # Keras before 3.6 calls next() on it, so it is an iterator too.
-            return function(iter([data]))
+            return function(keeper._once_more(iterator, data))
 
         return keep_batch
+
+    def _once_more(self, iterator, data):
+        """An iterator that yields `data` next, declared as `iterator` declares
+        its elements, so that Keras runs the step it traced for the data.
+
+        Keras' train function takes a plain iterable too, but traces its step
+        again for it, on this batch's own shapes (Keras before 3.6 at every
+        batch): where fit() leaves the batch size unknown (a dataset, a
+        generator, arrays ending in a partial batch), a step traced on a known
+        one is free to fold it in, and a CycleGAN's loss means ended an ulp
+        away from bare fit()'s. So the batch goes back through a tf.data
+        iterator with the same `element_spec`, made once per spec: the
+        Python generator behind it yields each batch as it is handed over.
+        Elsewhere (a strategy's distributed iterator), the plain iterable.
+        """
+        spec = iterator.element_spec if isinstance(iterator, tf.data.Iterator) else None
+        if spec is None:
+            # Keras' train function runs a plain iterable of batches one by one;
+            # Keras before 3.6 calls next() on it, so it is an iterator too.
+            return iter([data])
+        if self._again is None or self._again[0] != spec:
+            pending = collections.deque()
+
+            def handed_over():
+                while True:
+                    yield pending.popleft()
+
+            options = tf.data.Options()
+            options.autotune.enabled = False  # no read ahead: a batch is there only once handed over
+            options.experimental_optimization.inject_prefetch = False
+            try:
+                again = tf.data.Dataset.from_generator(handed_over, output_signature=spec).with_options(options)
+                self._again = (spec, pending, iter(again))
+            except (TypeError, ValueError):  # elements from_generator cannot declare
+                return iter([data])
+        _, pending, again = self._again
+        pending.clear()  # a batch handed over to a step that never ran (an interrupt) is not the next
+        pending.append(data)
+        return again
 
     def on_train_end(self, logs=None):
         # Leave no trace: the next fit() gets Keras' own function back.
         hooks_for(self.model).release(self)
+        self._again = None
 
     def release_hooks(self):
         if self.model is not None:

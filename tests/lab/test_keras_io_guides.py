@@ -1223,6 +1223,27 @@ def test_mixed_precision_eager_stepper_matches_an_eager_fit():
     check_stepper(t, data, batch_size, steps, mode="eager", reference=reference)
 
 
+def test_a_fit_that_keeps_its_batches_for_a_breakpoints_pause_trains_as_bare():
+    # With breakpoints armed, training run for the widgets (PauseController)
+    # keeps each batch to open a Stepper on it. It handed Keras the kept batch
+    # as a Python iterable, so the step was traced on its fixed batch size, not
+    # the dataset's unknown one: the CycleGAN ended an ulp away from its bare
+    # fit() (and Keras 3.5 traced the step again at every batch).
+    from lab.pause import PauseController
+
+    guide = GUIDES["cyclegan"]
+    args, kwargs, _, _, _ = guide.data()
+    kwargs["shuffle"] = False
+    bare, _, history_bare = fit_one(guide.make, args, kwargs, [])
+    recorder = lab.Recorder(gradients=True, breakpoints=[lab.Breakpoint(lambda row: False)])
+    controller = PauseController(recorder)
+    model, _, history = fit_one(guide.make, args, kwargs, controller.callbacks([recorder]))
+    assert controller.keeper.data is not None  # the batches were kept
+    assert_same_arrays(weights(model), weights(bare), "final weights, kept batches against bare fit()")
+    assert_same_optimizer_state(optimizer_state(model), optimizer_state(bare))
+    assert history == history_bare
+
+
 def test_validation_logs_reach_the_run_epochs():
     t = runs_of("built_in/get_compiled_model")
     epochs = t.rec.run.epochs()
