@@ -81,6 +81,15 @@ def steps_in_execution(begin, end, steps_per_execution, total=None):
     return steps
 
 
+# Keras before 3.7 runs an execution of steps_per_execution > 1 as a Python
+# loop of `next(iterator)` calls in one tf.function (3.7 made it a
+# `tf.while_loop` over `get_next_as_optional`). Where the data ends inside an
+# execution, graph mode still runs the part of the step after the last batch
+# that needs no batch: bare fit() over 3 batches at steps_per_execution=2
+# counted 4 optimizer iterations. Hooks that put the update behind what needs
+# the batch change that part (`Recorder._note_short_execution`).
+SHORT_EXECUTION_RUNS_PART_OF_A_STEP = KERAS_VERSION < (3, 7)
+
 # Keras 3.7's make_train_function binds `self.train_step` when it builds the
 # function (`self._make_function(self.train_step)`); before, the step is
 # looked up on the model when the function is traced.

@@ -408,6 +408,15 @@ class Probe:
         self._hooks = hooks_for(model)
         self._nonfinite_index = next((i for i, b in enumerate(self.breakpoints) if b.name == "nonfinite"), None)
 
+    def reshapes_the_update(self):
+        """Whether the hooks make the optimizer's update wait for values of
+        the batch that it does not wait for in bare training: device
+        breakpoints gate it on the batch's loss and gradients, and under
+        gradient accumulation the gradients' norms are read before it."""
+        return bool(self.breakpoints) or (self.gradients and any(
+            getattr(getattr(optimizer, "inner_optimizer", None) or optimizer, "gradient_accumulation_steps", None)
+            for optimizer in find_optimizers(self.model).values()))
+
     @property
     def installed(self):
         return self._hooks.holder("probe") is self

@@ -159,6 +159,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self._calls_unlabelled = 0  # this fit()'s step calls whose on_train_batch_end has not come
         self._not_ours_after = 0  # rows of other callers' steps that follow the unlabelled calls
         self._epoch = 0
+        self._epoch_start = 0  # the step of the epoch's first row
         self._begin_step = 0
         self._t0 = None
         self._last_flush = 0.0
@@ -286,6 +287,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self._complete_epoch()
         self._epoch = epoch
         self._epoch_began = True
+        self._epoch_start = self.run.next_step + len(self._pending)
 
     def on_train_batch_begin(self, batch, logs=None):
         modes.apply_pending_mode(self.model)  # a switch asked for from another thread
@@ -340,6 +342,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self.flush()
+        self._note_short_execution()
         # Every step of the epoch has run and been read: host-side guesses
         # left are steps that never ran. Keras 3.11+ reports a last, partial
         # execution (10 batches at steps_per_execution=4: 4, 4 and 2 steps)
@@ -576,6 +579,25 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
                 self.run.add_event("warning", BEST_WEIGHTS_NOTE.format(epoch=callback.best_epoch + 1),
                                    step=self.run.next_step - 1)
                 return
+
+    def _note_short_execution(self):
+        """Says once that this epoch's last execution ran short of
+        steps_per_execution, where Keras before 3.7 then runs the part of
+        one more step that needs no batch, and the lab's hooks make the
+        update wait for one (`compat.SHORT_EXECUTION_RUNS_PART_OF_A_STEP`)."""
+        steps = int(self.model.steps_per_execution or 1)
+        # The epoch's steps where known: the last one's row may be lost too.
+        ran = (self.params or {}).get("steps") or self.run.next_step - self._epoch_start
+        if not (compat.SHORT_EXECUTION_RUNS_PART_OF_A_STEP and steps > 1 and ran % steps and self._mode == "graph"
+                and self.status != "breakpoint" and not self.model.stop_training
+                and self._probe.reshapes_the_update()) \
+                or self.run.metadata.get(_TOLD_SHORT_EXECUTION):
+            return
+        self.run.metadata[_TOLD_SHORT_EXECUTION] = True
+        what = ("device breakpoints (nonfinite(), loss_spike()) gate the update on the batch"
+                if self._probe.breakpoints else "the gradients' norms are read before the accumulating update")
+        self.run.add_event("warning", SHORT_EXECUTION_NOTE.format(
+            version=keras.__version__, steps=steps, ran=ran % steps, what=what), step=self.run.next_step - 1)
 
     def _note_record_errors(self):
         told = self.run.metadata.setdefault(schema.RECORD_ERRORS, [])
@@ -937,6 +959,15 @@ BEST_WEIGHTS_NOTE = (
     "At the end of fit() EarlyStopping(restore_best_weights=True) put back the weights of the end of "
     "epoch {epoch}: the model now holds those, and the last rows' weight_norm and update_ratio are of "
     "the weights the last updates made.")
+
+SHORT_EXECUTION_NOTE = (
+    "The data ended inside an execution: its last ran {ran} of steps_per_execution={steps} steps. Keras "
+    "{version} (before 3.7) then runs, in graph mode, the part of one more train step that needs no batch (bare "
+    "fit() counts one more optimizer iteration there) and ends the execution as soon as that step finds no "
+    "batch; here {what}, which changes what of those steps runs: from this step on the optimizer's state, and "
+    "the updates that read it (Adam's), may differ from bare fit(), and the last step's row may be missing. A "
+    "number of batches per epoch that steps_per_execution divides, or Keras 3.7 or later, trains as bare fit().")
+_TOLD_SHORT_EXECUTION = "told_short_execution"
 
 FROZEN_SINCE_BUILT_NOTE = (
     "{variables} are not trainable now, but the optimizer was built for them. Where `trainable` was "
