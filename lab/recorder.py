@@ -173,6 +173,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self._failure = None  # the exception that ended the last fit(), once recorded
         self._epoch_logs = None  # the last epoch's logs, which callbacks after this one may add to
         self._fit_thread = None
+        self._weights_put = []  # (method, step after which) of weights a callback put in the model
 
     # ---- the model's lifecycle --------------------------------------------
 
@@ -290,6 +291,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self._epoch_start = self.run.next_step + len(self._pending)
 
     def on_train_batch_begin(self, batch, logs=None):
+        self._note_weights_put()
         modes.apply_pending_mode(self.model)  # a switch asked for from another thread
         self._hooks.sync_train_function()
         if not compat.BATCH_END_REPORTS_LAST_STEP:
@@ -363,7 +365,9 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self.flush()
         self._note_record_errors()
         self._note_ema_swap()
-        self._note_best_weights_restored()
+        if self._note_best_weights_restored():
+            self._weights_put = [put for put in self._weights_put if put[0] != "set_weights"]  # told there
+        self._note_weights_put()
         # Host-side guesses of steps that never ran (the last, partial
         # execution of data of unknown size on older Keras).
         self._pending = []
@@ -578,7 +582,17 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
                     and callback.best_epoch != self._epoch):
                 self.run.add_event("warning", BEST_WEIGHTS_NOTE.format(epoch=callback.best_epoch + 1),
                                    step=self.run.next_step - 1)
-                return
+                return True
+        return False
+
+    def _note_weights_put(self):
+        """Says where a callback put weights in the model during fit()
+        (`model.set_weights`, `model.load_weights`: keras-io's early stopping
+        that restores its best weights, BackupAndRestore resuming)."""
+        for name, step in self._weights_put:
+            self.run.add_event("warning", WEIGHTS_PUT_NOTE.format(method=name, step=step, next=step + 1),
+                               step=max(step, 0))
+        self._weights_put = []
 
     def _note_short_execution(self):
         """Says once that this epoch's last execution ran short of
@@ -782,7 +796,19 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
 
             return make_train_function
 
+        def put_weights_factory(inner, name):
+            def put_weights(*args, **kwargs):
+                result = inner(*args, **kwargs)
+                if recorder._fit_frame is not None:
+                    recorder._weights_put.append((name, recorder.run.next_step + len(recorder._pending) - 1))
+                return result
+
+            return put_weights
+
         self._hooks.wrap(self, model, "evaluate", evaluate_factory, role="guard")
+        for name in ("set_weights", "load_weights"):
+            self._hooks.wrap(self, model, name, lambda inner, name=name: put_weights_factory(inner, name),
+                             role="guard")
         self._hooks.wrap(self, model, "make_train_function", make_train_factory, role="guard")
         for name in ("make_test_function", "make_predict_function"):
             self._hooks.wrap(self, model, name, heal_factory, role="guard")
@@ -851,6 +877,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
                     self._cached = (CompiledState(self.model, modes.running_mode(self.model)), function)
         finally:
             self._active = False
+            self._weights_put = []
             self._release()
             if self.model is not None:
                 modes.training_ended(self.model)
@@ -959,6 +986,11 @@ BEST_WEIGHTS_NOTE = (
     "At the end of fit() EarlyStopping(restore_best_weights=True) put back the weights of the end of "
     "epoch {epoch}: the model now holds those, and the last rows' weight_norm and update_ratio are of "
     "the weights the last updates made.")
+
+WEIGHTS_PUT_NOTE = (
+    "model.{method}() put weights in the model during fit(), after step {step}: the rows up to it show the "
+    "weights the updates made; the update of step {next} on starts from the weights put in (the model ends "
+    "with those where no step came after).")
 
 SHORT_EXECUTION_NOTE = (
     "The data ended inside an execution: its last ran {ran} of steps_per_execution={steps} steps. Keras "

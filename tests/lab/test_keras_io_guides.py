@@ -1383,3 +1383,54 @@ def test_from_step_on_the_guides_eager_step_matches_the_eager_loop():
 
 def test_from_step_on_the_guides_tf_function_step_matches_the_loop(loops):
     _from_step_check(True, loops[0])
+
+
+# =================================================================================
+# Path of keras-io's guides/writing_your_own_callbacks.py, "Early stopping at
+# minimum loss": a callback that puts back its best weights with
+# `self.model.set_weights` in on_epoch_end when it stops training.
+# =================================================================================
+
+
+class EarlyStoppingAtMinLoss(keras.callbacks.Callback):
+    def __init__(self, patience=0):
+        super().__init__()
+        self.patience = patience
+        self.best_weights = None
+
+    def on_train_begin(self, logs=None):
+        self.wait, self.stopped_epoch, self.best = 0, 0, np.inf
+
+    def on_epoch_end(self, epoch, logs=None):
+        current = logs.get("loss")
+        if np.less(current, self.best):
+            self.best, self.wait = current, 0
+            self.best_weights = self.model.get_weights()
+        else:
+            self.wait += 1
+            if self.wait >= self.patience:
+                self.stopped_epoch = epoch
+                self.model.stop_training = True
+                self.model.set_weights(self.best_weights)
+
+
+def test_the_callbacks_guides_early_stopping_that_puts_back_its_best_weights_is_told():
+    # The model ended with an earlier epoch's weights, the run's last rows
+    # showed the last updates' weights, and the run said nothing (it tells
+    # Keras' own EarlyStopping's restore).
+    x, y = regression_data()
+
+    def fit(recorder):
+        model = make_compute_loss_model()
+        model.compile(optimizer=keras.optimizers.Adam(0.3), loss="mse")
+        callbacks = [EarlyStoppingAtMinLoss()] + ([recorder] if recorder is not None else [])
+        history = model.fit(x, y, batch_size=32, epochs=30, shuffle=False, verbose=0, callbacks=callbacks).history
+        return model, history
+
+    (bare, bare_history), rec = fit(None), lab.Recorder(weights=True)
+    model, history = fit(rec)
+    assert_same_arrays(weights(model), weights(bare), "weights")
+    assert history == bare_history and len(history["loss"]) < 30  # it stopped, and put weights back
+    rows, events = rec.run.batches(), rec.run.events()
+    told = events[events["detail"].str.contains("set_weights")]
+    assert len(told) == 1 and told["step"].iloc[0] == rows["step"].iloc[-1]
