@@ -798,8 +798,11 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
 
         def put_weights_factory(inner, name):
             def put_weights(*args, **kwargs):
+                if recorder._fit_frame is None:
+                    return inner(*args, **kwargs)
+                before = _weight_bytes(model)
                 result = inner(*args, **kwargs)
-                if recorder._fit_frame is not None:
+                if _weight_bytes(model) != before:  # the same weights put back change nothing to tell
                     recorder._weights_put.append((name, recorder.run.next_step + len(recorder._pending) - 1))
                 return result
 
@@ -986,6 +989,13 @@ BEST_WEIGHTS_NOTE = (
     "At the end of fit() EarlyStopping(restore_best_weights=True) put back the weights of the end of "
     "epoch {epoch}: the model now holds those, and the last rows' weight_norm and update_ratio are of "
     "the weights the last updates made.")
+
+def _weight_bytes(model):
+    """The model's weights, bit for bit: read only when a callback puts
+    weights in the model during fit(), which is rare."""
+    return [(variable.path, np.asarray(keras.ops.convert_to_numpy(variable)).tobytes())
+            for variable in model.weights]
+
 
 WEIGHTS_PUT_NOTE = (
     "model.{method}() put weights in the model during fit(), after step {step}: the rows up to it show the "

@@ -1434,3 +1434,22 @@ def test_the_callbacks_guides_early_stopping_that_puts_back_its_best_weights_is_
     rows, events = rec.run.batches(), rec.run.events()
     told = events[events["detail"].str.contains("set_weights")]
     assert len(told) == 1 and told["step"].iloc[0] == rows["step"].iloc[-1]
+
+
+class PutsBackWhatItHolds(keras.callbacks.Callback):
+    """Restores 'the best weights' at an epoch whose weights are the best."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.model.set_weights(self.model.get_weights())
+
+
+def test_weights_put_back_as_they_are_are_not_told():
+    # The same weights put back change nothing: telling that weights came
+    # "after step N" was a false alarm on every such epoch.
+    x, y = regression_data()
+    model = make_compute_loss_model()
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    rec = lab.Recorder(weights=True)
+    model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[PutsBackWhatItHolds(), rec])
+    events = rec.run.events()
+    assert not events["detail"].str.contains("set_weights").any()
