@@ -44,6 +44,8 @@ class Feed:
         self._replay = collections.deque()
         self._epoch, self._batch = (int(p) for p in position)
         self._iterator = None
+        self._drawn = 0  # batches taken from the current iterator
+        self._begun = None  # the epoch whose start the source was last told of
 
     def next(self):
         """The next item: a replayed one if any, else a fresh batch.
@@ -59,15 +61,26 @@ class Feed:
         while True:
             if self.steps_per_epoch is not None and self._batch >= self.steps_per_epoch:
                 self._end_epoch(keep_iterator=True)
+            if self._begun != self._epoch:
+                # fit() tells the data of every epoch, also where steps_per_epoch
+                # carries one pass over the data into the next epoch.
+                self._source.begin_epoch(self._epoch)
+                self._begun = self._epoch
             if self._iterator is None:
-                self._iterator = self._source.epoch(self._epoch)
+                self._iterator, self._drawn = self._source.epoch(self._epoch), 0
             try:
                 data = next(self._iterator)
             except _END:
-                if self._batch == 0:
+                if self._drawn == 0:
                     raise self._source.empty_error(self._epoch) from None
+                if self._batch == 0:
+                    # The pass carried over ended with the last epoch: this
+                    # epoch starts a new one, as fit() does.
+                    self._iterator = None
+                    continue
                 self._end_epoch(keep_iterator=False)
                 continue
+            self._drawn += 1
             position = (self._epoch, self._batch)
             try:
                 item = Fed(*position, _as_step_input(data))
@@ -168,7 +181,12 @@ def _is_arrays(data):
                                 hasattr(leaf, "to_numpy") for leaf in leaves)
 
 
-class _ArraySource:
+class _Source:
+    def begin_epoch(self, epoch):
+        """Called as each epoch starts, before its first batch."""
+
+
+class _ArraySource(_Source):
     def __init__(self, data, batch_size, shuffle, seed):
         if not (isinstance(data, tuple) and 1 <= len(data) <= 3):
             data = (data,)
@@ -210,7 +228,7 @@ class _ArraySource:
         return ValueError("The arrays hold no samples.")
 
 
-class _Reiterable:
+class _Reiterable(_Source):
     def __init__(self, make, kind, spec=None):
         self.make, self.kind, self.spec = make, kind, spec
 
@@ -224,17 +242,19 @@ class _Reiterable:
         return ValueError(f"The {self.kind} yields no batches; give the Stepper data with at least one.")
 
 
-class _PyDatasetSource:
+class _PyDatasetSource(_Source):
     def __init__(self, dataset):
         self.dataset = dataset
 
     def signature(self, data):
         return _any_batch_size(data)
 
-    def epoch(self, epoch):
+    def begin_epoch(self, epoch):
         if epoch > 0:
             self.dataset.on_epoch_end()
         self.dataset.on_epoch_begin()  # as fit() calls them, around each epoch
+
+    def epoch(self, epoch):
         count = self.dataset.num_batches
         index = 0
         while count is None or index < count:
@@ -250,7 +270,7 @@ class _PyDatasetSource:
         return ValueError("The PyDataset yields no batches.")
 
 
-class _OneShot:
+class _OneShot(_Source):
     def __init__(self, iterator):
         self.iterator = iterator
         self.used = False

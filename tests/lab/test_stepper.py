@@ -189,6 +189,41 @@ def test_a_pydataset_that_reorders_at_each_epoch_begin_gives_fits_batches():
         np.testing.assert_array_equal(stepped_batch[0], fit_batch[0])
 
 
+
+class Counted(keras.utils.PyDataset):
+    """Four batches of X, Y that count the epoch hooks called on them."""
+
+    def __init__(self):
+        super().__init__()
+        self.begun = self.ended = 0
+
+    def __len__(self):
+        return 4
+
+    def on_epoch_begin(self):
+        self.begun += 1
+
+    def on_epoch_end(self):
+        self.ended += 1
+
+    def __getitem__(self, index):
+        return X[index * 8:(index + 1) * 8], Y[index * 8:(index + 1) * 8]
+
+
+def test_a_pydataset_is_told_of_every_epoch_with_steps_per_epoch_as_fit_tells_it():
+    # With steps_per_epoch=2 the Stepper called on_epoch_begin only when it
+    # started a pass over the 4 batches (every other epoch), and at the third
+    # epoch, where that pass ended, said "The PyDataset yields no batches".
+    fitted, stepped = Counted(), Counted()
+    make_model().fit(fitted, epochs=3, steps_per_epoch=2, shuffle=False, verbose=0)
+    stepper = lab.Stepper(make_model(), stepped, shuffle=False, steps_per_epoch=2)
+    stepper.step(6)
+    traces = stepper.traces
+    assert [trace.error for trace in traces] == [None] * 6
+    assert stepped.begun == fitted.begun == 3
+    np.testing.assert_array_equal(traces[4].x, X[:8])  # the third epoch starts the data again
+
+
 # ---- what a trace holds ----------------------------------------------------------
 
 
