@@ -65,6 +65,12 @@ SCALES_LOSS_BY_REPLICAS = KERAS_VERSION >= (3, 8)
 # before, it passes the first step, also at steps_per_execution > 1.
 BATCH_END_REPORTS_LAST_STEP = KERAS_VERSION >= (3, 11)
 
+# fit(shuffle=True) on a PyDataset of known length shuffles its batch indices
+# each epoch with Python's `random.shuffle` (PyDatasetAdapter); before Keras
+# 3.6 its tf.data pipeline also passed the batches through `shuffle(8)`, a
+# buffer drawn from TensorFlow's seed, that only fit()'s own dataset replays.
+PYDATASET_SHUFFLE_IS_PYTHON_RANDOM = KERAS_VERSION >= (3, 6)
+
 
 
 def steps_in_execution(begin, end, steps_per_execution, total=None):

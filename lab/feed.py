@@ -6,15 +6,21 @@ dataset of 1-tuples passes `(x,)`); datasets and generators pass their
 elements as they are, a PyDataset too but for a bare array, passed as `(x,)`.
 
 Arrays are batched here (seeded shuffle per epoch); datasets, PyDatasets and
-generators are iterated as fit() iterates them. Batches handed back by a
-rewind come out again first, so every data form replays exactly.
+generators are iterated as fit() iterates them, a PyDataset's batch order
+shuffled each epoch with Python's `random` as fit(shuffle=True) shuffles it.
+Batches handed back by a rewind come out again first, so every data form
+replays exactly.
 """
 
 import collections
+import itertools
+import random
 
 import keras
 import numpy as np
 import tensorflow as tf
+
+from lab import compat
 
 Fed = collections.namedtuple("Fed", ["epoch", "batch", "data"])
 
@@ -29,8 +35,9 @@ class Feed:
             (x may be a list or dict of arrays), a `tf.data.Dataset`, a
             `keras.utils.PyDataset`, or a generator.
         batch_size: int or None, for arrays (default 32).
-        shuffle: bool, reshuffle arrays every epoch.
-        seed: int or None, seeds the shuffle.
+        shuffle: bool, reshuffle arrays, and a PyDataset's batch order, every epoch.
+        seed: int or None, seeds the shuffle; None shuffles a PyDataset with
+            Python's global `random`, as fit() does.
         steps_per_epoch: int or None, batches per epoch.
         position: tuple (epoch, batch) of the first item (to continue a fit()).
     """
@@ -41,6 +48,8 @@ class Feed:
             raise ValueError(f"steps_per_epoch must be at least 1, got {steps_per_epoch}.")
         self.steps_per_epoch = None if steps_per_epoch is None else int(steps_per_epoch)
         self._source = _source(data, batch_size, shuffle, seed)
+        # Why the batches cannot come in the order fit() trains on, or None.
+        self.order_note = self._source.order_note()
         self._replay = collections.deque()
         self._epoch, self._batch = (int(p) for p in position)
         self._iterator = None
@@ -158,7 +167,7 @@ def _source(data, batch_size, shuffle, seed):
     if isinstance(data, tf.data.Dataset):
         return _Reiterable(lambda: iter(data), "tf.data.Dataset", spec=data.element_spec)
     if isinstance(data, keras.utils.PyDataset):
-        return _PyDatasetSource(data)
+        return _PyDatasetSource(data, shuffle, seed)
     if _is_arrays(data):
         return _ArraySource(data, batch_size, shuffle, seed)
     if hasattr(data, "__next__"):
@@ -184,6 +193,10 @@ def _is_arrays(data):
 class _Source:
     def begin_epoch(self, epoch):
         """Called as each epoch starts, before its first batch."""
+
+    def order_note(self):
+        """Why the batches cannot come in the order fit() trains on, or None."""
+        return None
 
 
 class _ArraySource(_Source):
@@ -243,8 +256,33 @@ class _Reiterable(_Source):
 
 
 class _PyDatasetSource(_Source):
-    def __init__(self, dataset):
+    def __init__(self, dataset, shuffle, seed):
         self.dataset = dataset
+        # Keras' PyDatasetAdapter shuffles with the global `random.shuffle`, so
+        # a Random(seed) gives the order fit() trains on after
+        # keras.utils.set_random_seed(seed) (which seeds Python's random).
+        self.shuffle = shuffle
+        self.seed = seed
+        self.random = random if seed is None else random.Random(seed)
+
+    def order_note(self):
+        if not self.shuffle or self.dataset.num_batches is None:
+            return None  # fit() never shuffles an endless PyDataset
+        if not compat.PYDATASET_SHUFFLE_IS_PYTHON_RANDOM:
+            return (
+                f"fit(shuffle=True) on Keras {keras.__version__} also passes a PyDataset's batches through "
+                "a tf.data shuffle buffer, an order the Stepper cannot step: it shuffles the batch order "
+                "each epoch with Python's random, as Keras 3.6 and later do. Pass shuffle=False to both "
+                "fit() and the Stepper to step the batches fit() trains on."
+            )
+        if self.seed is None:
+            return (
+                "The Stepper shuffles the PyDataset's batch order each epoch with Python's random, as "
+                "fit(shuffle=True) does: unseeded, that order is not the one another fit() trains on. "
+                "Pass seed=... to step the order fit() trains on after keras.utils.set_random_seed(seed), "
+                "or shuffle=False for the PyDataset's own order."
+            )
+        return None
 
     def signature(self, data):
         return _any_batch_size(data)
@@ -256,15 +294,19 @@ class _PyDatasetSource(_Source):
 
     def epoch(self, epoch):
         count = self.dataset.num_batches
-        index = 0
-        while count is None or index < count:
+        if count is None:
+            indices = itertools.count()
+        else:
+            indices = list(range(count))
+            if self.shuffle:
+                self.random.shuffle(indices)  # as fit()'s adapter, as a pass starts
+        for index in indices:
             try:
                 batch = self.dataset[index]
             except IndexError:
                 return
             # fit() hands a bare array from a PyDataset as (x,), as Keras' adapter does.
             yield (batch,) if isinstance(batch, np.ndarray) else batch
-            index += 1
 
     def empty_error(self, epoch):
         return ValueError("The PyDataset yields no batches.")

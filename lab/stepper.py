@@ -157,8 +157,13 @@ class Stepper:
             `(x, y, sample_weight)` of arrays, a `tf.data.Dataset`, a
             `keras.utils.PyDataset` or a generator of such tuples.
         batch_size: int or None, for arrays (default 32, as in `fit()`).
-        shuffle: bool, reshuffle arrays every epoch; False keeps data order.
-        seed: int or None, makes the shuffled order reproducible.
+        shuffle: bool, reshuffle arrays, and a PyDataset's batch order, every
+            epoch; False keeps data order.
+        seed: int or None, makes the shuffled order reproducible. A PyDataset
+            is shuffled as fit(shuffle=True) shuffles it, with Python's
+            `random`: with a seed, in the order fit() trains on after
+            `keras.utils.set_random_seed(seed)`; without one, in an order no
+            other run repeats, and the stepper says so (a UserWarning).
         mode: str, "eager" (every value inspectable) or "graph" (the step is
             a `tf.function`; values come out of the compiled step). In graph
             mode, variables that only the first trace creates (a model that
@@ -232,6 +237,10 @@ class Stepper:
         self._told_unrepeatable = False
         self.last_trace = None
         self._tell_replicas()
+        if self.feed.order_note is not None:
+            warnings.warn(self.feed.order_note, UserWarning, stacklevel=2)
+            if self.run is not None:
+                self.run.add_event("warning", self.feed.order_note, step=self._index)
 
     # ---- public ------------------------------------------------------------
 

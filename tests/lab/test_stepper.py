@@ -224,6 +224,36 @@ def test_a_pydataset_is_told_of_every_epoch_with_steps_per_epoch_as_fit_tells_it
     np.testing.assert_array_equal(traces[4].x, X[:8])  # the third epoch starts the data again
 
 
+
+@pytest.mark.skipif(not lab.compat.PYDATASET_SHUFFLE_IS_PYTHON_RANDOM,
+                    reason="fit() before Keras 3.6 also shuffles a PyDataset's batches in a tf.data buffer")
+def test_a_seeded_stepper_steps_a_pydataset_in_the_shuffled_order_fit_trains_on():
+    # fit(shuffle=True) shuffles a PyDataset's batch order every epoch with
+    # Python's random; the Stepper, shuffle=True too, stepped it in index order.
+    fitted = recording_model()
+    fitted.run_eagerly = True
+    keras.utils.set_random_seed(5)
+    fitted.fit(Counted(), epochs=3, shuffle=True, verbose=0)
+    stepped = recording_model()
+    lab.Stepper(stepped, Counted(), shuffle=True, seed=5).step(12)
+    fit_order = [int(np.flatnonzero((X == np.asarray(batch[0])[0]).all(1))[0]) // 8 for batch in fitted.handed]
+    assert sorted(fit_order) == sorted(list(range(4)) * 3) and fit_order != list(range(4)) * 3
+    for fit_batch, stepped_batch in zip(fitted.handed, stepped.handed, strict=True):
+        np.testing.assert_array_equal(stepped_batch[0], fit_batch[0])
+
+
+def test_an_unseeded_stepper_says_its_pydataset_order_is_not_fits():
+    # Unseeded, fit() and the Stepper each draw their own order: nothing said so.
+    with pytest.warns(UserWarning, match="shuffle=False") as told:
+        stepper = lab.Stepper(make_model(), Counted(), shuffle=True)
+    assert len(told) == 1
+    stepper.step(4)
+    assert sorted(trace.x[0, 0] for trace in stepper.traces) == sorted(X[::8][:4, 0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lab.Stepper(make_model(), Counted(), shuffle=False)  # the PyDataset's own order: nothing to say
+
+
 # ---- what a trace holds ----------------------------------------------------------
 
 
