@@ -107,7 +107,10 @@ class Feed:
         dataset as the dataset declares it (`element_spec`), and unknown for
         a generator, a PyDataset, and arrays that end in a partial batch; a
         step traced on a batch of known size instead is free to fold it in,
-        and a loss's mean ended an ulp away from fit()'s (a CycleGAN's).
+        and a loss's mean ended an ulp away from fit()'s (a CycleGAN's). For
+        a generator or a PyDataset fit() also leaves unknown every dimension
+        its first two batches disagree on (padded sequences of another length
+        per batch), so that one trace serves them all.
         Where the batch does not fit that signature, the batch itself."""
         spec = self._source.signature(data)
         try:
@@ -153,6 +156,32 @@ def _any_batch_size(data):
         return leaf
 
     return keras.tree.map_structure(relaxed, data)
+
+
+# fit() takes the shapes of a generator's or PyDataset's batches from its
+# first two (Keras' data_adapter_utils.NUM_BATCHES_FOR_TENSOR_SPEC, 3.5 to 3.15).
+_BATCHES_FOR_SIGNATURE = 2
+
+
+def _merged_signature(batches, data):
+    """What fit() traces a generator's or PyDataset's batches with (Keras'
+    `get_tensor_spec` on `batches`, its first ones): the batch size and every
+    dimension the batches disagree on left unknown. `data` (a batch) with only
+    its batch size unknown where the batches do not share one structure."""
+    def merged(*leaves):
+        first = leaves[0]
+        if not (isinstance(first, tf.Tensor) and first.shape.rank):
+            return first
+        if not all(isinstance(leaf, tf.Tensor) and leaf.shape.rank == first.shape.rank for leaf in leaves):
+            return _any_batch_size(first)
+        dims = [sizes[0] if len(set(sizes)) == 1 else None
+                for sizes in zip(*(leaf.shape.as_list() for leaf in leaves))]
+        return tf.TensorSpec([None] + dims[1:], first.dtype)
+
+    try:
+        return keras.tree.map_structure(merged, *[_as_step_input(batch) for batch in batches])
+    except (TypeError, ValueError):
+        return _any_batch_size(data)
 
 
 def _floatx(value):
@@ -264,6 +293,7 @@ class _PyDatasetSource(_Source):
         self.shuffle = shuffle
         self.seed = seed
         self.random = random if seed is None else random.Random(seed)
+        self.spec = None
 
     def order_note(self):
         if not self.shuffle or self.dataset.num_batches is None:
@@ -285,7 +315,17 @@ class _PyDatasetSource(_Source):
         return None
 
     def signature(self, data):
-        return _any_batch_size(data)
+        if self.spec is None:
+            # As fit() does, from batches 0 and 1, whatever the order stepped.
+            count = self.dataset.num_batches
+            first = []
+            for index in range(_BATCHES_FOR_SIGNATURE if count is None else min(count, _BATCHES_FOR_SIGNATURE)):
+                try:
+                    first.append(_from_pydataset(self.dataset[index]))
+                except IndexError:
+                    break
+            self.spec = _merged_signature(first, data) if first else _any_batch_size(data)
+        return self.spec
 
     def begin_epoch(self, epoch):
         if epoch > 0:
@@ -305,20 +345,49 @@ class _PyDatasetSource(_Source):
                 batch = self.dataset[index]
             except IndexError:
                 return
-            # fit() hands a bare array from a PyDataset as (x,), as Keras' adapter does.
-            yield (batch,) if isinstance(batch, np.ndarray) else batch
+            yield _from_pydataset(batch)
 
     def empty_error(self, epoch):
         return ValueError("The PyDataset yields no batches.")
+
+
+def _from_pydataset(batch):
+    # fit() hands a bare array from a PyDataset as (x,), as Keras' adapter does.
+    return (batch,) if isinstance(batch, np.ndarray) else batch
 
 
 class _OneShot(_Source):
     def __init__(self, iterator):
         self.iterator = iterator
         self.used = False
+        self.first = []  # its first batches, as fit() peeks at them for its signature
+        self.ahead = collections.deque()  # batches taken for the signature, not yet yielded
+        self.spec = None
 
     def signature(self, data):
-        return _any_batch_size(data)
+        if self.spec is None:
+            while len(self.first) < _BATCHES_FOR_SIGNATURE:
+                try:
+                    batch = next(self.iterator)
+                except _END:
+                    break
+                self.first.append(batch)
+                self.ahead.append(batch)
+            self.spec = _merged_signature(self.first, data)
+        return self.spec
+
+    def _batches(self):
+        while True:
+            if self.ahead:
+                yield self.ahead.popleft()
+                continue
+            try:
+                batch = next(self.iterator)
+            except _END:
+                return
+            if len(self.first) < _BATCHES_FOR_SIGNATURE:
+                self.first.append(batch)
+            yield batch
 
     def epoch(self, epoch):
         if self.used:
@@ -328,7 +397,7 @@ class _OneShot(_Source):
                 "keras.utils.PyDataset, which can be iterated again."
             )
         self.used = True
-        return self.iterator
+        return self._batches()
 
     def empty_error(self, epoch):
         return ValueError("The generator yields no batches.")

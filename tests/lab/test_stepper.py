@@ -254,6 +254,53 @@ def test_an_unseeded_stepper_says_its_pydataset_order_is_not_fits():
         lab.Stepper(make_model(), Counted(), shuffle=False)  # the PyDataset's own order: nothing to say
 
 
+
+SEQUENCES = [(RNG.integers(1, 20, (4, length)), RNG.random((4, 1), dtype=np.float32)) for length in (5, 7, 4, 9, 6)]
+
+
+class PaddedSequences(keras.utils.PyDataset):
+    """Token sequences padded per batch, to another length in each batch."""
+
+    def __len__(self):
+        return len(SEQUENCES)
+
+    def __getitem__(self, index):
+        return SEQUENCES[index]
+
+
+class CountedTraces(keras.Sequential):
+    def train_step(self, data):
+        self.traced += 1  # Python runs: one per trace
+        return super().train_step(data)
+
+
+def sequence_model():
+    keras.utils.set_random_seed(0)
+    model = CountedTraces([keras.Input((None,), dtype="int32"), keras.layers.Embedding(20, 3),
+                           keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
+    model.traced = 0
+    model.compile("sgd", "mse")
+    return model
+
+
+@pytest.mark.parametrize("data", ["generator", "PyDataset"])
+def test_a_graph_stepper_traces_batches_of_varying_length_once_as_fit_does(data):
+    # fit() leaves open every dimension a generator's or PyDataset's first two
+    # batches disagree on; the graph Stepper left only the batch size open and
+    # traced its step again for the second length.
+    source = {"generator": lambda: (batch for batch in SEQUENCES), "PyDataset": PaddedSequences}[data]
+    fitted = sequence_model()
+    fitted.fit(source(), epochs=1, steps_per_epoch=len(SEQUENCES), shuffle=False, verbose=0)
+    stepped = sequence_model()
+    stepper = lab.Stepper(stepped, source(), shuffle=False, mode="graph")
+    stepper.step(len(SEQUENCES))
+    assert [trace.error for trace in stepper.traces] == [None] * len(SEQUENCES)
+    assert [trace.x.shape[1] for trace in stepper.traces] == [x.shape[1] for x, _ in SEQUENCES]
+    assert stepped.traced == fitted.traced == 1
+    for fit_weight, stepped_weight in zip(fitted.get_weights(), stepped.get_weights(), strict=True):
+        np.testing.assert_array_equal(stepped_weight, fit_weight)
+
+
 # ---- what a trace holds ----------------------------------------------------------
 
 
