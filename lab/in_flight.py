@@ -42,6 +42,7 @@ class BatchInFlight(keras.callbacks.Callback):
         self.armed = armed
         self.data = None
         self.before = None
+        self.spec = None  # what fit()'s iterator declares its batches as, where it says
         self.position = (0, 0)
         self._epoch = 0
         self._again = None  # (element_spec, pending batches, iterator over them)
@@ -69,6 +70,7 @@ class BatchInFlight(keras.callbacks.Callback):
                 return function(iterator)
             data = next(iter(iterator))
             keeper.data, keeper.before = data, read_state(keeper.model)
+            keeper.spec = iterator.element_spec if isinstance(iterator, tf.data.Iterator) else None
             return function(keeper._once_more(iterator, data))
 
         return keep_batch
@@ -127,7 +129,9 @@ class BatchInFlight(keras.callbacks.Callback):
         With a `run`, the run's `next_step` goes back to the kept batch's step
         too: the next step taken, by the stepper or a later `fit()`, is that one.
 
-        Its data is that one batch: stepping past it replays it as a new epoch.
+        Its data is that one batch, declared with the shapes fit() traced its
+        step with (a graph Stepper then traces the same step): stepping past
+        it replays it as a new epoch.
 
         Args:
             **kwargs: passed to `lab.Stepper` (`run`, `start_step`, `mode`, ...);
@@ -150,4 +154,16 @@ class BatchInFlight(keras.callbacks.Callback):
         kwargs.setdefault("mode", "eager")
         kwargs.setdefault("start_batch", self.position)
         # The model is as before the kept batch: the Stepper sets the run's count of steps back too.
-        return Stepper(self.model, tf.data.Dataset.from_tensors(self.data), shuffle=False, **kwargs)
+        return Stepper(self.model, self._kept_dataset(), shuffle=False, **kwargs)
+
+    def _kept_dataset(self):
+        """The kept batch as a one-batch dataset declared as fit()'s iterator
+        declared it, so that a graph Stepper traces the step with fit()'s
+        shapes (the batch size unknown), not the batch's own (see `_once_more`)."""
+        data, spec = self.data, self.spec
+        if spec is not None:
+            try:
+                return tf.data.Dataset.from_generator(lambda: iter([data]), output_signature=spec)
+            except (TypeError, ValueError):  # elements from_generator cannot declare
+                pass
+        return tf.data.Dataset.from_tensors(data)

@@ -1244,6 +1244,24 @@ def test_a_fit_that_keeps_its_batches_for_a_breakpoints_pause_trains_as_bare():
     assert history == history_bare
 
 
+def test_a_graph_stepper_on_the_batch_a_breakpoint_kept_steps_it_as_fit_did():
+    # BatchInFlight.stepper() handed the kept batch over as a dataset of that
+    # batch's own shapes, so a graph Stepper traced the step on its fixed batch
+    # size, not the dataset's unknown one: the CycleGAN stepped from the state
+    # before its last batch ended an ulp away from its bare fit().
+    from lab.in_flight import BatchInFlight
+
+    bare = make_cyclegan()
+    bare.fit(two_domains(), epochs=1, shuffle=False, verbose=0)
+    model, keep = make_cyclegan(), BatchInFlight()
+    recorder = lab.Recorder(breakpoints=[lab.Breakpoint(lambda row: row["step"] == 2)])
+    model.fit(two_domains(), epochs=1, shuffle=False, verbose=0, callbacks=[keep, recorder])
+    assert keep.position == (0, 2)  # the last batch, with the state before it
+    keep.stepper(mode="graph").step()
+    assert_same_arrays(weights(model), weights(bare), "weights after stepping the kept batch, against fit()")
+    assert_same_optimizer_state(optimizer_state(model), optimizer_state(bare))
+
+
 def test_validation_logs_reach_the_run_epochs():
     t = runs_of("built_in/get_compiled_model")
     epochs = t.rec.run.epochs()
