@@ -71,6 +71,12 @@ BATCH_END_REPORTS_LAST_STEP = KERAS_VERSION >= (3, 11)
 # buffer drawn from TensorFlow's seed, that only fit()'s own dataset replays.
 PYDATASET_SHUFFLE_IS_PYTHON_RANDOM = KERAS_VERSION >= (3, 6)
 
+# fit() resets its epoch iterator before the first epoch, and the reset ends
+# an epoch of the data: a PyDataset's on_epoch_end runs once before any batch
+# (Keras 3.7 on; a PyDataset that shuffles its samples there, as keras-io's
+# do, trains its first epoch in that shuffled order).
+FIT_ENDS_AN_EPOCH_BEFORE_THE_FIRST = KERAS_VERSION >= (3, 7)
+
 
 
 def steps_in_execution(begin, end, steps_per_execution, total=None):

@@ -294,6 +294,7 @@ class _PyDatasetSource(_Source):
         self.seed = seed
         self.random = random if seed is None else random.Random(seed)
         self.spec = None
+        self.begun = False  # whether an epoch was begun: the next begins after an end
 
     def order_note(self):
         if not self.shuffle or self.dataset.num_batches is None:
@@ -328,9 +329,12 @@ class _PyDatasetSource(_Source):
         return self.spec
 
     def begin_epoch(self, epoch):
-        if epoch > 0:
+        # As fit() calls them, around each epoch; before the first, as fit()'s
+        # reset of its iterator does (Keras 3.7 on), whatever epoch it starts at.
+        if self.begun or compat.FIT_ENDS_AN_EPOCH_BEFORE_THE_FIRST:
             self.dataset.on_epoch_end()
-        self.dataset.on_epoch_begin()  # as fit() calls them, around each epoch
+        self.begun = True
+        self.dataset.on_epoch_begin()
 
     def epoch(self, epoch):
         count = self.dataset.num_batches

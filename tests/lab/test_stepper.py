@@ -225,6 +225,41 @@ def test_a_pydataset_is_told_of_every_epoch_with_steps_per_epoch_as_fit_tells_it
 
 
 
+class ShufflesOnEpochEnd(keras.utils.PyDataset):
+    """keras-io's Sequence pattern: the samples' order shuffled in on_epoch_end."""
+
+    def __init__(self):
+        super().__init__()
+        self.order = np.arange(32)
+
+    def __len__(self):
+        return 4
+
+    def on_epoch_end(self):
+        np.random.shuffle(self.order)
+
+    def __getitem__(self, index):
+        rows = self.order[index * 8:(index + 1) * 8]
+        return X[rows], Y[rows]
+
+
+def test_a_pydataset_that_shuffles_on_epoch_end_is_stepped_in_fits_order():
+    # fit() (Keras 3.7 on) ends an epoch of the data before its first one, so
+    # such a PyDataset trains its first epoch already shuffled; the Stepper
+    # stepped it in its unshuffled order, other batches than fit() trains on.
+    fitted = recording_model()
+    fitted.run_eagerly = True
+    keras.utils.set_random_seed(3)
+    fitted.fit(ShufflesOnEpochEnd(), epochs=2, shuffle=False, verbose=0)
+    stepped = recording_model()
+    keras.utils.set_random_seed(3)
+    lab.Stepper(stepped, ShufflesOnEpochEnd(), shuffle=False).step(8)
+    assert len(stepped.handed) == len(fitted.handed) == 8
+    for fit_batch, stepped_batch in zip(fitted.handed, stepped.handed):
+        np.testing.assert_array_equal(stepped_batch[0], fit_batch[0])
+    np.testing.assert_array_equal(stepped.get_weights()[0], fitted.get_weights()[0])
+
+
 @pytest.mark.skipif(not lab.compat.PYDATASET_SHUFFLE_IS_PYTHON_RANDOM,
                     reason="fit() before Keras 3.6 also shuffles a PyDataset's batches in a tf.data buffer")
 def test_a_seeded_stepper_steps_a_pydataset_in_the_shuffled_order_fit_trains_on():
