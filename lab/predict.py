@@ -74,8 +74,8 @@ def predict_stream(model, data, batch_size=32, collect=None, steps=None):
         raise TypeError(
             f"collect must be a callable `collect(y_pred, batch)`; got {type(collect).__name__}."
         )
-    batches = _batches(data, int(batch_size))
-    if steps is not None:
+    batches = _batches(data, int(batch_size), steps)
+    if steps is not None and not isinstance(data, keras.utils.PyDataset):  # a PyDataset's stops itself
         batches = itertools.islice(batches, int(steps))
     stream = _predict(model, batches)
     if collect is None:
@@ -143,12 +143,12 @@ def _is_array_structure(data):
     return bool(leaves) and all(_is_array(leaf) for leaf in leaves)
 
 
-def _batches(data, batch_size):
+def _batches(data, batch_size, steps=None):
     """Yields (what predict_step is fed, the batch as the user gave it)."""
     if isinstance(data, tf.data.Dataset):
         return ((element, element) for element in data)
     if isinstance(data, keras.utils.PyDataset):
-        return ((batch, batch) for batch in _py_dataset_batches(data))
+        return ((batch, batch) for batch in _py_dataset_batches(data, steps))
     if _is_array_structure(data):
         return _array_batches(data, batch_size)
     if isinstance(data, (str, bytes)) or not hasattr(data, "__iter__"):
@@ -160,12 +160,18 @@ def _batches(data, batch_size):
     return ((element, element) for element in data)
 
 
-def _py_dataset_batches(dataset):
+def _py_dataset_batches(dataset, steps=None):
     """Each batch made once (a PyDataset may augment at random), up to
-    `num_batches`, which is None for an endless one (Keras' own reading)."""
+    `num_batches`, which is None for an endless one (Keras' own reading),
+    or `steps`; between the dataset's `on_epoch_begin` and `on_epoch_end`,
+    as `model.predict` calls them (a PyDataset may make its index there)."""
     count = dataset.num_batches
+    if steps is not None:
+        count = int(steps) if count is None else min(count, int(steps))
+    dataset.on_epoch_begin()
     for index in itertools.count() if count is None else range(count):
         yield dataset[index]
+    dataset.on_epoch_end()
 
 
 def _array_batches(data, batch_size):

@@ -96,6 +96,37 @@ def test_a_pydataset_batch_is_made_once_and_an_endless_one_runs_with_steps(model
         np.testing.assert_allclose(y_pred, model.predict_on_batch(batch), rtol=1e-6, atol=1e-7)
 
 
+def test_a_pydataset_is_read_between_its_epoch_hooks_as_predict_reads_it(model, x):
+    # model.predict calls on_epoch_begin before the batches and on_epoch_end
+    # after them; predict_stream called neither, so a PyDataset that readies
+    # or winds up a pass there (reseeds its augmentation, closes a file) was
+    # read otherwise than predict reads it.
+    class Counted(keras.utils.PyDataset):
+        def __init__(self):
+            super().__init__()
+            self.hooks = []
+
+        def __len__(self):
+            return 5
+
+        def on_epoch_begin(self):
+            self.hooks.append("begin")
+
+        def on_epoch_end(self):
+            self.hooks.append("end")
+
+        def __getitem__(self, index):
+            return x[index * 20:(index + 1) * 20]
+
+    predicted, streamed = Counted(), Counted()
+    expected = model.predict(predicted, verbose=0)
+    np.testing.assert_allclose(np.concatenate(list(lab.predict_stream(model, streamed))), expected,
+                               rtol=1e-6, atol=1e-7)
+    assert streamed.hooks == predicted.hooks == ["begin", "end"]
+    model.predict(predicted, steps=2, verbose=0)
+    assert len(list(lab.predict_stream(model, streamed, steps=2))) == 2
+    assert streamed.hooks == predicted.hooks
+
 def test_multi_input_models_take_a_list_or_dict_of_arrays():
     a, b = keras.Input((2,), name="a"), keras.Input((3,), name="b")
     two = keras.Model([a, b], keras.layers.Dense(1)(keras.layers.Concatenate()([a, b])))
