@@ -1471,3 +1471,94 @@ def test_weights_put_back_as_they_are_are_not_told():
     model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[PutsBackWhatItHolds(), rec])
     events = rec.run.events()
     assert not events["detail"].str.contains("set_weights").any()
+
+
+# =================================================================================
+# Path of keras-io's guides/transfer_learning.py, "An end-to-end example": a
+# base with BatchNormalization called with `training=False`, frozen; a head
+# trained on it (augmentation, rescaling, pooling, dropout); then the base
+# unfrozen and the model compiled again with a low learning rate, and fit on.
+# =================================================================================
+
+
+def transfer_parts():
+    keras.utils.set_random_seed(SEED)
+    base = keras.Sequential([keras.Input((8, 8, 1)), layers.Conv2D(4, 3, padding="same"),
+                             layers.BatchNormalization(), layers.Activation("relu"),
+                             layers.Conv2D(4, 3, padding="same"), layers.BatchNormalization()], name="base")
+    base.trainable = False
+    inputs = keras.Input((8, 8, 1))
+    x = layers.RandomFlip("horizontal")(inputs)
+    x = layers.Rescaling(1 / 16.0)(x)
+    x = base(x, training=False)
+    x = layers.GlobalAveragePooling2D()(x)
+    x = layers.Dropout(0.2)(x)
+    model = keras.Model(inputs, layers.Dense(1)(x))
+    return model, base
+
+
+def transfer_compile(model, rate):
+    model.compile(optimizer=keras.optimizers.Adam(rate), loss=keras.losses.BinaryCrossentropy(from_logits=True),
+                  metrics=[keras.metrics.BinaryAccuracy()])
+
+
+def transfer_data(n=48):
+    from sklearn.datasets import load_digits
+    digits = load_digits()
+    x = digits.images[:n, :, :, None].astype("float32")
+    y = (digits.target[:n] % 2).astype("float32")[:, None]
+    return x, y
+
+
+def transfer_learning(recorders=(None, None), stepper=False):
+    """Both phases of the guide; returns the model, both Histories, the
+    trainable keys of each phase and, with `stepper`, the second phase stepped."""
+    x, y = transfer_data()
+    model, base = transfer_parts()
+    transfer_compile(model, 1e-2)
+    keras.utils.set_random_seed(SEED + 1)
+    callbacks = [[r] if r is not None else [] for r in recorders]
+    first = model.fit(x, y, batch_size=16, epochs=2, validation_data=(x[:16], y[:16]), shuffle=False,
+                      verbose=0, callbacks=callbacks[0]).history
+    keys_first = variable_keys(model.trainable_variables)
+    base.trainable = True
+    transfer_compile(model, 1e-3)
+    keys_second = variable_keys(model.trainable_variables)
+    if stepper:
+        keras.utils.set_random_seed(SEED + 2)
+        trace = stepped(lab.Stepper(model, (x, y), batch_size=16, shuffle=False, mode="graph"), 3)
+        return model, first, None, (keys_first, keys_second), trace
+    keras.utils.set_random_seed(SEED + 2)
+    second = model.fit(x, y, batch_size=16, epochs=1, validation_data=(x[:16], y[:16]), shuffle=False,
+                       verbose=0, callbacks=callbacks[1]).history
+    return model, first, second, (keys_first, keys_second), None
+
+
+def test_the_transfer_learning_guides_freeze_then_fine_tune_trains_as_bare_fit():
+    bare, first, second, _, _ = transfer_learning()
+    rec = lab.Recorder(gradients=True)
+    model, first_l, second_l, (keys_first, keys_second), _ = transfer_learning((rec, rec))
+    assert first_l == first and second_l == second
+    assert_same_arrays(weights(model), weights(bare), "weights after fine-tuning, lab against bare")
+    assert_same_optimizer_state(optimizer_state(model), optimizer_state(bare))
+    assert lab_traces(model) == [] and len(model.weights) == len(bare.weights)
+    rows = rec.run.batches()
+    assert len(rows) == 3 * 2 + 3
+    assert len(keys_second) > len(keys_first)
+    base_keys = [k for k in keys_second if k not in keys_first]
+    head, tuned = rows.iloc[:6], rows.iloc[6:]
+    for key in keys_first:
+        assert np.isfinite(head[f"grad_norm/{key}"]).all() and np.isfinite(tuned[f"grad_norm/{key}"]).all()
+    for key in base_keys:
+        assert f"grad_norm/{key}" in rows.columns, f"no gradient column for {key} after unfreezing"
+        assert head[f"grad_norm/{key}"].isna().all(), f"{key} has gradients while frozen"
+        assert np.isfinite(tuned[f"grad_norm/{key}"]).all() and (tuned[f"grad_norm/{key}"] > 0).all()
+    columns = [c for c in rows.columns if c.startswith("grad_norm/")]
+    np.testing.assert_allclose(rows["grad_norm"].to_numpy(np.float64),
+                               np.sqrt(np.nansum(rows[columns].to_numpy(np.float64) ** 2, axis=1)), rtol=1e-5)
+    # The second phase stepped with a Stepper trains as the second fit() does.
+    stepped_model, _, _, (_, keys_stepped), trace = transfer_learning((lab.Recorder(gradients=True), None),
+                                                                      stepper=True)
+    assert sorted(trace.gradients) == sorted(keys_stepped)
+    assert_same_arrays(weights(stepped_model), weights(bare), "weights after stepping the fine-tuning")
+    assert_same_optimizer_state(optimizer_state(stepped_model), optimizer_state(bare))
