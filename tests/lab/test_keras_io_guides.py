@@ -27,7 +27,8 @@ on seeded random data:
   with `training=False`, then unfrozen and compiled again to fine-tune;
 - examples/keras_recipes/trainer_pattern.py: a Trainer model wrapping another
   model, its step over `compiled_loss` and `compiled_metrics`;
-- examples/generative/conditional_gan.py: a GAN conditioned on one-hot labels.
+- examples/generative/conditional_gan.py: a GAN conditioned on one-hot labels;
+- examples/rl/actor_critic.py: an eager episode loop under `lab.watch`.
 
 For each guide, a run is trained three times from identical weights and data
 order (`keras.utils.set_random_seed`, `shuffle=False`):
@@ -1740,3 +1741,99 @@ def test_the_transfer_learning_guides_freeze_then_fine_tune_trains_as_bare_fit()
     assert sorted(trace.gradients) == sorted(keys_stepped)
     assert_same_arrays(weights(stepped_model), weights(bare), "weights after stepping the fine-tuning")
     assert_same_optimizer_state(optimizer_state(stepped_model), optimizer_state(bare))
+
+
+# =================================================================================
+# Path of keras-io's examples/rl/actor_critic.py: an eager loop (no
+# tf.function) over episodes; one GradientTape records a whole episode of
+# model calls with actions drawn by `np.random.choice` from the actor's
+# probabilities; the loss sums the actor's and the Huber critic's; Adam
+# applies the gradients once per episode. CartPole is replaced by a small
+# deterministic environment.
+# =================================================================================
+
+
+class LineWorld:
+    """A 4-number state that drifts with the action; the episode ends when it
+    leaves [-1, 1] or after `limit` steps; reward 1 per step."""
+
+    def __init__(self, limit=12):
+        self.limit = limit
+
+    def reset(self, seed):
+        self.t, self.state = 0, np.random.default_rng(seed).uniform(-0.1, 0.1, 4).astype("float32")
+        return self.state
+
+    def step(self, action):
+        self.t += 1
+        push = np.array([0.15, -0.05, 0.1, 0.02], "float32") * (1 if action else -1)
+        self.state = (self.state * 1.1 + push).astype("float32")
+        done = bool(np.abs(self.state).max() > 1) or self.t >= self.limit
+        return self.state, 1.0, done
+
+
+def actor_critic(watched, episodes=4, gamma=0.99):
+    """Returns the model, its weights, Adam's state, the losses and the
+    gradients' norms per episode; with `watched`, the run too."""
+    keras.utils.set_random_seed(SEED)
+    np.random.seed(SEED)
+    inputs = layers.Input(shape=(4,))
+    common = layers.Dense(16, activation="relu")(inputs)
+    action = layers.Dense(2, activation="softmax")(common)
+    critic = layers.Dense(1)(common)
+    model = keras.Model(inputs=inputs, outputs=[action, critic])
+    optimizer = keras.optimizers.Adam(learning_rate=0.01)
+    huber_loss = keras.losses.Huber()
+    env, eps, losses, norms = LineWorld(), np.finfo(np.float32).eps.item(), [], []
+    with (lab.watch(model, optimizer) if watched else contextlib.nullcontext()) as run:
+        for episode in range(episodes):
+            state = env.reset(seed=episode)
+            action_probs_history, critic_value_history, rewards_history = [], [], []
+            with tf.GradientTape() as tape:
+                while True:
+                    state = tf.expand_dims(tf.convert_to_tensor(state), 0)
+                    action_probs, critic_value = model(state)
+                    critic_value_history.append(critic_value[0, 0])
+                    chosen = np.random.choice(2, p=np.squeeze(action_probs))
+                    action_probs_history.append(tf.math.log(action_probs[0, chosen]))
+                    state, reward, done = env.step(chosen)
+                    rewards_history.append(reward)
+                    if done:
+                        break
+                returns, discounted_sum = [], 0
+                for r in rewards_history[::-1]:
+                    discounted_sum = r + gamma * discounted_sum
+                    returns.insert(0, discounted_sum)
+                returns = np.array(returns)
+                returns = ((returns - np.mean(returns)) / (np.std(returns) + eps)).tolist()
+                actor_losses, critic_losses = [], []
+                for log_prob, value, ret in zip(action_probs_history, critic_value_history, returns):
+                    actor_losses.append(-log_prob * (ret - value))
+                    critic_losses.append(huber_loss(tf.expand_dims(value, 0), tf.expand_dims(ret, 0)))
+                loss_value = sum(actor_losses) + sum(critic_losses)
+            grads = tape.gradient(loss_value, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            losses.append(float(loss_value))
+            norms.append([np.linalg.norm(np.asarray(g, np.float64)) for g in grads])
+            if run is not None:
+                run.step(loss=loss_value, episode_length=len(rewards_history))
+    return model, weights(model), [np.array(v.numpy()) for v in optimizer.variables], losses, norms, run
+
+
+def test_the_actor_critic_examples_eager_episode_loop_trains_as_bare_under_watch():
+    _, bare_weights, bare_adam, bare_losses, bare_norms, _ = actor_critic(False)
+    model, got_weights, got_adam, losses, _, run = actor_critic(True)
+    assert_same_arrays(got_weights, bare_weights, "weights, watched against bare")
+    assert_same_arrays(got_adam, bare_adam, "Adam's variables, watched against bare")
+    assert losses == bare_losses
+    rows = run.batches()
+    assert len(rows) == 4
+    np.testing.assert_allclose(rows["loss"].to_numpy(np.float64), losses, rtol=1e-6)
+    keys = variable_keys(model.trainable_variables)
+    columns = [f"grad_norm/{k}" for k in keys]
+    assert all(c in rows.columns for c in columns), [c for c in rows.columns if c.startswith("grad")]
+    np.testing.assert_allclose(rows[columns].to_numpy(np.float64), bare_norms, rtol=1e-5,
+                               err_msg="the gradient columns against the bare loop's gradients")
+    np.testing.assert_allclose(rows["grad_norm"].to_numpy(np.float64),
+                               np.sqrt((rows[columns].to_numpy(np.float64) ** 2).sum(axis=1)), rtol=1e-5)
+    assert lab_traces(model) == []
