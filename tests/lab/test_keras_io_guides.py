@@ -28,6 +28,8 @@ on seeded random data:
 - examples/keras_recipes/trainer_pattern.py: a Trainer model wrapping another
   model, its step over `compiled_loss` and `compiled_metrics`;
 - examples/generative/conditional_gan.py: a GAN conditioned on one-hot labels;
+- examples/vision/simsiam.py: two zipped views, an encoder and a predictor,
+  a stop-gradient cosine loss, momentum SGD on a CosineDecay schedule;
 - examples/rl/actor_critic.py: an eager episode loop under `lab.watch`.
 
 For each guide, a run is trained three times from identical weights and data
@@ -1116,6 +1118,83 @@ def _conditional_digits():
     return (dataset,), {"epochs": 2}, dataset, None, 6
 
 
+# =================================================================================
+# Path of keras-io's examples/vision/simsiam.py: an encoder (convolutions,
+# BatchNormalization, l2 kernel regularizers the step never adds) and a
+# predictor trained by a train_step on two augmented views zipped from two
+# datasets, the loss a stop-gradient negative cosine similarity, SGD with
+# momentum on a CosineDecay schedule. In small: 8x8 digits, views made by
+# flips and seeded noise beforehand.
+# =================================================================================
+
+
+def simsiam_loss(p, z):
+    z = tf.stop_gradient(z)
+    p = tf.math.l2_normalize(p, axis=1)
+    z = tf.math.l2_normalize(z, axis=1)
+    return -tf.reduce_mean(tf.reduce_sum((p * z), axis=1))
+
+
+class SimSiam(keras.Model):
+    def __init__(self, encoder, predictor):
+        super().__init__()
+        self.encoder = encoder
+        self.predictor = predictor
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker]
+
+    def train_step(self, data):
+        ds_one, ds_two = data
+        with tf.GradientTape() as tape:
+            z1, z2 = self.encoder(ds_one), self.encoder(ds_two)
+            p1, p2 = self.predictor(z1), self.predictor(z2)
+            loss = simsiam_loss(p1, z2) / 2 + simsiam_loss(p2, z1) / 2
+        learnable_params = self.encoder.trainable_variables + self.predictor.trainable_variables
+        gradients = tape.gradient(loss, learnable_params)
+        self.optimizer.apply_gradients(zip(gradients, learnable_params))
+        self.loss_tracker.update_state(loss)
+        return {"loss": self.loss_tracker.result()}
+
+
+def make_simsiam(dim=8, decay=5e-4):
+    keras.utils.set_random_seed(SEED)
+    reg = keras.regularizers.l2(decay)
+    inputs = layers.Input((8, 8, 1))
+    x = layers.Conv2D(8, 3, padding="same", kernel_regularizer=reg)(inputs)
+    x = layers.BatchNormalization()(x)
+    x = layers.Activation("relu")(x)
+    x = layers.GlobalAveragePooling2D(name="backbone_pool")(x)
+    x = layers.Dense(dim, use_bias=False, kernel_regularizer=reg)(x)
+    x = layers.BatchNormalization()(x)
+    x = layers.ReLU()(x)
+    x = layers.Dense(dim, use_bias=False, kernel_regularizer=reg)(x)
+    outputs = layers.BatchNormalization()(x)
+    encoder = keras.Model(inputs, outputs, name="encoder")
+    inputs = layers.Input((dim,))
+    x = layers.Dense(4, use_bias=False, kernel_regularizer=reg)(inputs)
+    x = layers.ReLU()(x)
+    x = layers.BatchNormalization()(x)
+    predictor = keras.Model(inputs, layers.Dense(dim)(x), name="predictor")
+    model = SimSiam(encoder, predictor)
+    schedule = keras.optimizers.schedules.CosineDecay(initial_learning_rate=0.03, decay_steps=12)
+    model.compile(optimizer=keras.optimizers.SGD(schedule, momentum=0.6))
+    return model
+
+
+def _two_views():
+    from sklearn.datasets import load_digits
+    x = (load_digits().images[:48, :, :, None] / 16.0).astype("float32")
+    r = rng(5)
+    one = x + r.normal(0, 0.1, x.shape).astype("float32")
+    two = x[:, :, ::-1] + r.normal(0, 0.1, x.shape).astype("float32")
+    dataset = tf.data.Dataset.zip((tf.data.Dataset.from_tensor_slices(one).batch(16),
+                                   tf.data.Dataset.from_tensor_slices(two).batch(16)))
+    return (dataset,), {"epochs": 2}, dataset, None, 6
+
+
 ALL_LOGGED = ("*",)
 
 
@@ -1224,6 +1303,7 @@ GUIDES = {
     "trainer_pattern/Sequential": Guide(make_sequential_trainer, _digit_images, own=("accuracy",)),
     "trainer_pattern/functional": Guide(make_functional_trainer, _digit_images, own=("accuracy",)),
     "conditional_gan": Guide(make_conditional_gan, _conditional_digits, own=("g_loss", "d_loss"), replay=False),
+    "simsiam": Guide(make_simsiam, _two_views, own=("loss",)),
 }
 
 _RUNS = {}
