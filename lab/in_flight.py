@@ -71,13 +71,13 @@ class BatchInFlight(keras.callbacks.Callback):
             data = next(iter(iterator))
             keeper.data, keeper.before = data, read_state(keeper.model)
             keeper.spec = iterator.element_spec if isinstance(iterator, tf.data.Iterator) else None
-            return function(keeper._once_more(iterator, data))
+            return function(keeper._once_more(data))
 
         return keep_batch
 
-    def _once_more(self, iterator, data):
-        """An iterator that yields `data` next, declared as `iterator` declares
-        its elements, so that Keras runs the step it traced for the data.
+    def _once_more(self, data):
+        """An iterator that yields `data` next, declared as fit()'s iterator
+        declares its elements (`spec`), so that Keras runs the step it traced for the data.
 
         Keras' train function takes a plain iterable too, but traces its step
         again for it, on this batch's own shapes (Keras before 3.6 at every
@@ -89,7 +89,7 @@ class BatchInFlight(keras.callbacks.Callback):
         Python generator behind it yields each batch as it is handed over.
         Elsewhere (a strategy's distributed iterator), the plain iterable.
         """
-        spec = iterator.element_spec if isinstance(iterator, tf.data.Iterator) else None
+        spec = self.spec
         if spec is None:
             # Keras' train function runs a plain iterable of batches one by one;
             # Keras before 3.6 calls next() on it, so it is an iterator too.

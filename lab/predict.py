@@ -75,8 +75,6 @@ def predict_stream(model, data, batch_size=32, collect=None, steps=None):
             f"collect must be a callable `collect(y_pred, batch)`; got {type(collect).__name__}."
         )
     batches = _batches(data, int(batch_size), steps)
-    if steps is not None and not isinstance(data, keras.utils.PyDataset):  # a PyDataset's stops itself
-        batches = itertools.islice(batches, int(steps))
     stream = _predict(model, batches)
     if collect is None:
         return _predictions_only(stream)
@@ -144,11 +142,16 @@ def _is_array_structure(data):
 
 
 def _batches(data, batch_size, steps=None):
-    """Yields (what predict_step is fed, the batch as the user gave it)."""
+    """Yields (what predict_step is fed, the batch as the user gave it), up to `steps`."""
+    if isinstance(data, keras.utils.PyDataset):  # it stops itself, to end its epoch
+        return ((batch, batch) for batch in _py_dataset_batches(data, steps))
+    batches = _unbounded_batches(data, batch_size)
+    return batches if steps is None else itertools.islice(batches, int(steps))
+
+
+def _unbounded_batches(data, batch_size):
     if isinstance(data, tf.data.Dataset):
         return ((element, element) for element in data)
-    if isinstance(data, keras.utils.PyDataset):
-        return ((batch, batch) for batch in _py_dataset_batches(data, steps))
     if _is_array_structure(data):
         return _array_batches(data, batch_size)
     if isinstance(data, (str, bytes)) or not hasattr(data, "__iter__"):
@@ -164,7 +167,7 @@ def _py_dataset_batches(dataset, steps=None):
     """Each batch made once (a PyDataset may augment at random), up to
     `num_batches`, which is None for an endless one (Keras' own reading),
     or `steps`; between the dataset's `on_epoch_begin` and `on_epoch_end`,
-    as `model.predict` calls them (a PyDataset may make its index there)."""
+    as `model.predict` calls them (a PyDataset may ready or wind up a pass there)."""
     count = dataset.num_batches
     if steps is not None:
         count = int(steps) if count is None else min(count, int(steps))

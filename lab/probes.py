@@ -127,6 +127,13 @@ def variable_keys(variables):
     return keys
 
 
+def _accumulates(optimizer):
+    """Whether `optimizer` (or a LossScaleOptimizer's inner one) accumulates
+    gradients over steps (Keras' `gradient_accumulation_steps`)."""
+    inner = getattr(optimizer, "inner_optimizer", None) or optimizer
+    return bool(getattr(inner, "gradient_accumulation_steps", None))
+
+
 def find_optimizers(model):
     """The optimizers that may update `model`, named by the attribute holding them.
 
@@ -414,8 +421,7 @@ class Probe:
         breakpoints gate it on the batch's loss and gradients, and under
         gradient accumulation the gradients' norms are read before it."""
         return bool(self.breakpoints) or (self.gradients and any(
-            getattr(getattr(optimizer, "inner_optimizer", None) or optimizer, "gradient_accumulation_steps", None)
-            for optimizer in find_optimizers(self.model).values()))
+            _accumulates(optimizer) for optimizer in find_optimizers(self.model).values()))
 
     @property
     def installed(self):
@@ -450,7 +456,7 @@ class Probe:
                 if self.breakpoints:
                     self._patch(optimizer, "apply", lambda inner, o=optimizer, n=name: self._wrap_apply(o, inner, n))
                 inner = getattr(optimizer, "inner_optimizer", None) or optimizer
-                if getattr(inner, "gradient_accumulation_steps", None) and self.gradients:
+                if self.gradients and _accumulates(inner):
                     # Updates happen every k-th step; each row still shows its batch's gradient.
                     self._patch(inner, "_backend_apply_gradients", self._wrap_accumulating)
                 self._patch_update(name, inner)

@@ -589,6 +589,8 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         """Says where a callback put weights in the model during fit()
         (`model.set_weights`, `model.load_weights`: keras-io's early stopping
         that restores its best weights, BackupAndRestore resuming)."""
+        if not self._weights_put:  # called every batch: nothing put is the common case
+            return
         for name, step in self._weights_put:
             self.run.add_event("warning", WEIGHTS_PUT_NOTE.format(method=name, step=step, next=step + 1),
                                step=max(step, 0))
