@@ -725,3 +725,13 @@ def array_batches(x, y=None, sample_weight=None, batch_size=32):
 
     adapter = get_data_adapter(x, y=y, sample_weight=sample_weight, batch_size=batch_size, shuffle=False)
     return adapter.get_tf_dataset()
+
+
+def reduce_per_replica(values, strategy, reduction):
+    """The replicas' values of a `strategy.run` as Keras' TensorFlow trainer
+    reduces them (`keras.src.backend.tensorflow.trainer.reduce_per_replica`,
+    Keras 3.5 to 3.15): "auto" as fit() reduces a step's logs, "concat" as
+    predict() joins the replicas' predictions."""
+    from keras.src.backend.tensorflow.trainer import reduce_per_replica as keras_reduce
+
+    return keras_reduce(values, strategy, reduction=reduction)

@@ -7,10 +7,13 @@ predictions, the loss, which metric each returned result came from, the
 gradients each optimizer applied (where the Probe reads them too) and the
 variables the step created.
 In a `tf.function` the hooks run while tracing, and what they saw is returned
-from the compiled step. `hint(...)` names the fix for the usual mistakes.
+from the compiled step. Under a strategy with several replicas each replica
+sees its own share of the batch: what it saw is kept apart (`current()`).
+`hint(...)` names the fix for the usual mistakes.
 """
 
 import inspect
+import threading
 
 import keras
 import numpy as np
@@ -63,6 +66,9 @@ class StepCapture:
         self._hooks = hooks_for(model)
         self._depth = 0
         self._keys = {}
+        self._replica = 0  # the replica whose values this capture keeps
+        self._views = {}  # replica index -> the capture of that replica (replica 0: this one)
+        self._views_lock = threading.Lock()
 
     def __enter__(self):
         model = self.model
@@ -101,6 +107,22 @@ class StepCapture:
         self.gradients, self.learning_rates = {}, {}
         self.no_gradient, self.applies = [], []
         self._results = {}
+        self._views = {}
+
+    def current(self):
+        """The capture of the replica running now: this one outside a
+        strategy's replicas and on replica 0, else one kept for that replica,
+        holding what its share of the batch made (its predictions, its loss,
+        and the gradients after the replicas' sum, which every replica applies)."""
+        replica = _replica_index()
+        if replica == self._replica:
+            return self
+        with self._views_lock:
+            view = self._views.get(replica)
+            if view is None:
+                view = self._views[replica] = StepCapture(self.model, self.optimizers, slots=self._slots)
+                view._keys, view._graph, view._replica = self._keys, self._graph, replica
+        return view
 
     def _patch(self, target, name, factory):
         self._hooks.wrap(self, target, name, factory, role="capture")
@@ -121,23 +143,25 @@ class StepCapture:
         def compute_loss(*args, **kwargs):
             arguments = dict(zip(_LOSS_ARGS, args), **kwargs)
             loss = original(*args, **kwargs)
+            seen = self.current()
             if arguments.get("y_pred") is not None:
-                self.y_pred = arguments["y_pred"]
+                seen.y_pred = arguments["y_pred"]
             if loss is not None:
-                self.loss = loss
+                seen.loss = loss
             return loss
 
         return compute_loss
 
     def _wrap_call(self, original):
         def call(*args, **kwargs):
-            self._depth += 1
+            seen = self.current()
+            seen._depth += 1
             try:
                 output = original(*args, **kwargs)
             finally:
-                self._depth -= 1
-            if self._depth == 0:
-                self.call_output = output
+                seen._depth -= 1
+            if seen._depth == 0:
+                seen.call_output = output
             return output
 
         call.__signature__ = inspect.signature(original)
@@ -147,7 +171,7 @@ class StepCapture:
         def result(*args, **kwargs):
             value = original(*args, **kwargs)
             if not isinstance(value, dict):
-                self._results[id(value)] = (metric, value)
+                self.current()._results[id(value)] = (metric, value)
             return value
 
         return result
@@ -166,26 +190,29 @@ class StepCapture:
                 variables = compat.optimizer_variables_for(optimizer)
             grads = list(grads)
             variables = list(variables)
-            self.no_gradient += [self._key(v) for g, v in zip(grads, variables) if g is None]
+            self.current().no_gradient += [self._key(v) for g, v in zip(grads, variables) if g is None]
             return original(grads, trainable_variables if trainable_variables is None else variables)
 
         return apply
 
     def _wrap_update(self, name, original):
         def _backend_update_step(grads, trainable_variables, learning_rate):
-            self._reduced = None
+            seen = self.current()
+            seen._reduced = None
             result = original(grads, trainable_variables, learning_rate)
-            read = self._reduced if self._reduced is not None and len(self._reduced) == len(grads) else grads
+            read = seen._reduced if seen._reduced is not None and len(seen._reduced) == len(grads) else grads
+            # On one replica of several, what is applied is the replicas' sum.
+            replicas = _replicas_in_sync() > 1
             applied = {}
-            number = len(self.applies)
+            number = len(seen.applies)
             for grad, reduced, variable in zip(grads, read, trainable_variables):
                 key = self._key(variable)
                 if reduced is not None and regrouped_through(reduced):  # before the capture reads the gradient
                     self.regrouped.append(key)
-                applied[key] = self._out(("gradient", number, key), grad)
-            self.gradients.update(applied)  # the last apply's, per variable
-            self.applies.append((name, applied))
-            self.learning_rates[name] = self._out(("learning_rate", name), learning_rate)
+                applied[key] = seen._out(("gradient", number, key), reduced if replicas else grad)
+            seen.gradients.update(applied)  # the last apply's, per variable
+            seen.applies.append((name, applied))
+            seen.learning_rates[name] = seen._out(("learning_rate", name), learning_rate)
             return result
 
         return _backend_update_step
@@ -193,7 +220,7 @@ class StepCapture:
     def _wrap_all_reduce(self, original):
         def _all_reduce_sum_gradients(grads_and_vars):
             reduced = list(original(grads_and_vars))
-            self._reduced = [g for g, _ in reduced]
+            self.current()._reduced = [g for g, _ in reduced]
             return reduced
 
         return _all_reduce_sum_gradients
@@ -204,6 +231,11 @@ class StepCapture:
         value = tf.convert_to_tensor(value)
         if self._graph is None or tf.compat.v1.get_default_graph() is self._graph:
             return value
+        if _replicas_in_sync() > 1:
+            raise NotImplementedError(
+                "This step makes the values it updates with inside a nested graph on each of several "
+                "replicas, which the Stepper cannot return: step a copy of the model built outside the "
+                "strategy's scope.")
         slot = self._slots.get(slot_key)
         if slot is None:
             with tf.init_scope():
@@ -235,6 +267,18 @@ class StepCapture:
         self.gradients = {k: read(v) for k, v in self.gradients.items()}
         self.applies = [(name, {k: read(v) for k, v in grads.items()}) for name, grads in self.applies]
         self.learning_rates = {k: read(v) for k, v in self.learning_rates.items()}
+
+
+def _replica_index():
+    """The index of the strategy replica running now (0 outside replicas)."""
+    context = tf.distribute.get_replica_context()
+    index = getattr(context, "_replica_id_in_sync_group", 0)
+    return index if isinstance(index, int) else 0
+
+
+def _replicas_in_sync():
+    context = tf.distribute.get_replica_context()
+    return 1 if context is None else context.num_replicas_in_sync
 
 
 class _Slotted:

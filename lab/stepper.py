@@ -30,11 +30,13 @@ import tensorflow as tf
 
 from lab import schema
 from lab.arguments import check_number
+from lab.compat import reduce_per_replica, unscale_loss_for_distribution
 from lab.feed import Feed, to_numpy
 from lab.hooks import CompiledState, hooks_for
 from lab.norms import shown_names
 from lab.probes import find_optimizers, is_mean, leaf_metrics, variable_keys
-from lab.state import raw_variable, read_variables, replicated, same_array, training_variables, uninterrupted
+from lab.state import (raw_variable, read_variables, replica_copies, replicated, same_array, training_variables,
+                       uninterrupted)
 from lab.step_capture import StepCapture, hint
 
 
@@ -56,7 +58,7 @@ UNREPEATABLE_MESSAGE = (
     "rewound) for steps that replay exactly.")
 
 REPLICAS_MESSAGE = (
-    "The model is under {strategy} with {replicas} replicas, and the Stepper runs train_step as "
+    "The model is under {strategy} with {replicas} replicas, and the Stepper runs {what} as "
     "one device does: on the whole batch, where fit() splits each batch over the replicas and "
     "sums their gradients. Every replica's copy takes the same update, but it is not fit()'s: "
     "what a layer computes over the batch (BatchNormalization's statistics) differs, and the "
@@ -179,9 +181,13 @@ class Stepper:
         start_batch: tuple (epoch, batch) of the first batch (to continue a
             fit() mid-epoch: metrics are reset only at a batch 0).
 
-    A model built under a strategy with several replicas steps as one device
-    does, on the whole batch (not split over the replicas as in fit()); the
-    stepper says so once (`REPLICAS_MESSAGE`).
+    A model built under a MirroredStrategy with several replicas steps as a
+    mirrored fit() does: each batch split over the replicas as tf.distribute
+    splits fit()'s, `train_step` run on each share, the gradients summed.
+    Under other strategies (TPUs, several workers), with `from_step`, and
+    with an optimizer whose update runs in a nested graph (gradient
+    accumulation, a LossScaleOptimizer), it steps as one device does, on the
+    whole batch, and says so once (`REPLICAS_MESSAGE`).
 
     Example:
 
@@ -228,6 +234,7 @@ class Stepper:
         self._graph_compiled = None  # the CompiledState the graph step was traced for
         self._told_regrouped = False
         self._capture_slots = {}  # variables a graph step's nested values pass through
+        self._whole_batch = None  # the batch last split over the replicas
         self._condition_state = {}  # name -> (tf.Variable, initial value)
         self._step_function = _step_fn  # from_step: the user's step instead of train_step
         self._extra_optimizers = list(_optimizers)
@@ -593,35 +600,78 @@ class Stepper:
     def _run(self, data, capture):
         with _built_here(self, capture):
             self._build_optimizer_in_scope()
+        replicated = self._steps_on_replicas()
         if self.mode == "eager":
+            if replicated:
+                with _built_here(self, capture):
+                    self._build_for_graph(data)
+                return self._traced(self._distributed(data)[0], capture)
             return self._traced(data, capture)
         if self.mode != "graph":
             raise ValueError(f"Unknown stepper mode {self.mode!r}; use 'eager' or 'graph'.")
         compiled = CompiledState(self.model)
+        signature = self.feed.signature(data)
+        if replicated:
+            data, signature = self._distributed(data, signature)
         if self._graph_step is None or self._graph_compiled != compiled:
             # First, or the model was compiled again (fine-tuning: a new
             # optimizer, layers unfrozen): trace its step anew, as fit() does.
             self._graph_capture = capture
             self._graph_step = tf.function(lambda d: self._traced(d, self._graph_capture), reduce_retracing=True)
             with _built_here(self, capture):
-                self._build_for_graph(data)
+                self._build_for_graph(self._whole_batch if replicated else data)
                 # Traced before it runs, so that what the trace builds (the
                 # optimizer's slots, on the variables the step applies, as in
                 # fit()) is counted at its first values.
-                self._graph_step.get_concrete_function(self.feed.signature(data))
+                self._graph_step.get_concrete_function(signature)
             self._graph_compiled = compiled
         self._graph_capture = capture
         outputs = self._graph_step(data)
         capture.no_gradient = capture.no_gradient or getattr(self, "_graph_no_gradient", [])
         return outputs
 
-    def _tell_replicas(self):
-        """Says, once per Stepper, that a multi-replica model steps as one device."""
+    def _steps_on_replicas(self):
+        """Whether each step runs on the strategy's replicas, each on its
+        share of the batch, as fit() runs it: under a MirroredStrategy with
+        several replicas, for the model's own train_step."""
         strategy = self.model.distribute_strategy
-        if strategy.num_replicas_in_sync == 1:
+        if strategy.num_replicas_in_sync == 1 or self._step_function is not None:
+            return False
+        if type(strategy).__name__ != "MirroredStrategy":
+            return False  # TPUs, several workers: one device (REPLICAS_MESSAGE)
+        # Values made in a nested graph (LossScaleOptimizer's cond, gradient
+        # accumulation) cannot leave a replica: those step as one device.
+        return not any(getattr(o, "inner_optimizer", None) is not None or getattr(o, "gradient_accumulation_steps", None)
+                       for o in self._optimizers().values())
+
+    def _distributed(self, data, signature=None):
+        """`data`, a whole batch, split over the replicas as fit() splits it
+        (tf.distribute's rebatch of a dataset of fit()'s element spec), and
+        that split's spec, for tracing."""
+        self._whole_batch = data
+        strategy = self.model.distribute_strategy
+        specs = signature if signature is not None else self.feed.signature(data)
+        if all(isinstance(leaf, tf.TensorSpec) for leaf in tf.nest.flatten(specs)) and tf.nest.flatten(specs):
+            dataset = tf.data.Dataset.from_generator(lambda: iter([data]), output_signature=specs)
+        else:
+            dataset = tf.data.Dataset.from_tensors(data)
+        distributed = strategy.experimental_distribute_dataset(dataset)
+        return next(iter(distributed)), distributed.element_spec
+
+    def _tell_replicas(self):
+        """Says, once per Stepper, that a multi-replica model steps as one
+        device, where it does not step on the replicas as fit() does."""
+        strategy = self.model.distribute_strategy
+        if strategy.num_replicas_in_sync == 1 or self._steps_on_replicas():
             return
+        if self._step_function is not None:
+            what = "the step function"
+        elif type(strategy).__name__ == "MirroredStrategy":
+            what = "train_step (its optimizer updates in a nested graph, whose values cannot leave a replica)"
+        else:
+            what = "train_step"
         message = REPLICAS_MESSAGE.format(strategy=type(strategy).__name__,
-                                          replicas=strategy.num_replicas_in_sync)
+                                          replicas=strategy.num_replicas_in_sync, what=what)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
         if self.run is not None:
             self.run.add_event("warning", message, step=self._index)
@@ -652,12 +702,55 @@ class Stepper:
 
     def _traced(self, data, capture):
         capture.begin_trace()
+        if isinstance(data, tf.distribute.DistributedValues) or any(
+                isinstance(leaf, tf.distribute.DistributedValues) for leaf in tf.nest.flatten(data)):
+            with capture:
+                outputs = self.model.distribute_strategy.run(self._on_replica, args=(data, capture))
+            return self._combined(outputs)
         with capture:
             if self._step_function is not None:
                 x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
                 logs = self._step_function(x, y)
             else:
                 logs = _own_train_step(self.model)(data)
+        return self._outputs(logs, capture)
+
+    def _on_replica(self, data, capture):
+        """One replica's step on its share of the batch, in `strategy.run`."""
+        seen = capture.current()
+        logs = _own_train_step(self.model)(data)
+        if seen.y_pred is None:
+            seen.y_pred = seen.call_output
+        outputs = self._outputs(logs, seen)
+        if "loss" in outputs:
+            # Unscaled here, in the replica, as Keras' step unscales it for its tracker.
+            loss = tf.cast(unscale_loss_for_distribution(outputs["loss"]), tf.float32)
+            outputs["loss"] = loss if loss.shape.rank == 0 else tf.reduce_mean(loss)
+            leaves = [t for t in tf.nest.flatten(data) if t is not None]
+            outputs["samples"] = tf.cast(tf.shape(leaves[0])[0], tf.float32)
+        return outputs
+
+    def _combined(self, outputs):
+        """The replicas' outputs as fit()'s: the logs reduced as Keras reduces
+        them, the predictions of each share in batch order, the loss of the
+        batch's samples (each replica's weighted by its share, as Keras' loss
+        tracker weighs it) and the rest (the summed gradients, the learning
+        rate) from the first replica, where every replica has the same."""
+        strategy = self.model.distribute_strategy
+        combined = {"logs": reduce_per_replica(outputs.pop("logs"), strategy, reduction="auto")}
+        if "y_pred" in outputs:
+            combined["y_pred"] = reduce_per_replica(outputs.pop("y_pred"), strategy, reduction="concat")
+        if "loss" in outputs:
+            losses = strategy.experimental_local_results(outputs.pop("loss"))
+            shares = strategy.experimental_local_results(outputs.pop("samples"))
+            combined["loss"] = (tf.add_n([tf.where(n > 0, loss * n, 0.0) for loss, n in zip(losses, shares)])
+                                / tf.add_n(list(shares)))
+        first = lambda value: strategy.experimental_local_results(value)[0]  # noqa: E731
+        combined.update(tf.nest.map_structure(first, outputs))
+        return combined
+
+    def _outputs(self, logs, capture):
+        """What a step returns: its logs and what `capture` saw."""
         capture.resolve()
         if not isinstance(logs, dict):
             logs = {} if logs is None else {"loss": logs}
@@ -758,12 +851,12 @@ class Stepper:
             if metric is not None and not is_mean(metric) and np.ndim(value) == 0:
                 trace.running.append(name)  # its batch value cannot be read off its state
             if metric is not None and is_mean(metric):
-                total = [before.get(id(raw_variable(v))) for v in (metric.total, metric.count)]
-                new = [after.get(id(raw_variable(v))) for v in (metric.total, metric.count)]
+                total = [_metric_state(before, v) for v in (metric.total, metric.count)]
+                new = [_metric_state(after, v) for v in (metric.total, metric.count)]
                 reset = trace.batch == 0
                 if all(t is not None for t in total + new):
-                    dt = float(new[0][1]) - (0.0 if reset else float(total[0][1]))
-                    dc = float(new[1][1]) - (0.0 if reset else float(total[1][1]))
+                    dt = new[0] - (0.0 if reset else total[0])
+                    dc = new[1] - (0.0 if reset else total[1])
                     if dc:  # else the step returned this name without updating the metric
                         value = dt / dc
             if name == "loss" and "loss" in row:
@@ -856,6 +949,21 @@ def _log_entries(logs):
     a dict, whose entries are the logs."""
     for name, value in logs.items():
         yield from (value.items() if isinstance(value, dict) else [(name, value)])
+
+
+def _metric_state(state, variable):
+    """A metric variable's value in `state` (id -> (variable, array)), summed
+    over the replicas' copies where each replica adds its own share (Keras'
+    sync-on-read sums; Keras before 3.7 makes them mirrored with no
+    aggregation, whose copies part and whose value reads the first replica's)."""
+    variable = raw_variable(variable)
+    copies = replica_copies(variable)
+    summed = len(copies) > 1 and (variable.synchronization == tf.VariableSynchronization.ON_READ
+                                  or variable.aggregation == tf.VariableAggregation.NONE)
+    entries = [state.get(id(c)) for c in (copies if summed else (variable,))]
+    if any(entry is None for entry in entries):
+        return None
+    return float(sum(np.asarray(entry[1], np.float64) for entry in entries))
 
 
 def _that_ran(values, ran):

@@ -106,15 +106,30 @@ def test_stepper_and_mode_switch_on_a_mirrored_model(mirrored):
     assert tools["step_error"] == "None" and tools["step_index"] == 0
     assert np.isfinite(tools["step_loss"]) and tools["step_gradients"] == 4
     assert tools["traces_after_rewind"] == 1
-    # It steps as one device does, not as fit() splits a batch over the replicas: said once, in
-    # the notebook and in the run (BatchNormalization's weights part from a mirrored fit's by 4e-3).
-    assert len(tools["replicas_told"]) == 1 and "MirroredStrategy with 2 replicas" in tools["replicas_told"][0]
-    assert tools["replicas_events"] == tools["replicas_told"]
+    # It steps on the replicas as fit() does (test_the_stepper_steps_a_mirrored_model_as_fit_does):
+    # nothing to say. It said it stepped as one device, and weights parted from fit()'s.
+    assert tools["replicas_told"] == [] and tools["replicas_events"] == []
     assert "XLA under MirroredStrategy" in tools["xla"]
     # An optimizer with slots (Adam) steps too: it failed, its slots made inside the step.
     assert tools["adam_step_error"] == "None" and tools["adam_slots"] > 2
-    # Stepped inside the strategy's scope, the step fails with a hint that names where to step.
-    assert "outside `with strategy.scope():`" in tools["in_scope_hint"]
+    # Stepped inside the strategy's scope too (it failed there, stepping as one device).
+    assert tools["in_scope_error"] == "None"
+    # Gradient accumulation's update cannot leave a replica: that model steps as one device, and says so.
+    assert len(tools["one_device_told"]) == 1 and "MirroredStrategy with 2 replicas" in tools["one_device_told"][0]
+
+
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+def test_the_stepper_steps_a_mirrored_model_as_fit_does(mirrored, mode):
+    # It ran train_step on the whole batch, as one device: BatchNormalization's weights parted
+    # from a mirrored fit()'s by 4e-3, and the stepper said so.
+    assert "stepper_as_fit_error" not in mirrored, mirrored["stepper_as_fit_error"]
+    stepped = mirrored["stepper_as_fit"][mode]
+    assert stepped["errors"] == [] and stepped["told"] == []
+    assert stepped["same_as_fit"] and all(stepped["same_as_fit"]), "each replica's copies equal fit()'s, bit for bit"
+    assert stepped["replayed"]
+    assert stepped["y_pred_rows"] == [16, 16, 9]  # the replicas' predictions, joined in batch order
+    for column, (trace, recorded) in stepped["columns"].items():
+        np.testing.assert_allclose(trace, recorded, rtol=1e-6, err_msg=column)
 
 
 def test_compare_modes_puts_back_each_replicas_copy_of_a_mirrored_model(mirrored):

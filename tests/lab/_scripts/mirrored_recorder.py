@@ -136,6 +136,51 @@ def stepper_rewind_replicas(strategy, x, y):
             "fit_after": same(copies(model), copies(bare))}
 
 
+def stepper_as_fit(strategy, x, y):
+    """The Stepper on a mirrored model with BatchNormalization and Adam,
+    over batches that end in one split unevenly (41 samples, batch 16: the
+    last 9 go 5 and 4): each step runs on the replicas as a mirrored fit()
+    runs it, so every replica's copy of every variable ends as fit()'s,
+    bit for bit (graph mode against fit(), eager mode against
+    fit(run_eagerly=True)), and the rows hold the Recorder's values."""
+    x, y = x[:41], y[:41]
+
+    def made(run_eagerly=False):
+        with strategy.scope():
+            model = make_model(normalized=True)
+            model.compile(optimizer=keras.optimizers.Adam(0.01), loss=model.loss, metrics=["accuracy"],
+                          run_eagerly=run_eagerly)
+        return model
+
+    def copies(model):
+        return [c.numpy() for v in model.variables + model.optimizer.variables
+                for c in strategy.experimental_local_results(v.value)]
+
+    out = {}
+    for mode in ("graph", "eager"):
+        fitted, recorder = made(run_eagerly=mode == "eager"), lab.Recorder(gradients=True)
+        fitted.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[recorder])
+        rows = recorder.run.batches()
+        model = made()
+        with warnings.catch_warnings(record=True) as told:
+            warnings.simplefilter("always")
+            stepper = lab.Stepper(model, (x, y), batch_size=16, shuffle=False, mode=mode)
+            traces = [stepper.step() for _ in range(3)]
+        after = copies(model)
+        stepper.rewind(3)
+        stepper.step(3)
+        out[mode] = {
+            "errors": [repr(t.error) for t in traces if t.error is not None],
+            "told": [str(w.message) for w in told],
+            "same_as_fit": [bool(np.array_equal(a, b)) for a, b in zip(after, copies(fitted))],
+            "replayed": all(np.array_equal(a, b) for a, b in zip(after, copies(model))),
+            "y_pred_rows": [int(t.y_pred.shape[0]) for t in traces],
+            "columns": {c: [[float(t.row.get(c, np.nan)) for t in traces], rows[c].astype(float).tolist()]
+                        for c in ("loss", "accuracy", "grad_norm")},
+        }
+    return out
+
+
 def stepper_and_modes(strategy, x, y):
     """The Stepper, and set_mode's eager mode and XLA refusal, on a mirrored model."""
     with strategy.scope():
@@ -159,8 +204,17 @@ def stepper_and_modes(strategy, x, y):
     adam_trace = lab.Stepper(adam, (x, y), batch_size=16, shuffle=False).step()
     out["adam_step_error"] = repr(adam_trace.error)
     out["adam_slots"] = len(adam.optimizer.variables)
-    with strategy.scope():  # stepped inside the scope: no replica runs the step
-        out["in_scope_hint"] = lab.Stepper(model, (x, y), batch_size=16, shuffle=False).step().hint
+    with strategy.scope():  # stepped inside the scope, as keras-io's distributed guide keeps everything
+        out["in_scope_error"] = repr(lab.Stepper(model, (x, y), batch_size=16, shuffle=False).step().error)
+    # Gradient accumulation's update runs in a nested graph, whose values
+    # cannot leave a replica: such a model steps as one device, and says so.
+    with strategy.scope():
+        accumulating = make_model()
+        accumulating.compile(optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=2), loss=model.loss)
+    with warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
+        lab.Stepper(accumulating, (x, y), batch_size=16, shuffle=False)
+    out["one_device_told"] = [str(w.message) for w in told if "replicas" in str(w.message)]
     out["xla"] = errors(lambda: lab.set_mode(model, "xla"))
     lab.set_mode(model, "eager")
     try:
@@ -414,6 +468,10 @@ def main():
             out["tools"] = stepper_and_modes(mirrored, x, y)
         except Exception as error:  # noqa: BLE001 - reported, so the other checks still run
             out["tools_error"] = f"{type(error).__name__}: {error}"
+        try:
+            out["stepper_as_fit"] = stepper_as_fit(mirrored, x, y)
+        except Exception as error:  # noqa: BLE001 - reported, so the other checks still run
+            out["stepper_as_fit_error"] = f"{type(error).__name__}: {error}"
         try:
             out["stepper_rewind"] = stepper_rewind_replicas(mirrored, x, y)
         except Exception as error:  # noqa: BLE001 - reported, so the other checks still run
