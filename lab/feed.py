@@ -64,7 +64,7 @@ class Feed:
         """
         if self._replay:
             item = self._replay[0]
-            item = item._replace(data=_as_step_input(item.data))  # one interrupted in `next` is raw
+            item = item._replace(data=self._as_step_input(item.data))  # one interrupted in `next` is raw
             self._replay.popleft()
             return item
         while True:
@@ -92,7 +92,7 @@ class Feed:
             self._drawn += 1
             position = (self._epoch, self._batch)
             try:
-                item = Fed(*position, _as_step_input(data))
+                item = Fed(*position, self._as_step_input(data))
             except BaseException:
                 self._replay.appendleft(Fed(*position, data))
                 self._batch = position[1] + 1
@@ -121,6 +121,9 @@ class Feed:
             fits = False
         return spec if fits else data
 
+    def _as_step_input(self, data):
+        return _as_step_input(data, floatx=self._source.FLOATX)
+
     def push_back(self, items):
         """Puts items back so they come out next, in the given order."""
         for item in reversed(list(items)):
@@ -139,12 +142,15 @@ def to_numpy(structure):
     return keras.tree.map_structure(lambda t: None if t is None else np.asarray(t), structure)
 
 
-def _as_step_input(data):
-    """fit() passes tuples; lists become tuples, numpy leaves become tensors."""
+def _as_step_input(data, floatx=False):
+    """fit() passes tuples; lists become tuples, numpy leaves become tensors,
+    float ones of the backend's float type with `floatx` (fit() casts arrays,
+    and hands a generator's or a PyDataset's float64 batches on as float64)."""
     if isinstance(data, list):
         data = tuple(data)
+    cast = _floatx if floatx else np.asarray
     return keras.tree.map_structure(
-        lambda leaf: leaf if leaf is None or tf.is_tensor(leaf) else tf.convert_to_tensor(_floatx(leaf)), data
+        lambda leaf: leaf if leaf is None or tf.is_tensor(leaf) else tf.convert_to_tensor(cast(leaf)), data
     )
 
 
@@ -220,6 +226,8 @@ def _is_arrays(data):
 
 
 class _Source:
+    FLOATX = False  # whether fit() casts float batches to the backend's float type
+
     def begin_epoch(self, epoch):
         """Called as each epoch starts, before its first batch."""
 
@@ -229,6 +237,8 @@ class _Source:
 
 
 class _ArraySource(_Source):
+    FLOATX = True  # Keras' array slicing casts float arrays to floatx
+
     def __init__(self, data, batch_size, shuffle, seed):
         if not (isinstance(data, tuple) and 1 <= len(data) <= 3):
             data = (data,)

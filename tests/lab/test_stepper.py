@@ -109,11 +109,11 @@ def test_an_interrupt_while_the_batch_is_made_skips_no_batch(data, monkeypatch):
 
     made, convert = [], feed._as_step_input
 
-    def interrupted_once(batch):
+    def interrupted_once(batch, **how):
         made.append(True)
         if len(made) == 3:
             raise KeyboardInterrupt
-        return convert(batch)
+        return convert(batch, **how)
 
     source = (X, Y) if data == "arrays" else tf.data.Dataset.from_tensor_slices((X, Y)).batch(8)
     stepper = lab.Stepper(make_model(), source, batch_size=8 if data == "arrays" else None, shuffle=False)
@@ -1359,3 +1359,80 @@ def test_a_ctrl_c_during_rewind_rewinds_whole_and_reaches_the_user(monkeypatch):
     assert calls["n"] > 2, "the interrupt must land inside the rewind's writes"
     again = [float(trace.logs["loss"]) for trace in [stepper.step() for _ in range(3)]]
     assert again == first and [t.index for t in stepper.traces] == [0, 1, 2]
+
+
+class ReconstructsInDataType(keras.Model):
+    """An autoencoder whose step takes its loss in the data's own float type
+    (a reconstruction loss written against x, as keras-io's VAE writes it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.code = keras.layers.Dense(2)
+        self.back = keras.layers.Dense(4)
+        self.handed = []
+
+    def call(self, x):
+        return self.back(self.code(x))
+
+    def train_step(self, data):
+        x = data[0] if isinstance(data, tuple) else data
+        self.handed.append(x.dtype.name)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(x - tf.cast(self(x), x.dtype)))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return {"loss": loss}
+
+
+SAMPLES_64 = np.random.default_rng(3).normal(size=(24, 4))  # float64, as numpy makes them
+
+
+def float64_batches():
+    for start in range(0, 24, 8):
+        yield (SAMPLES_64[start:start + 8],)
+
+
+class Float64Batches(keras.utils.PyDataset):
+    def __len__(self):
+        return 3
+
+    def __getitem__(self, index):
+        return (SAMPLES_64[index * 8:(index + 1) * 8],)
+
+
+@pytest.mark.parametrize("source", [float64_batches, Float64Batches])
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+def test_float64_batches_of_a_generator_or_pydataset_reach_train_step_as_fit_hands_them(source, mode):
+    # fit() casts float arrays to floatx but hands a generator's or a
+    # PyDataset's float64 batches on as they are; the Stepper cast those to
+    # float32 too, so a step computing its loss in the data's type trained
+    # on other values than fit().
+    def made():
+        keras.utils.set_random_seed(0)
+        model = ReconstructsInDataType()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), run_eagerly=mode == "eager")
+        return model
+
+    fitted, stepped = made(), made()
+    fitted.fit(source(), epochs=1, verbose=0, **({"shuffle": False} if source is Float64Batches else {}))
+    stepper = lab.Stepper(stepped, source(), shuffle=False, mode=mode)
+    stepper.step(3)
+    assert [t.error for t in stepper.traces] == [None] * 3
+    assert fitted.handed[-1] == stepped.handed[-1] == "float64"
+    for got, expected in zip(stepped.get_weights(), fitted.get_weights(), strict=True):
+        np.testing.assert_array_equal(got, expected)
+
+
+def test_float64_arrays_reach_train_step_as_floatx_as_fit_casts_them():
+    def made():
+        keras.utils.set_random_seed(0)
+        model = ReconstructsInDataType()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), run_eagerly=True)
+        return model
+
+    fitted, stepped = made(), made()
+    fitted.fit(SAMPLES_64, batch_size=8, shuffle=False, epochs=1, verbose=0)
+    lab.Stepper(stepped, SAMPLES_64, batch_size=8, shuffle=False).step(3)
+    assert fitted.handed[-1] == stepped.handed[-1] == keras.backend.floatx()
+    for got, expected in zip(stepped.get_weights(), fitted.get_weights(), strict=True):
+        np.testing.assert_array_equal(got, expected)
