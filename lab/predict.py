@@ -177,6 +177,14 @@ def _py_dataset_batches(dataset, steps=None):
     dataset.on_epoch_end()
 
 
+def _floatx(array):
+    floatx = keras.backend.floatx()
+    if tf.is_tensor(array):
+        return tf.cast(array, floatx) if array.dtype.is_floating and array.dtype != floatx else array
+    array = np.asarray(array)
+    return array.astype(floatx) if array.dtype.kind == "f" and array.dtype != np.dtype(floatx) else array
+
+
 def _array_batches(data, batch_size):
     leaves = tf.nest.flatten(data)
     count = int(leaves[0].shape[0])
@@ -192,7 +200,9 @@ def _array_batches(data, batch_size):
             # A slice is a view: no copy of the data set is made.
             x = tf.nest.map_structure(lambda a: a[start:start + batch_size], data)
             # As Keras' array adapter does: a tuple, so a list of inputs is
-            # never read as (x, y) by predict_step.
-            yield (x,), x
+            # never read as (x, y) by predict_step; float arrays cast to the
+            # backend's float type (`model.predict` casts them, a generator's
+            # batches it hands on as they are).
+            yield (tf.nest.map_structure(_floatx, x),), x
 
     return slices()

@@ -205,3 +205,36 @@ def test_bad_input_gets_a_clear_error(model, x):
         lab.predict_stream(lambda v: v, x)
     with pytest.raises(ValueError, match="same number of samples; got 3 and 2"):
         lab.predict_stream(model, [np.ones((3, 4)), np.ones((2, 4))])
+
+
+class ScalesItsInputs(keras.Model):
+    """A model whose predict_step computes with its inputs in their own float
+    type: float64 inputs and float32 weights do not add."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(1)
+        self.fed = []
+
+    def call(self, x):
+        return self.dense(x)
+
+    def predict_step(self, data):
+        x = data[0] if isinstance(data, tuple) else data
+        self.fed.append(x.dtype.name)
+        return x[:, :1] / 3 + self.dense(x)
+
+
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_float64_arrays_are_predicted_as_floatx_as_model_predict_casts_them(as_tensor):
+    # predict_stream fed float64 slices on as float64; model.predict casts
+    # float arrays to the backend's float type. The step above raised a
+    # TypeError in predict_stream where model.predict worked.
+    x = np.random.default_rng(4).normal(size=(10, 3))
+    model = ScalesItsInputs()
+    model(x[:1].astype("float32"))
+    expected = model.predict(x, batch_size=4, verbose=0)
+    data = tf.constant(x) if as_tensor else x
+    got = np.concatenate(list(lab.predict_stream(model, data, batch_size=4)))
+    assert model.fed[-1] == keras.backend.floatx()
+    np.testing.assert_array_equal(got, expected)
