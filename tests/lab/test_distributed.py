@@ -132,6 +132,13 @@ def test_the_stepper_steps_a_mirrored_model_as_fit_does(mirrored, mode):
         np.testing.assert_allclose(trace, recorded, rtol=1e-6, err_msg=column)
 
 
+def test_an_interrupted_eager_step_on_the_replicas_is_undone_on_each(mirrored):
+    # The replicas run an eager step in threads of their own, which go on past the Ctrl-C.
+    assert "stepper_interrupted_error" not in mirrored, mirrored["stepper_interrupted_error"]
+    assert mirrored["stepper_interrupted"] == {"interrupted": True, "undone": True, "next_error": "None",
+                                               "as_fit": True, "threads_left": 0}
+
+
 def test_compare_modes_puts_back_each_replicas_copy_of_a_mirrored_model(mirrored):
     # It put replica 0's BatchNormalization moving statistics on every replica.
     assert "compare_modes_error" not in mirrored, mirrored["compare_modes_error"]

@@ -181,6 +181,58 @@ def stepper_as_fit(strategy, x, y):
     return out
 
 
+def stepper_interrupted(strategy, x, y):
+    """Ctrl-C while an eager step runs on the replicas (in threads of their
+    own): the step is undone on every replica's copy, and the next step
+    trains as fit() does."""
+    import signal
+    import threading
+    import time
+
+    import tensorflow as tf
+
+    class Interrupted(keras.Sequential):
+        armed = False
+
+        def train_step(self, data):
+            if Interrupted.armed and tf.distribute.get_replica_context().replica_id_in_sync_group == 1:
+                Interrupted.armed = False
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.3)  # the other replica and the main thread go on meanwhile
+            return super().train_step(data)
+
+    def made(cls, run_eagerly=False):
+        keras.utils.set_random_seed(1)
+        with strategy.scope():
+            model = cls([keras.Input((8,)), keras.layers.Dense(3)])
+            model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", run_eagerly=run_eagerly)
+        return model
+
+    def copies(model):
+        return [c.numpy().copy() for v in model.variables + model.optimizer.variables
+                for c in strategy.experimental_local_results(v.value)]
+
+    targets = np.eye(3, dtype="float32")[y[:32]]
+    threads = threading.active_count()
+    model = made(Interrupted)
+    stepper = lab.Stepper(model, (x[:32], targets), batch_size=16, shuffle=False, mode="eager")
+    stepper.step()
+    before = copies(model)
+    Interrupted.armed = True
+    try:
+        stepper.step()
+        interrupted = False
+    except KeyboardInterrupt:
+        interrupted = True
+    undone = all(np.array_equal(a, b) for a, b in zip(before, copies(model)))
+    error = repr(stepper.step().error)
+    fitted = made(keras.Sequential, run_eagerly=True)
+    fitted.fit(x[:32], targets, batch_size=16, shuffle=False, epochs=1, verbose=0)
+    return {"interrupted": interrupted, "undone": undone, "next_error": error,
+            "as_fit": all(np.array_equal(a, b) for a, b in zip(copies(model), copies(fitted))),
+            "threads_left": threading.active_count() - threads}
+
+
 def stepper_and_modes(strategy, x, y):
     """The Stepper, and set_mode's eager mode and XLA refusal, on a mirrored model."""
     with strategy.scope():
@@ -472,6 +524,10 @@ def main():
             out["stepper_as_fit"] = stepper_as_fit(mirrored, x, y)
         except Exception as error:  # noqa: BLE001 - reported, so the other checks still run
             out["stepper_as_fit_error"] = f"{type(error).__name__}: {error}"
+        try:
+            out["stepper_interrupted"] = stepper_interrupted(mirrored, x, y)
+        except Exception as error:  # noqa: BLE001 - reported, so the other checks still run
+            out["stepper_interrupted_error"] = f"{type(error).__name__}: {error}"
         try:
             out["stepper_rewind"] = stepper_rewind_replicas(mirrored, x, y)
         except Exception as error:  # noqa: BLE001 - reported, so the other checks still run
