@@ -244,6 +244,37 @@ def batch_split(strategy_, global_batch_size):
     })
 
 
+def splits_batches(strategy_):
+    """Whether `fit()` and `predict()` split each batch over the replicas of
+    `strategy_` in this process, as the lab can too: a MirroredStrategy with
+    several replicas (TPUs and several workers are not split here)."""
+    return strategy_.num_replicas_in_sync > 1 and isinstance(strategy_, tf.distribute.MirroredStrategy)
+
+
+def split_over_replicas(strategy_, batch, spec=None):
+    """One batch split over the replicas as `fit()` and `predict()` split
+    theirs: tf.distribute's rebatch of a dataset holding the batch (each
+    replica in turn `ceil(batch / replicas)` examples, `batch_split`).
+
+    Args:
+        strategy_: tf.distribute.Strategy.
+        batch: a structure of tensors, the whole batch.
+        spec: the structure's `tf.TensorSpec`s as the caller's dataset
+            declares them (a batch size left open), or None for the
+            batch's own shapes.
+
+    Returns:
+        (the batch as per-replica values for `strategy_.run`, their spec).
+    """
+    specs = tf.nest.flatten(spec) if spec is not None else []
+    if specs and all(isinstance(leaf, tf.TensorSpec) for leaf in specs):
+        dataset = tf.data.Dataset.from_generator(lambda: iter([batch]), output_signature=spec)
+    else:
+        dataset = tf.data.Dataset.from_tensors(batch)
+    distributed = strategy_.experimental_distribute_dataset(dataset)
+    return next(iter(distributed)), distributed.element_spec
+
+
 # ---- parsing and making --------------------------------------------------
 
 _SPEC = re.compile(r"^(cpu|gpu)(?::(\d+(?:,\d+)*))?$")

@@ -15,6 +15,8 @@ import numpy as np
 import tensorflow as tf
 
 from lab.arguments import check_number
+from lab.compat import reduce_per_replica
+from lab.devices import split_over_replicas, splits_batches
 
 # model -> ((run_eagerly, jit_compile), function); kept off the model, which
 # the lab leaves as it found it, and weak so the model can be collected.
@@ -26,12 +28,13 @@ def predict_stream(model, data, batch_size=32, collect=None, steps=None):
 
     Only one batch of inputs and outputs is alive at a time (plus what the
     caller keeps), whatever the size of `data`. A model built under a
-    tf.distribute strategy is predicted on one device, as `predict_step`
-    called outside the strategy reads its mirrored variables: with the
-    first replica's copy of each, so where replicas' copies differ
-    (BatchNormalization's moving statistics under MirroredStrategy, each
-    replica updating its own from its share of the batch) the predictions
-    can differ from `model.predict`'s, which runs on every replica.
+    MirroredStrategy with several replicas is predicted as `model.predict`
+    predicts it: each batch split over the replicas, each replica's share
+    with that replica's copy of the variables (BatchNormalization's moving
+    statistics differ between replicas, each updating its own from its
+    share of the batches in training). Under other strategies (TPUs,
+    several workers) it is predicted on one device, with the first
+    replica's copy of each variable.
 
     Args:
         model: keras.Model, built or buildable on the data.
@@ -88,9 +91,12 @@ def predict_stream(model, data, batch_size=32, collect=None, steps=None):
 def _predict(model, batches):
     """Yields (y_pred, batch as the user gave it)."""
     step = None
+    strategy = model.distribute_strategy
     for fed, batch in batches:
         if step is None:
             step = predict_function(model)
+        if splits_batches(strategy):
+            fed, _ = split_over_replicas(strategy, fed)
         y_pred = tf.nest.map_structure(_to_numpy, step(fed))
         yield y_pred, batch
 
@@ -118,7 +124,12 @@ def predict_function(model):
     owner = weakref.ref(model)
 
     def one_step(data):
-        return owner().predict_step(data)
+        model = owner()
+        strategy = model.distribute_strategy
+        if not splits_batches(strategy):
+            return model.predict_step(data)
+        # As model.predict runs it: each replica on its share, the shares joined in batch order.
+        return reduce_per_replica(strategy.run(model.predict_step, args=(data,)), strategy, reduction="concat")
 
     if not key[0]:
         one_step = tf.function(one_step, reduce_retracing=True, jit_compile=key[1], autograph=False)

@@ -31,6 +31,7 @@ import tensorflow as tf
 from lab import schema
 from lab.arguments import check_number
 from lab.compat import reduce_per_replica, unscale_loss_for_distribution
+from lab.devices import split_over_replicas, splits_batches
 from lab.feed import Feed, to_numpy
 from lab.hooks import CompiledState, hooks_for
 from lab.norms import shown_names
@@ -634,10 +635,7 @@ class Stepper:
         """Whether each step runs on the strategy's replicas, each on its
         share of the batch, as fit() runs it: under a MirroredStrategy with
         several replicas, for the model's own train_step."""
-        strategy = self.model.distribute_strategy
-        if strategy.num_replicas_in_sync == 1 or self._step_function is not None:
-            return False
-        if type(strategy).__name__ != "MirroredStrategy":
+        if not splits_batches(self.model.distribute_strategy) or self._step_function is not None:
             return False  # TPUs, several workers: one device (REPLICAS_MESSAGE)
         # Values made in a nested graph (LossScaleOptimizer's cond, gradient
         # accumulation) cannot leave a replica: those step as one device.
@@ -649,14 +647,8 @@ class Stepper:
         (tf.distribute's rebatch of a dataset of fit()'s element spec), and
         that split's spec, for tracing."""
         self._whole_batch = data
-        strategy = self.model.distribute_strategy
-        specs = signature if signature is not None else self.feed.signature(data)
-        if all(isinstance(leaf, tf.TensorSpec) for leaf in tf.nest.flatten(specs)) and tf.nest.flatten(specs):
-            dataset = tf.data.Dataset.from_generator(lambda: iter([data]), output_signature=specs)
-        else:
-            dataset = tf.data.Dataset.from_tensors(data)
-        distributed = strategy.experimental_distribute_dataset(dataset)
-        return next(iter(distributed)), distributed.element_spec
+        return split_over_replicas(self.model.distribute_strategy, data,
+                                   signature if signature is not None else self.feed.signature(data))
 
     def _tell_replicas(self):
         """Says, once per Stepper, that a multi-replica model steps as one

@@ -139,6 +139,15 @@ def test_an_interrupted_eager_step_on_the_replicas_is_undone_on_each(mirrored):
                                                "as_fit": True, "threads_left": 0}
 
 
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+def test_predict_stream_predicts_a_mirrored_model_as_model_predict_does(mirrored, mode):
+    # It predicted on one device, with replica 0's moving statistics for every sample.
+    assert "predicted_error" not in mirrored, mirrored["predicted_error"]
+    predicted = mirrored["predicted"]
+    assert predicted["replicas_differ"], "the check needs replicas whose moving statistics differ"
+    assert predicted[mode]["same"], predicted[mode]
+
+
 def test_compare_modes_puts_back_each_replicas_copy_of_a_mirrored_model(mirrored):
     # It put replica 0's BatchNormalization moving statistics on every replica.
     assert "compare_modes_error" not in mirrored, mirrored["compare_modes_error"]

@@ -101,6 +101,24 @@ def compare_modes_replicas(strategy, x, y):
     }
 
 
+def predicted_on_replicas(strategy, x, y):
+    """predict_stream on a mirrored model whose replicas' BatchNormalization
+    statistics differ, 41 samples in batches of 16 (the last 9 split 5 and
+    4): model.predict's values, bit for bit, graph and eager."""
+    with strategy.scope():
+        model = make_model(normalized=True)
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    first, second = strategy.experimental_local_results(model.get_layer("bn").moving_mean.value)
+    out = {"replicas_differ": not np.array_equal(first.numpy(), second.numpy())}
+    for mode in ("graph", "eager"):
+        lab.set_mode(model, mode)
+        expected = model.predict(x[:41], batch_size=16, verbose=0)
+        got = np.concatenate(list(lab.predict_stream(model, x[:41], batch_size=16)))
+        out[mode] = {"same": bool(np.array_equal(got, expected)),
+                     "largest_difference": float(np.abs(got - expected).max())}
+    return out
+
+
 def stepper_rewind_replicas(strategy, x, y):
     """Stepper.rewind on a mirrored model with BatchNormalization: each
     replica's copy of every variable must be put back as it was (it put
@@ -528,6 +546,10 @@ def main():
             out["stepper_interrupted"] = stepper_interrupted(mirrored, x, y)
         except Exception as error:  # noqa: BLE001 - reported, so the other checks still run
             out["stepper_interrupted_error"] = f"{type(error).__name__}: {error}"
+        try:
+            out["predicted"] = predicted_on_replicas(mirrored, x, y)
+        except Exception as error:  # noqa: BLE001 - reported, so the other checks still run
+            out["predicted_error"] = f"{type(error).__name__}: {error}"
         try:
             out["stepper_rewind"] = stepper_rewind_replicas(mirrored, x, y)
         except Exception as error:  # noqa: BLE001 - reported, so the other checks still run
