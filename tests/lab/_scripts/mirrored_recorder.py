@@ -534,30 +534,14 @@ def main():
                                                           in_scope=True)
         except Exception as error:  # noqa: BLE001 - reported, so the other checks still run
             out["loop_in_scope_error"] = f"{type(error).__name__}: {error}"
-        try:
-            out["tools"] = stepper_and_modes(mirrored, x, y)
-        except Exception as error:  # noqa: BLE001 - reported, so the other checks still run
-            out["tools_error"] = f"{type(error).__name__}: {error}"
-        try:
-            out["stepper_as_fit"] = stepper_as_fit(mirrored, x, y)
-        except Exception as error:  # noqa: BLE001 - reported, so the other checks still run
-            out["stepper_as_fit_error"] = f"{type(error).__name__}: {error}"
-        try:
-            out["stepper_interrupted"] = stepper_interrupted(mirrored, x, y)
-        except Exception as error:  # noqa: BLE001 - reported, so the other checks still run
-            out["stepper_interrupted_error"] = f"{type(error).__name__}: {error}"
-        try:
-            out["predicted"] = predicted_on_replicas(mirrored, x, y)
-        except Exception as error:  # noqa: BLE001 - reported, so the other checks still run
-            out["predicted_error"] = f"{type(error).__name__}: {error}"
-        try:
-            out["stepper_rewind"] = stepper_rewind_replicas(mirrored, x, y)
-        except Exception as error:  # noqa: BLE001 - reported, so the other checks still run
-            out["stepper_rewind_error"] = f"{type(error).__name__}: {error}"
-        try:
-            out["compare_modes"] = compare_modes_replicas(mirrored, x, y)
-        except Exception as error:  # noqa: BLE001 - reported, so the other checks still run
-            out["compare_modes_error"] = f"{type(error).__name__}: {error}"
+        # Each check on its own: one that fails is reported, and the others still run.
+        for key, check in (("tools", stepper_and_modes), ("stepper_as_fit", stepper_as_fit),
+                           ("stepper_interrupted", stepper_interrupted), ("predicted", predicted_on_replicas),
+                           ("stepper_rewind", stepper_rewind_replicas), ("compare_modes", compare_modes_replicas)):
+            try:
+                out[key] = check(mirrored, x, y)
+            except Exception as error:  # noqa: BLE001 - reported, so the other checks still run
+                out[f"{key}_error"] = f"{type(error).__name__}: {error}"
     print(json.dumps(out))
 
 
