@@ -22,6 +22,7 @@ import pandas as pd
 import tensorflow as tf
 
 from lab.arguments import check_number
+from lab.devices import uneven_first_batch
 from lab.feed import Feed
 
 
@@ -170,9 +171,20 @@ def inspect_data(x, y=None, sample_weight=None, batch_size=None, model=None, val
         report.notes.append("inspect_data took the generator's first batch: give fit() a fresh generator.")
     if _check_structure(report) and model is not None and report.ok:
         _check_against_model(report, model)
+        _check_replicas(report, model)
     if not any(problem.kind in ("structure", "unbatched") for problem in report.problems):
         _count_batches(report, x, data, batch_size, steps_per_epoch)
     return report
+
+
+def _check_replicas(report, model):
+    """A first batch the replicas of the model's strategy cannot share evenly: fit() fails on it."""
+    leaves = [leaf for leaf in tf.nest.flatten(report.batch) if leaf is not None and np.ndim(leaf)]
+    if not leaves:
+        return
+    uneven = uneven_first_batch(model.distribute_strategy, len(leaves[0]))
+    if uneven is not None:
+        report.problems.append(Problem("replicas", *uneven))
 
 
 # ---- data forms and counts --------------------------------------------------

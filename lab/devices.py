@@ -214,7 +214,9 @@ def batch_split(strategy_, global_batch_size):
     replicas)` examples until the batch runs out: 16 on 3 replicas is 6, 6
     and 4, and a last batch of 1 is 1, 0 and 0. The loss of each replica is
     divided by the global batch size, so the summed gradients equal those of
-    one device on the whole batch.
+    one device on the whole batch. Under a MirroredStrategy, `fit()` fails
+    before it trains where its first batch is split unevenly
+    (`uneven_first_batch`): keep the global batch a multiple of the replicas.
 
     Args:
         strategy_: tf.distribute.Strategy.
@@ -242,6 +244,31 @@ def batch_split(strategy_, global_batch_size):
         "device": names,
         "examples": [min(each, max(0, int(global_batch_size) - i * each)) for i in range(replicas)],
     })
+
+
+UNEVEN_FIRST_BATCH = (
+    "A first batch of {batch} examples on {replicas} replicas is split unevenly ({parts}), and fit() "
+    "fails on it before it trains (Keras builds the model from the replicas' first shares averaged "
+    "together, which needs them the same size: 'Inputs to operation AddN of type AddN must have the same "
+    "size and shape')")
+UNEVEN_FIRST_BATCH_FIX = "use a global batch size that is a multiple of {replicas}: {lower} or {higher}."
+
+
+def uneven_first_batch(strategy_, batch_size):
+    """What fit() does with a first batch of `batch_size` examples that the
+    replicas of `strategy_` cannot share evenly: None where it trains, else
+    `(problem, fix)`. Keras' TensorFlow trainer (3.5 to 3.15) averages the
+    replicas' shares of the first batch to build the model symbolically,
+    and fails where they differ in size; a last, partial batch split
+    unevenly trains."""
+    replicas = strategy_.num_replicas_in_sync
+    if not splits_batches(strategy_) or int(batch_size) % replicas == 0:
+        return None
+    split = batch_split(strategy_, int(batch_size))
+    parts = ", ".join(f"{row.examples} on {row.device}" for row in split.itertuples())
+    lower = max(int(batch_size) // replicas, 1) * replicas
+    return (UNEVEN_FIRST_BATCH.format(batch=int(batch_size), replicas=replicas, parts=parts),
+            UNEVEN_FIRST_BATCH_FIX.format(replicas=replicas, lower=lower, higher=lower + replicas))
 
 
 def splits_batches(strategy_):

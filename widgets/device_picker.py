@@ -11,7 +11,7 @@ import ipywidgets
 import keras
 
 import lab
-from lab.devices import batch_split, describe, strategy_choices
+from lab.devices import batch_split, describe, strategy_choices, uneven_first_batch
 
 
 class DevicePicker(ipywidgets.VBox):
@@ -115,6 +115,9 @@ class DevicePicker(ipywidgets.VBox):
                 return text + f"<br>{html.escape(str(error))}"
             parts = ", ".join(f"{row.examples} on {row.device}" for row in split.itertuples())
             text += f"<br>A global batch of {self.batch_size} is split: {html.escape(parts)}."
+            uneven = uneven_first_batch(self.strategy, self.batch_size)
+            if uneven is not None:
+                text += f"<br><span style='color:#b00020'>{html.escape(uneven[0])}: {html.escape(uneven[1])}</span>"
         return text
 
     def _say(self, text, error=False):

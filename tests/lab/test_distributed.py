@@ -304,3 +304,15 @@ def test_two_workers_on_localhost(tmp_path):
     assert len(batches) == 8 and list(batches["step"]) == list(range(8))
     assert np.isfinite(batches["loss"]).all() and np.isfinite(batches["grad_norm"]).all()
     assert len(run.epochs()) == 2
+
+
+def test_a_first_batch_the_replicas_cannot_share_evenly_is_told_where_the_batch_size_is_given(mirrored):
+    # Bare fit() fails on it before it trains, with TensorFlow's "AddN must have the same
+    # size and shape"; the lab now says why and what to use where the batch size is given.
+    assert "uneven_first_error" not in mirrored, mirrored["uneven_first_error"]
+    told = mirrored["uneven_first"]
+    assert "AddN" in told["fit_65"] and told["fit_64"] is None
+    assert len(told["inspect_65"]) == 1 and told["inspect_64"] == []
+    assert "33 on CPU:0, 32 on CPU:1" in told["inspect_65"][0] and "64 or 66" in told["inspect_65"][0]
+    assert "fails on it before it trains" in told["picker_65"] and "64 or 66" in told["picker_65"]
+    assert "fails" not in told["picker_64"]

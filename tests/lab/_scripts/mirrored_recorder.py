@@ -119,6 +119,30 @@ def predicted_on_replicas(strategy, x, y):
     return out
 
 
+def uneven_first_batch_told(strategy, x, y):
+    """A global batch the two replicas cannot share evenly (65: 33 and 32):
+    bare fit() fails before it trains, and the lab says so where the batch
+    size is given, with the fix: lab.inspect_data and the DevicePicker."""
+    import widgets
+
+    x, y = np.concatenate([x, x, x])[:130], np.concatenate([y, y, y])[:130]
+
+    def build():
+        with strategy.scope():
+            return make_model()
+
+    out = {"fit_65": errors(lambda: build().fit(x, y, batch_size=65, epochs=1, verbose=0)),
+           "fit_64": errors(lambda: build().fit(x, y, batch_size=64, epochs=1, verbose=0))}
+    model = build()
+    for batch in (65, 64):
+        report = lab.inspect_data(x, y, batch_size=batch, model=model)
+        out[f"inspect_{batch}"] = [str(problem) for problem in report.problems if problem.kind == "replicas"]
+        picker = widgets.DevicePicker(make_model, value="mirrored", batch_size=batch)
+        picker.build()
+        out[f"picker_{batch}"] = picker.status.value
+    return out
+
+
 def stepper_rewind_replicas(strategy, x, y):
     """Stepper.rewind on a mirrored model with BatchNormalization: each
     replica's copy of every variable must be put back as it was (it put
@@ -537,7 +561,8 @@ def main():
         # Each check on its own: one that fails is reported, and the others still run.
         for key, check in (("tools", stepper_and_modes), ("stepper_as_fit", stepper_as_fit),
                            ("stepper_interrupted", stepper_interrupted), ("predicted", predicted_on_replicas),
-                           ("stepper_rewind", stepper_rewind_replicas), ("compare_modes", compare_modes_replicas)):
+                           ("stepper_rewind", stepper_rewind_replicas), ("compare_modes", compare_modes_replicas),
+                           ("uneven_first", uneven_first_batch_told)):
             try:
                 out[key] = check(mirrored, x, y)
             except Exception as error:  # noqa: BLE001 - reported, so the other checks still run
