@@ -132,6 +132,15 @@ def test_the_stepper_steps_a_mirrored_model_as_fit_does(mirrored, mode):
         np.testing.assert_allclose(trace, recorded, rtol=1e-6, err_msg=column)
 
 
+def test_the_stepper_steps_the_guides_gan_on_the_replicas_as_fit_does(mirrored):
+    assert "stepper_gan_error" not in mirrored, mirrored["stepper_gan_error"]
+    stepped = mirrored["stepper_gan"]
+    assert stepped["errors"] == [] and stepped["told"] == []
+    assert stepped["same_as_fit"] and stepped["replayed"]
+    for column, (trace, recorded) in stepped["columns"].items():
+        np.testing.assert_allclose(trace, recorded, rtol=1e-6, err_msg=column)
+
+
 def test_an_interrupted_eager_step_on_the_replicas_is_undone_on_each(mirrored):
     # The replicas run an eager step in threads of their own, which go on past the Ctrl-C.
     assert "stepper_interrupted_error" not in mirrored, mirrored["stepper_interrupted_error"]

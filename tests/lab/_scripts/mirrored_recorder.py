@@ -223,6 +223,90 @@ def stepper_as_fit(strategy, x, y):
     return out
 
 
+def stepper_gan_as_fit(strategy, x, y):
+    """keras-io's GAN of "Customizing what happens in fit()" (two optimizers
+    given to its own compile(), seeded keras.random noise drawn twice per
+    step, two Mean trackers) compiled under MirroredStrategy: three Stepper
+    steps end with fit()'s weights and slots on every replica, bit for bit;
+    the rows hold the Recorder's; rewind and replay land on them again."""
+    import tensorflow as tf
+    from keras import layers
+
+    class GAN(keras.Model):
+        def __init__(self, discriminator, generator, latent_dim):
+            super().__init__()
+            self.discriminator, self.generator, self.latent_dim = discriminator, generator, latent_dim
+            self.seed_generator = keras.random.SeedGenerator(1337)
+            self.d_loss_tracker = keras.metrics.Mean(name="d_loss")
+            self.g_loss_tracker = keras.metrics.Mean(name="g_loss")
+
+        def call(self, x):  # Keras builds a mirrored model by calling it
+            return self.discriminator(x)
+
+        @property
+        def metrics(self):
+            return [self.d_loss_tracker, self.g_loss_tracker]
+
+        def compile(self, d_optimizer, g_optimizer, loss_fn):
+            super().compile()
+            self.d_optimizer, self.g_optimizer, self.loss_fn = d_optimizer, g_optimizer, loss_fn
+
+        def train_step(self, real):
+            if isinstance(real, tuple):
+                real = real[0]
+            batch_size = tf.shape(real)[0]
+            noise = keras.random.normal(shape=(batch_size, self.latent_dim), seed=self.seed_generator)
+            combined = tf.concat([self.generator(noise), real], axis=0)
+            labels = tf.concat([tf.ones((batch_size, 1)), tf.zeros((batch_size, 1))], axis=0)
+            with tf.GradientTape() as tape:
+                d_loss = self.loss_fn(labels, self.discriminator(combined))
+            grads = tape.gradient(d_loss, self.discriminator.trainable_weights)
+            self.d_optimizer.apply_gradients(zip(grads, self.discriminator.trainable_weights))
+            noise = keras.random.normal(shape=(batch_size, self.latent_dim), seed=self.seed_generator)
+            with tf.GradientTape() as tape:
+                g_loss = self.loss_fn(tf.zeros((batch_size, 1)), self.discriminator(self.generator(noise)))
+            grads = tape.gradient(g_loss, self.generator.trainable_weights)
+            self.g_optimizer.apply_gradients(zip(grads, self.generator.trainable_weights))
+            self.d_loss_tracker.update_state(d_loss)
+            self.g_loss_tracker.update_state(g_loss)
+            return {"d_loss": self.d_loss_tracker.result(), "g_loss": self.g_loss_tracker.result()}
+
+    def made():
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            discriminator = keras.Sequential([keras.Input((8,)), layers.Dense(16, activation="relu"), layers.Dense(1)])
+            generator = keras.Sequential([keras.Input((4,)), layers.Dense(16, activation="relu"), layers.Dense(8)])
+            gan = GAN(discriminator, generator, 4)
+            gan.compile(keras.optimizers.Adam(1e-3), keras.optimizers.Adam(1e-3),
+                        keras.losses.BinaryCrossentropy(from_logits=True))
+            # Built in the scope: a mirrored fit() cannot make their slots inside its step.
+            gan.d_optimizer.build(discriminator.trainable_variables)
+            gan.g_optimizer.build(generator.trainable_variables)
+        return gan
+
+    def copies(model):
+        return [c.numpy() for v in model.variables + model.d_optimizer.variables + model.g_optimizer.variables
+                for c in strategy.experimental_local_results(v.value)]
+
+    images = x[:48]
+    fitted, recorder = made(), lab.Recorder(gradients=True)
+    fitted.fit(images, batch_size=16, shuffle=False, epochs=1, verbose=0, callbacks=[recorder])
+    rows = recorder.run.batches()
+    stepped = made()
+    with warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
+        stepper = lab.Stepper(stepped, images, batch_size=16, shuffle=False, mode="graph")
+        traces = [stepper.step() for _ in range(3)]
+    same = all(np.array_equal(a, b) for a, b in zip(copies(stepped), copies(fitted)))
+    stepper.rewind(3)
+    stepper.step(3)
+    return {"errors": [repr(t.error) for t in traces if t.error is not None], "told": [str(w.message) for w in told],
+            "same_as_fit": same,
+            "replayed": all(np.array_equal(a, b) for a, b in zip(copies(stepped), copies(fitted))),
+            "columns": {c: [[float(t.row.get(c, np.nan)) for t in traces], rows[c].astype(float).tolist()]
+                        for c in ("d_loss", "g_loss", "grad_norm")}}
+
+
 def stepper_interrupted(strategy, x, y):
     """Ctrl-C while an eager step runs on the replicas (in threads of their
     own): the step is undone on every replica's copy, and the next step
@@ -560,6 +644,7 @@ def main():
             out["loop_in_scope_error"] = f"{type(error).__name__}: {error}"
         # Each check on its own: one that fails is reported, and the others still run.
         for key, check in (("tools", stepper_and_modes), ("stepper_as_fit", stepper_as_fit),
+                           ("stepper_gan", stepper_gan_as_fit),
                            ("stepper_interrupted", stepper_interrupted), ("predicted", predicted_on_replicas),
                            ("stepper_rewind", stepper_rewind_replicas), ("compare_modes", compare_modes_replicas),
                            ("uneven_first", uneven_first_batch_told)):
