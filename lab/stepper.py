@@ -168,7 +168,9 @@ class Stepper:
             `keras.utils.set_random_seed(seed)`; without one, in an order no
             other run repeats, and the stepper says so (a UserWarning).
         mode: str, "eager" (every value inspectable) or "graph" (the step is
-            a `tf.function`; values come out of the compiled step). In graph
+            a `tf.function`, compiled with XLA where the model's `jit_compile`
+            is on, as `fit()` compiles it: Keras' default on a machine with a
+            GPU; values come out of the compiled step). In graph
             mode, variables that only the first trace creates (a model that
             cannot be built symbolically) keep their values when that first
             step is rewound; step it once in eager mode to avoid that.
@@ -618,7 +620,11 @@ class Stepper:
             # First, or the model was compiled again (fine-tuning: a new
             # optimizer, layers unfrozen): trace its step anew, as fit() does.
             self._graph_capture = capture
-            self._graph_step = tf.function(lambda d: self._traced(d, self._graph_capture), reduce_retracing=True)
+            # XLA where fit() compiles its step with it: another program
+            # rounds otherwise, and the weights part from fit()'s. (Not on
+            # replicas: Keras 3's XLA fails there, and "auto" never picks it.)
+            self._graph_step = tf.function(lambda d: self._traced(d, self._graph_capture), reduce_retracing=True,
+                                           jit_compile=compiled.mode == "xla" and not replicated)
             with _built_here(self, capture):
                 self._build_for_graph(self._whole_batch if replicated else data)
                 # Traced before it runs, so that what the trace builds (the

@@ -1391,19 +1391,24 @@ TF_216_REFUSES = pytest.mark.xfail(tuple(int(p) for p in tf.__version__.split(".
                                    reason="TF 2.16's XLA rounds a float16 step differently when its gradients are read")
 
 
-def _xla_param(name, nonfinite):
-    return pytest.param(name, nonfinite, marks=TF_216_REFUSES) if name == "mixed_precision" else (name, nonfinite)
-
-
-@pytest.mark.parametrize(("name", "nonfinite"), [_xla_param(name, False) for name in XLA_GUIDES]
-                         + [_xla_param("custom_fit/GAN", True), _xla_param("mixed_precision", True)])
-def test_under_xla_fit_weights_optimizer_and_history_are_unchanged(name, nonfinite, monkeypatch):
+@pytest.fixture
+def compiled_with_xla(monkeypatch):
+    """Every model the test compiles compiles its step with XLA (`jit_compile=True`)."""
     compile_ = keras.Model.compile
 
     def compile_with_xla(model, *args, **kwargs):
         return compile_(model, *args, **{**kwargs, "jit_compile": True})
 
     monkeypatch.setattr(keras.Model, "compile", compile_with_xla)
+
+
+def _xla_param(name, nonfinite):
+    return pytest.param(name, nonfinite, marks=TF_216_REFUSES) if name == "mixed_precision" else (name, nonfinite)
+
+
+@pytest.mark.parametrize(("name", "nonfinite"), [_xla_param(name, False) for name in XLA_GUIDES]
+                         + [_xla_param("custom_fit/GAN", True), _xla_param("mixed_precision", True)])
+def test_under_xla_fit_weights_optimizer_and_history_are_unchanged(name, nonfinite, compiled_with_xla):
     guide = GUIDES[name]
     args, kwargs, _, _, _ = guide.data()
     recorder = lab.Recorder(gradients=True, weights=True,
@@ -1414,6 +1419,18 @@ def test_under_xla_fit_weights_optimizer_and_history_are_unchanged(name, nonfini
     check_optimizer(t)
     check_history(t)
     assert t.rows["grad_norm"].notna().all() and t.rows.filter(like="weight_norm/").notna().all().all()
+
+@pytest.mark.parametrize("name", XLA_GUIDES)
+def test_under_xla_a_graph_stepper_steps_as_fit_does(name, compiled_with_xla):
+    # Keras compiles fit()'s step with XLA where jit_compile is on (its default
+    # on a machine with a GPU); the Stepper traced a plain tf.function, another
+    # program, and its weights parted from fit()'s by float rounding (2e-6).
+    guide = GUIDES[name]
+    args, kwargs, data, batch_size, steps = guide.data()
+    t = fit_three(guide.make, *args, oracle=False, recorder=lab.Recorder(gradients=True), **kwargs)
+    assert t.bare.jit_compile is True
+    check_stepper(t, data, batch_size, steps, replay=guide.replay)
+
 
 @pytest.mark.parametrize("name", params("rows"))
 def test_rows_hold_each_batch_own_values(name):
