@@ -622,9 +622,12 @@ class Stepper:
             self._graph_capture = capture
             # XLA where fit() compiles its step with it: another program
             # rounds otherwise, and the weights part from fit()'s. (Not on
-            # replicas: Keras 3's XLA fails there, and "auto" never picks it.)
+            # replicas: Keras 3's XLA fails there, and "auto" never picks it;
+            # not for from_step, whose loop compiles its step as it says.)
+            xla = (compiled.mode == "xla" and not replicated and self._step_function is None
+                   and getattr(self.model, "compiled", False))
             self._graph_step = tf.function(lambda d: self._traced(d, self._graph_capture), reduce_retracing=True,
-                                           jit_compile=compiled.mode == "xla" and not replicated)
+                                           jit_compile=xla)
             with _built_here(self, capture):
                 self._build_for_graph(self._whole_batch if replicated else data)
                 # Traced before it runs, so that what the trace builds (the

@@ -1436,3 +1436,37 @@ def test_float64_arrays_reach_train_step_as_floatx_as_fit_casts_them():
     assert fitted.handed[-1] == stepped.handed[-1] == keras.backend.floatx()
     for got, expected in zip(stepped.get_weights(), fitted.get_weights(), strict=True):
         np.testing.assert_array_equal(got, expected)
+
+
+def test_from_step_compiles_the_step_as_the_loop_does_not_as_the_models_jit_compile_says():
+    # A hand-written loop compiles its own step (a plain tf.function here); the
+    # model's jit_compile (on: compile()'s "auto" on a machine with a GPU) is
+    # fit()'s, not the loop's. Stepped with XLA, the weights parted from the loop's.
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(96, 16)).astype("float32"), rng.integers(0, 3, 96)
+
+    def made():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(64, activation="tanh"), keras.layers.Dense(3)])
+        model.compile(jit_compile=True)
+        optimizer = keras.optimizers.Adam(1e-2)
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(yb, model(xb, training=True))
+            optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+            return {"loss": loss}
+
+        return model, optimizer, step
+
+    looped, _, step = made()
+    compiled_step = tf.function(step)
+    for start in range(0, 96, 32):
+        compiled_step(x[start:start + 32], y[start:start + 32])
+    stepped, optimizer, step = made()
+    stepper = lab.Stepper.from_step(step, stepped, (x, y), optimizers=[optimizer], batch_size=32, shuffle=False,
+                                    mode="graph")
+    stepper.step(3)
+    for got, expected in zip(stepped.get_weights(), looped.get_weights(), strict=True):
+        np.testing.assert_array_equal(got, expected)
