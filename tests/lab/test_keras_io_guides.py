@@ -30,7 +30,14 @@ on seeded random data:
 - examples/generative/conditional_gan.py: a GAN conditioned on one-hot labels;
 - examples/vision/simsiam.py: two zipped views, an encoder and a predictor,
   a stop-gradient cosine loss, momentum SGD on a CosineDecay schedule;
-- examples/rl/actor_critic.py: an eager episode loop under `lab.watch`.
+- examples/rl/actor_critic.py: an eager episode loop under `lab.watch`;
+- examples/vision/knowledge_distillation.py: a Distiller with its own
+  compile() and a compute_loss that calls a frozen, trained teacher;
+- examples/generative/vq_vae.py: a VectorQuantizer layer with add_loss and a
+  straight-through estimator, a trainer with three Mean trackers;
+- examples/timeseries/timeseries_classification_from_scratch.py: a Conv1D
+  classifier fit with ModelCheckpoint, ReduceLROnPlateau and EarlyStopping
+  (its own tests, not the guide checks: those fit() without callbacks).
 
 For each guide, a run is trained three times from identical weights and data
 order (`keras.utils.set_random_seed`, `shuffle=False`):
@@ -1195,6 +1202,212 @@ def _two_views():
     return (dataset,), {"epochs": 2}, dataset, None, 6
 
 
+# =================================================================================
+# Path of keras-io's examples/vision/knowledge_distillation.py (its Keras 3
+# version): a Distiller whose own compile() takes student_loss_fn,
+# distillation_loss_fn, alpha and temperature; a compute_loss that calls the
+# teacher and mixes the student's loss with the temperature-softened KL
+# divergence (times temperature**2); a call() that is the student's, so that
+# Keras' own train_step and test_step run both. The teacher is trained first
+# and frozen (`trainable = False`): Keras' train_step differentiates the
+# Distiller's trainable variables, which would hold the teacher's otherwise.
+# In small: 8x8 digits of sklearn's set, validation data (the test_step path).
+# =================================================================================
+
+
+class Distiller(keras.Model):
+    def __init__(self, student, teacher):
+        super().__init__()
+        self.teacher = teacher
+        self.student = student
+
+    def compile(self, optimizer, metrics, student_loss_fn, distillation_loss_fn, alpha=0.1, temperature=3):
+        super().compile(optimizer=optimizer, metrics=metrics)
+        self.student_loss_fn = student_loss_fn
+        self.distillation_loss_fn = distillation_loss_fn
+        self.alpha = alpha
+        self.temperature = temperature
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, allow_empty=False):
+        teacher_pred = self.teacher(x, training=False)
+        student_loss = self.student_loss_fn(y, y_pred)
+        distillation_loss = self.distillation_loss_fn(
+            keras.ops.softmax(teacher_pred / self.temperature, axis=1),
+            keras.ops.softmax(y_pred / self.temperature, axis=1),
+        ) * (self.temperature ** 2)
+        return self.alpha * student_loss + (1 - self.alpha) * distillation_loss
+
+    def call(self, x):
+        return self.student(x)
+
+
+def distill_net(name, filters):
+    # The example's two convnets (the teacher's wider), on 8x8 images.
+    return keras.Sequential([
+        keras.Input(shape=(8, 8, 1)),
+        layers.Conv2D(filters, (3, 3), strides=(2, 2), padding="same"), layers.LeakyReLU(negative_slope=0.2),
+        layers.MaxPooling2D(pool_size=(2, 2), strides=(1, 1), padding="same"),
+        layers.Conv2D(2 * filters, (3, 3), strides=(2, 2), padding="same"),
+        layers.Flatten(), layers.Dense(10),
+    ], name=name)
+
+
+def distill_digits():
+    from sklearn.datasets import load_digits
+    digits = load_digits()
+    return (digits.images[:, :, :, None] / 16.0).astype("float32"), digits.target.astype("int64")
+
+
+_TEACHER = []
+
+
+def trained_teacher_weights():
+    """The teacher, trained as usual (once per session: every make starts from it)."""
+    if not _TEACHER:
+        x, y = distill_digits()
+        keras.utils.set_random_seed(SEED + 3)
+        teacher = distill_net("teacher", 32)
+        teacher.compile(optimizer=keras.optimizers.Adam(),
+                        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                        metrics=[keras.metrics.SparseCategoricalAccuracy()])
+        teacher.fit(x[:256], y[:256], batch_size=32, epochs=3, shuffle=False, verbose=0)
+        _TEACHER.append(teacher.get_weights())
+    return _TEACHER[0]
+
+
+def make_distiller():
+    trained = trained_teacher_weights()  # before the seed: its own fit draws numbers
+    keras.utils.set_random_seed(SEED)
+    teacher, student = distill_net("teacher", 32), distill_net("student", 4)
+    teacher.set_weights(trained)
+    teacher.trainable = False
+    distiller = Distiller(student=student, teacher=teacher)
+    distiller.compile(optimizer=keras.optimizers.Adam(),
+                      metrics=[keras.metrics.SparseCategoricalAccuracy()],
+                      student_loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      distillation_loss_fn=keras.losses.KLDivergence(), alpha=0.1, temperature=10)
+    return distiller
+
+
+def _distillation():
+    x, y = distill_digits()
+    return (x[:96], y[:96]), {"batch_size": 32, "epochs": 2, "validation_data": (x[96:128], y[96:128])}, \
+        (x[:96], y[:96]), 32, 6
+
+
+# =================================================================================
+# Path of keras-io's examples/generative/vq_vae.py: a VectorQuantizer layer
+# (a codebook variable, the nearest code by argmin, `add_loss` of the
+# commitment and codebook losses, each with a stop_gradient on one side, and
+# the straight-through estimator `x + stop_gradient(quantized - x)`) between a
+# convolutional encoder and decoder; a VQVAETrainer with its own train_step
+# over the reconstruction loss scaled by the data's variance plus the layer's
+# losses, three Mean trackers. The codebook is made by add_weight (the Keras 3
+# port; a raw tf.Variable is no Keras weight there). In small: 8x8 digits,
+# a 2x2 grid of 4-number codes from a codebook of 8.
+# =================================================================================
+
+
+class VectorQuantizer(layers.Layer):
+    def __init__(self, num_embeddings, embedding_dim, beta=0.25, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding_dim = embedding_dim
+        self.num_embeddings = num_embeddings
+        self.beta = beta
+        self.embeddings = self.add_weight(shape=(self.embedding_dim, self.num_embeddings),
+                                          initializer=keras.initializers.RandomUniform(), trainable=True,
+                                          name="embeddings_vqvae")
+
+    def call(self, x):
+        input_shape = tf.shape(x)
+        flattened = tf.reshape(x, [-1, self.embedding_dim])
+        encoding_indices = self.get_code_indices(flattened)
+        encodings = tf.one_hot(encoding_indices, self.num_embeddings)
+        quantized = tf.matmul(encodings, self.embeddings, transpose_b=True)
+        quantized = tf.reshape(quantized, input_shape)
+        commitment_loss = self.beta * tf.reduce_mean((tf.stop_gradient(quantized) - x) ** 2)
+        codebook_loss = tf.reduce_mean((quantized - tf.stop_gradient(x)) ** 2)
+        self.add_loss(commitment_loss + codebook_loss)
+        # Straight-through estimator.
+        quantized = x + tf.stop_gradient(quantized - x)
+        return quantized
+
+    def get_code_indices(self, flattened_inputs):
+        similarity = tf.matmul(flattened_inputs, self.embeddings)
+        distances = (tf.reduce_sum(flattened_inputs ** 2, axis=1, keepdims=True)
+                     + tf.reduce_sum(self.embeddings ** 2, axis=0) - 2 * similarity)
+        return tf.argmin(distances, axis=1)
+
+
+def vq_encoder(latent_dim):
+    inputs = keras.Input(shape=(8, 8, 1))
+    x = layers.Conv2D(8, 3, activation="relu", strides=2, padding="same")(inputs)
+    x = layers.Conv2D(16, 3, activation="relu", strides=2, padding="same")(x)
+    return keras.Model(inputs, layers.Conv2D(latent_dim, 1, padding="same")(x), name="encoder")
+
+
+def vq_decoder(latent_dim):
+    latent_inputs = keras.Input(shape=vq_encoder(latent_dim).output.shape[1:])
+    x = layers.Conv2DTranspose(16, 3, activation="relu", strides=2, padding="same")(latent_inputs)
+    x = layers.Conv2DTranspose(8, 3, activation="relu", strides=2, padding="same")(x)
+    return keras.Model(latent_inputs, layers.Conv2DTranspose(1, 3, padding="same")(x), name="decoder")
+
+
+def get_vqvae(latent_dim, num_embeddings):
+    vq_layer = VectorQuantizer(num_embeddings, latent_dim, name="vector_quantizer")
+    encoder, decoder = vq_encoder(latent_dim), vq_decoder(latent_dim)
+    inputs = keras.Input(shape=(8, 8, 1))
+    return keras.Model(inputs, decoder(vq_layer(encoder(inputs))), name="vq_vae")
+
+
+class VQVAETrainer(keras.Model):
+    def __init__(self, train_variance, latent_dim=4, num_embeddings=8, **kwargs):
+        super().__init__(**kwargs)
+        self.train_variance = train_variance
+        self.latent_dim = latent_dim
+        self.num_embeddings = num_embeddings
+        self.vqvae = get_vqvae(self.latent_dim, self.num_embeddings)
+        self.total_loss_tracker = keras.metrics.Mean(name="total_loss")
+        self.reconstruction_loss_tracker = keras.metrics.Mean(name="reconstruction_loss")
+        self.vq_loss_tracker = keras.metrics.Mean(name="vq_loss")
+
+    @property
+    def metrics(self):
+        return [self.total_loss_tracker, self.reconstruction_loss_tracker, self.vq_loss_tracker]
+
+    def train_step(self, x):
+        with tf.GradientTape() as tape:
+            reconstructions = self.vqvae(x)
+            reconstruction_loss = tf.reduce_mean((x - reconstructions) ** 2) / self.train_variance
+            total_loss = reconstruction_loss + sum(self.vqvae.losses)
+        grads = tape.gradient(total_loss, self.vqvae.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.vqvae.trainable_variables))
+        self.total_loss_tracker.update_state(total_loss)
+        self.reconstruction_loss_tracker.update_state(reconstruction_loss)
+        self.vq_loss_tracker.update_state(sum(self.vqvae.losses))
+        return {"loss": self.total_loss_tracker.result(),
+                "reconstruction_loss": self.reconstruction_loss_tracker.result(),
+                "vqvae_loss": self.vq_loss_tracker.result()}
+
+
+def vq_digits(n=48):
+    from sklearn.datasets import load_digits
+    images = load_digits().images[:n, :, :, None] / 16.0
+    return (images - 0.5).astype("float32"), float(np.var(images))
+
+
+def make_vqvae_trainer():
+    keras.utils.set_random_seed(SEED)
+    trainer = VQVAETrainer(vq_digits()[1], latent_dim=4, num_embeddings=8)
+    trainer.compile(optimizer=keras.optimizers.Adam())
+    return trainer
+
+
+def _vq_vae():
+    x, _ = vq_digits()
+    return (x,), {"epochs": 2, "batch_size": 16}, x, 16, 6
+
+
 ALL_LOGGED = ("*",)
 
 
@@ -1304,6 +1517,8 @@ GUIDES = {
     "trainer_pattern/functional": Guide(make_functional_trainer, _digit_images, own=("accuracy",)),
     "conditional_gan": Guide(make_conditional_gan, _conditional_digits, own=("g_loss", "d_loss"), replay=False),
     "simsiam": Guide(make_simsiam, _two_views, own=("loss",)),
+    "knowledge_distillation": Guide(make_distiller, _distillation, own=("loss", "sparse_categorical_accuracy")),
+    "vq_vae": Guide(make_vqvae_trainer, _vq_vae, own=("loss", "reconstruction_loss", "vqvae_loss")),
 }
 
 _RUNS = {}
@@ -1551,6 +1766,188 @@ def test_learning_rate_column_is_the_value_each_step_used():
     expected = [float(decaying_rate()(step)) for step in rows["step"]]
     np.testing.assert_allclose(rows["learning_rate"].to_numpy(np.float64), expected, rtol=1e-7)
 
+
+# ---- keras-io's knowledge distillation and VQ-VAE: the paths the guide checks miss ----
+
+
+def test_the_distillers_frozen_teacher_has_no_gradient_columns_nor_optimizer_slots():
+    # Keras' own train_step runs the Distiller's compute_loss, which calls the
+    # teacher inside the tape: only the student may have gradient columns and
+    # Adam slots, and the teacher must come out of fit() as it went in.
+    t = runs_of("knowledge_distillation")
+    student_keys = variable_keys(t.lab.student.trainable_variables)
+    assert variable_keys(t.lab.trainable_variables) == student_keys
+    columns = {c for c in t.rows.columns if c.startswith("grad_norm/")}
+    assert columns == {f"grad_norm/{k}" for k in student_keys}
+    teacher_paths = {v.path for v in t.lab.teacher.weights}
+    assert not teacher_paths & {c[len("grad_norm/"):] for c in columns}
+    for model in (t.bare, t.lab):
+        built_on = {id(v) for v in built_variables(model.optimizer)}
+        assert built_on == {id(v) for v in model.student.trainable_variables}
+        assert not built_on & {id(v) for v in model.teacher.weights}
+        # Adam: iterations and learning rate, then a momentum and a velocity per student variable.
+        assert len(model.optimizer.variables) == 2 + 2 * len(student_keys)
+        assert_same_arrays(weights(model.teacher), trained_teacher_weights(), "the frozen teacher after fit()")
+    # Keras' test_step calls the same compute_loss, teacher and all.
+    x, y = distill_digits()
+    assert (t.lab.evaluate(x[96:128], y[96:128], verbose=0, return_dict=True)
+            == t.bare.evaluate(x[96:128], y[96:128], verbose=0, return_dict=True))
+    # A Stepper steps the student only, as fit() does, with the recorded gradients.
+    model = make_distiller()
+    keras.utils.set_random_seed(SEED + 1)
+    trace = stepped(lab.Stepper(model, (x[:96], y[:96]), batch_size=32, shuffle=False, mode="graph"), 1)
+    assert sorted(trace.gradients) == sorted(variable_keys(model.student.trainable_variables))
+    check_trace_gradients(t, model, trace)
+    assert_same_arrays(weights(model.teacher), trained_teacher_weights(), "the frozen teacher after a step")
+
+
+def test_the_vq_vaes_codebook_column_is_its_add_loss_gradient_and_the_encoder_is_reached_straight_through():
+    # The first batch by a tape on a clean copy at the initial weights: the
+    # reconstruction reaches the codebook only inside stop_gradient (so its
+    # column is the gradient of the quantizer's add_loss alone) and reaches
+    # the encoder through the straight-through estimator.
+    t = runs_of("vq_vae")
+    x, _ = vq_digits()
+    model = make_vqvae_trainer()
+    vqvae, batch = model.vqvae, tf.constant(x[:16])
+    with tf.GradientTape(persistent=True) as tape:
+        reconstruction_loss = tf.reduce_mean((batch - vqvae(batch)) ** 2) / model.train_variance
+        vq_loss = sum(vqvae.losses)
+        total = reconstruction_loss + vq_loss
+    codebook = vqvae.get_layer("vector_quantizer").embeddings
+    assert tape.gradient(reconstruction_loss, codebook) is None
+    through = tape.gradient(reconstruction_loss, vqvae.get_layer("encoder").trainable_variables)
+    assert all(g is not None and np.linalg.norm(g.numpy()) > 0 for g in through)
+    row = t.rows.iloc[0]
+    np.testing.assert_allclose(row["loss"], float(total), rtol=1e-6)
+    keys = variable_keys(t.lab.vqvae.trainable_variables)
+    assert {f"grad_norm/{k}" for k in keys} == {c for c in t.rows.columns if c.startswith("grad_norm/")}
+    for key, variable, gradient in zip(keys, vqvae.trainable_variables,
+                                       tape.gradient(total, vqvae.trainable_variables)):
+        np.testing.assert_allclose(row[f"grad_norm/{key}"], np.linalg.norm(gradient.numpy()), rtol=1e-5,
+                                   err_msg=f"grad_norm/{key} against the tape's gradient")
+        if variable is codebook:
+            np.testing.assert_allclose(row[f"grad_norm/{key}"], np.linalg.norm(tape.gradient(vq_loss, codebook)),
+                                       rtol=1e-5, err_msg="the codebook's column against its add_loss gradient")
+
+
+# =================================================================================
+# Path of keras-io's examples/timeseries/timeseries_classification_from_scratch.py:
+# a fully convolutional classifier (three Conv1D, BatchNormalization, ReLU
+# blocks, GlobalAveragePooling1D, a softmax) fit with validation_split and the
+# example's callbacks: ModelCheckpoint(save_best_only, monitor val_loss),
+# ReduceLROnPlateau(monitor val_loss, factor 0.5, min_lr) and EarlyStopping
+# (monitor val_loss; the example restores no best weights). In small: 60
+# series of 32 seeded normal numbers whose labels they do not carry, so that
+# val_loss soon stops improving; patience 2 and 4 (the example's 20 and 50),
+# so that in 8 of at most 40 epochs the rate is halved and training stops.
+# =================================================================================
+
+TS_EPOCHS = 40
+
+
+def make_timeseries_classifier(length=32, num_classes=2):
+    keras.utils.set_random_seed(SEED)
+    input_layer = keras.layers.Input((length, 1))
+    x = input_layer
+    for _ in range(3):
+        x = keras.layers.Conv1D(filters=8, kernel_size=3, padding="same")(x)
+        x = keras.layers.BatchNormalization()(x)
+        x = keras.layers.ReLU()(x)
+    gap = keras.layers.GlobalAveragePooling1D()(x)
+    output_layer = keras.layers.Dense(num_classes, activation="softmax")(gap)
+    model = keras.models.Model(inputs=input_layer, outputs=output_layer)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def timeseries_data(n=60, length=32):
+    r = rng(20)
+    y = r.integers(0, 2, n)
+    return r.normal(0, 1, (n, length, 1)).astype("float32"), y
+
+
+def timeseries_callbacks(path):
+    return [keras.callbacks.ModelCheckpoint(str(path), save_best_only=True, monitor="val_loss"),
+            keras.callbacks.ReduceLROnPlateau(monitor="val_loss", factor=0.5, patience=2, min_lr=0.0001),
+            keras.callbacks.EarlyStopping(monitor="val_loss", patience=4)]
+
+
+class RateAtBatch(keras.callbacks.Callback):
+    """The optimizer's learning rate as each batch begins."""
+
+    def __init__(self):
+        super().__init__()
+        self.rates = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.rates.append(float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate)))
+
+
+@pytest.fixture(scope="module")
+def timeseries_runs(tmp_path_factory):
+    """The bare fit() (with the rate of each batch) and the fit() with a Recorder:
+    name -> (model, History, rates or Recorder, checkpoint path)."""
+    folder, (x, y), runs = tmp_path_factory.mktemp("timeseries"), timeseries_data(), {}
+    for name in ("bare", "lab"):
+        model, path = make_timeseries_classifier(), folder / f"{name}_best_model.keras"
+        extra = RateAtBatch() if name == "bare" else lab.Recorder(gradients=True)
+        keras.utils.set_random_seed(SEED + 1)
+        history = model.fit(x, y, batch_size=8, epochs=TS_EPOCHS, callbacks=timeseries_callbacks(path) + [extra],
+                            validation_split=0.2, shuffle=False, verbose=0).history
+        runs[name] = (model, history, extra.rates if name == "bare" else extra, path)
+    return runs
+
+
+def test_the_timeseries_examples_callbacks_halve_the_rate_and_stop_early_in_the_bare_run(timeseries_runs):
+    model, history, rates, path = timeseries_runs["bare"]
+    assert len(history["loss"]) < TS_EPOCHS, "EarlyStopping did not stop the bare run"
+    first = np.float32(1e-3)
+    assert np.float32(history["learning_rate"][0]) == first and rates[0] == first
+    assert np.float32(history["learning_rate"][-1]) < first, "ReduceLROnPlateau did not lower the rate"
+    assert float(keras.ops.convert_to_numpy(model.optimizer.learning_rate)) < first
+    # save_best_only kept an earlier epoch than the last (EarlyStopping restores nothing).
+    assert path.exists() and int(np.argmin(history["val_loss"])) < len(history["val_loss"]) - 1
+    assert not all(np.array_equal(a, b) for a, b in zip(weights(keras.models.load_model(path)), weights(model)))
+
+
+def test_the_timeseries_example_with_its_callbacks_trains_as_bare_fit(timeseries_runs):
+    (bare, history_bare, _, _), (model, history, rec, _) = timeseries_runs["bare"], timeseries_runs["lab"]
+    assert_same_arrays(weights(model), weights(bare), "final weights, lab against bare fit()")
+    assert_same_optimizer_state(optimizer_state(model), optimizer_state(bare))
+    assert history == history_bare
+    assert len(model.weights) == len(bare.weights) and lab_traces(model) == []
+    rows = rec.run.batches()
+    assert len(rows) == len(timeseries_runs["bare"][2])
+    keys = variable_keys(model.trainable_variables)
+    assert all(f"grad_norm/{k}" in rows.columns for k in keys)
+    np.testing.assert_array_equal(rec.run.epochs()["val_loss"].to_numpy(np.float64), history_bare["val_loss"])
+
+
+def test_the_timeseries_examples_learning_rate_column_follows_the_reduced_rate(timeseries_runs):
+    (_, history_bare, rates, _), (_, _, rec, _) = timeseries_runs["bare"], timeseries_runs["lab"]
+    rows = rec.run.batches()
+    column = rows["learning_rate"].to_numpy(np.float64)
+    assert len(set(column)) > 1, "the column never changed"
+    np.testing.assert_array_equal(np.float32(column), np.float32(rates),
+                                  err_msg="each row's learning rate against the bare run's rate at that batch")
+    # ReduceLROnPlateau logs the epoch's rate before it lowers it: the rate each epoch's batches used.
+    for epoch, rate in enumerate(history_bare["learning_rate"]):
+        np.testing.assert_array_equal(np.float32(column[rows["epoch"].to_numpy() == epoch]), np.float32(rate),
+                                      err_msg=f"epoch {epoch}'s rows against its logged rate")
+
+
+def test_the_timeseries_checkpoint_written_with_the_lab_loads_as_the_bare_ones(timeseries_runs):
+    (_, _, _, bare_path), (_, _, _, lab_path) = timeseries_runs["bare"], timeseries_runs["lab"]
+    best_bare, best_lab = keras.models.load_model(bare_path), keras.models.load_model(lab_path)
+    assert_same_arrays(weights(best_lab), weights(best_bare), "the lab run's best checkpoint against the bare one's")
+    assert_same_optimizer_state(optimizer_state(best_lab), optimizer_state(best_bare))
+    assert lab_traces(best_lab) == []
+    clean = make_timeseries_classifier()
+    clean.optimizer.build(clean.trainable_variables)  # so that load_weights restores Adam's state too
+    clean.load_weights(lab_path)
+    assert_same_arrays(weights(clean), weights(best_bare), "the lab run's checkpoint loaded into a clean model")
+    assert_same_optimizer_state(optimizer_state(clean), optimizer_state(best_bare))
 
 # =================================================================================
 # Path of keras-io's guides/writing_a_custom_training_loop_in_tensorflow.py: a
