@@ -37,7 +37,16 @@ on seeded random data:
   straight-through estimator, a trainer with three Mean trackers;
 - examples/timeseries/timeseries_classification_from_scratch.py: a Conv1D
   classifier fit with ModelCheckpoint, ReduceLROnPlateau and EarlyStopping
-  (its own tests, not the guide checks: those fit() without callbacks).
+  (its own tests, not the guide checks: those fit() without callbacks);
+- guides/understanding_masking_and_padding.py and guides/working_with_rnns.py:
+  an Embedding(mask_zero=True) over sequences padded by `pad_sequences`, its
+  mask through layers that propagate, split and consume it to an LSTM and a
+  Bidirectional GRU or LSTM; its gradient sparse (`tf.IndexedSlices`);
+- examples/nlp/text_classification_with_transformer.py: a TransformerBlock and
+  a TokenAndPositionEmbedding, Dropouts drawing from Keras' SeedGenerators;
+- examples/keras_recipes/endpoint_layer_pattern.py: a layer that adds the loss
+  with `add_loss` and updates a metric in `call()`, compiled with no loss and
+  fit on a dict of inputs that holds the targets.
 
 For each guide, a run is trained three times from identical weights and data
 order (`keras.utils.set_random_seed`, `shuffle=False`):
@@ -1408,6 +1417,262 @@ def _vq_vae():
     return (x,), {"epochs": 2, "batch_size": 16}, x, 16, 6
 
 
+# =================================================================================
+# Paths of keras-io's guides/understanding_masking_and_padding.py and
+# guides/working_with_rnns.py: integer sequences of varying lengths padded by
+# keras.utils.pad_sequences, an Embedding(mask_zero=True) whose mask reaches an
+# LSTM and a Bidirectional GRU through a layer that only propagates it
+# (`supports_masking`), a layer that makes a mask of its own (`compute_mask`),
+# and one that consumes it (a softmax over the unpadded time steps). The
+# Embedding's gradient is sparse (a tf.IndexedSlices whose rows repeat where a
+# token does). In small: a vocabulary of 30, sequences of 2 to 12 tokens.
+# =================================================================================
+
+
+class MyActivation(layers.Layer):
+    """The masking guide's layer that passes its input's mask on unchanged."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.supports_masking = True
+
+    def call(self, inputs):
+        return keras.ops.relu(inputs)
+
+
+class TemporalSplit(layers.Layer):
+    """The masking guide's layer that splits a sequence in two along time,
+    splitting its mask the same way (`compute_mask`)."""
+
+    def call(self, inputs):
+        return keras.ops.split(inputs, 2, axis=1)
+
+    def compute_mask(self, inputs, mask=None):
+        if mask is None:
+            return None
+        return keras.ops.split(mask, 2, axis=1)
+
+
+class TemporalSoftmaxPool(layers.Layer):
+    """Consumes the mask, as the masking guide's TemporalSoftmax does: a softmax
+    over the unpadded steps of a learned score, the sequence pooled by it (a
+    half with no unpadded step pools to zeros). It takes the mask and gives
+    none on."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.supports_masking = True
+
+    def compute_mask(self, inputs, mask=None):
+        return None
+
+    def build(self, input_shape):
+        self.score = self.add_weight(shape=(input_shape[-1], 1), name="score")
+
+    def call(self, inputs, mask=None):
+        broadcast_float_mask = keras.ops.expand_dims(keras.ops.cast(mask, "float32"), -1)
+        inputs_exp = keras.ops.exp(keras.ops.matmul(inputs, self.score)) * broadcast_float_mask
+        weight = inputs_exp / keras.ops.maximum(keras.ops.sum(inputs_exp, axis=1, keepdims=True), 1e-12)
+        return keras.ops.sum(weight * inputs, axis=1)
+
+
+VOCABULARY, MAX_LENGTH = 30, 12
+
+
+def make_masked_rnn():
+    """The masking guide's functional model: the Embedding's mask through a
+    propagating layer to an LSTM and a Bidirectional GRU, split in time with
+    its mask, and pooled by a layer that consumes it."""
+    keras.utils.set_random_seed(SEED)
+    inputs = keras.Input((MAX_LENGTH,), dtype="int32")
+    x = layers.Embedding(VOCABULARY, 8, mask_zero=True)(inputs)
+    x = MyActivation()(x)
+    x = layers.LSTM(8, return_sequences=True)(x)
+    x = layers.Bidirectional(layers.GRU(4, return_sequences=True))(x)
+    first, second = TemporalSplit()(x)
+    x = layers.Concatenate()([TemporalSoftmaxPool()(first), TemporalSoftmaxPool()(second)])
+    outputs = layers.Dense(3, activation="softmax")(x)
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    return model
+
+
+def make_rnn_classifier():
+    """The RNN guide's Sequential: Embedding(mask_zero=True), a Bidirectional
+    LSTM returning sequences, an LSTM, a softmax head, RMSprop."""
+    keras.utils.set_random_seed(SEED)
+    model = keras.Sequential([
+        keras.Input((MAX_LENGTH,), dtype="int32"),
+        layers.Embedding(VOCABULARY, 8, mask_zero=True),
+        layers.Bidirectional(layers.LSTM(4, return_sequences=True)),
+        layers.LSTM(4),
+        layers.Dense(3, activation="softmax"),
+    ])
+    model.compile(optimizer=keras.optimizers.RMSprop(0.01), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    return model
+
+
+def padded_sequences(n=64, offset=11):
+    """`n` sequences of 2 to MAX_LENGTH tokens (a token repeats often, so the
+    Embedding's sparse gradient has repeated rows), post-padded with zeros;
+    the label: which third of the vocabulary the first token falls in."""
+    r = rng(offset)
+    lengths = r.integers(2, MAX_LENGTH + 1, n)
+    sequences = [list(r.integers(1, VOCABULARY, k)) for k in lengths]
+    x = keras.utils.pad_sequences(sequences, maxlen=MAX_LENGTH, padding="post").astype("int32")
+    y = (x[:, 0] * 3 // VOCABULARY).astype("int32")
+    return x, y
+
+
+def _padded():
+    x, y = padded_sequences()
+    return (x, y), {"batch_size": 16, "epochs": 2}, (x, y), 16, 8
+
+
+# =================================================================================
+# Path of keras-io's examples/nlp/text_classification_with_transformer.py: a
+# TransformerBlock layer (MultiHeadAttention, two LayerNormalizations, two
+# Dropouts, a feed-forward Sequential) over a TokenAndPositionEmbedding layer,
+# GlobalAveragePooling1D, Dropout, a softmax head, Adam,
+# sparse_categorical_crossentropy, validation_data. Dropout draws from Keras'
+# seeded SeedGenerators. In small: sequences of 10 tokens, two heads.
+# =================================================================================
+
+
+class TransformerBlock(layers.Layer):
+    def __init__(self, embed_dim, num_heads, ff_dim, rate=0.1):
+        super().__init__()
+        self.att = layers.MultiHeadAttention(num_heads=num_heads, key_dim=embed_dim)
+        self.ffn = keras.Sequential([layers.Dense(ff_dim, activation="relu"), layers.Dense(embed_dim)])
+        self.layernorm1 = layers.LayerNormalization(epsilon=1e-6)
+        self.layernorm2 = layers.LayerNormalization(epsilon=1e-6)
+        self.dropout1 = layers.Dropout(rate)
+        self.dropout2 = layers.Dropout(rate)
+
+    def call(self, inputs):
+        attn_output = self.att(inputs, inputs)
+        attn_output = self.dropout1(attn_output)
+        out1 = self.layernorm1(inputs + attn_output)
+        ffn_output = self.ffn(out1)
+        ffn_output = self.dropout2(ffn_output)
+        return self.layernorm2(out1 + ffn_output)
+
+
+class TokenAndPositionEmbedding(layers.Layer):
+    def __init__(self, maxlen, vocab_size, embed_dim):
+        super().__init__()
+        self.token_emb = layers.Embedding(input_dim=vocab_size, output_dim=embed_dim)
+        self.pos_emb = layers.Embedding(input_dim=maxlen, output_dim=embed_dim)
+
+    def call(self, x):
+        maxlen = keras.ops.shape(x)[-1]
+        positions = keras.ops.arange(start=0, stop=maxlen, step=1)
+        positions = self.pos_emb(positions)
+        x = self.token_emb(x)
+        return x + positions
+
+
+TEXT_LENGTH = 10
+
+
+def make_text_transformer(embed_dim=8, num_heads=2, ff_dim=8):
+    keras.utils.set_random_seed(SEED)
+    inputs = layers.Input(shape=(TEXT_LENGTH,))
+    x = TokenAndPositionEmbedding(TEXT_LENGTH, VOCABULARY, embed_dim)(inputs)
+    x = TransformerBlock(embed_dim, num_heads, ff_dim)(x)
+    x = layers.GlobalAveragePooling1D()(x)
+    x = layers.Dropout(0.1)(x)
+    x = layers.Dense(8, activation="relu")(x)
+    x = layers.Dropout(0.1)(x)
+    outputs = layers.Dense(2, activation="softmax")(x)
+    model = keras.Model(inputs=inputs, outputs=outputs)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def _text_reviews():
+    def reviews(n, offset):
+        x, _ = padded_sequences(n, offset)
+        x = keras.utils.pad_sequences(list(x), maxlen=TEXT_LENGTH)  # pre-truncated, as the example's
+        return x.astype("float32"), (x[:, -1] % 2).astype("int32")
+    x, y = reviews(64, 12)
+    validation = reviews(32, 13)
+    return (x, y), {"batch_size": 16, "epochs": 2, "validation_data": validation}, (x, y), 16, 8
+
+
+# =================================================================================
+# Path of keras-io's examples/keras_recipes/endpoint_layer_pattern.py: a
+# LogisticEndpoint layer that takes the targets and sample weights as model
+# inputs, computes the loss in `call()` with `add_loss` and updates an
+# accuracy metric there; the model is compiled with no loss
+# (`compile(optimizer=Adam)`) and fit on a dict of inputs alone, functional
+# and subclassed (the example's LogReg). In small: 16 features, 64 rows.
+# =================================================================================
+
+
+class LogisticEndpoint(keras.layers.Layer):
+    def __init__(self, name=None):
+        super().__init__(name=name)
+        self.loss_fn = keras.losses.BinaryCrossentropy(from_logits=True)
+        self.accuracy_metric = keras.metrics.BinaryAccuracy(name="accuracy")
+
+    def call(self, logits, targets=None, sample_weight=None):
+        if targets is not None:
+            loss = self.loss_fn(targets, logits, sample_weight)
+            self.add_loss(loss)
+            self.accuracy_metric.update_state(targets, logits, sample_weight)
+        return tf.nn.softmax(logits)
+
+
+class LogReg(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(1)
+        self.logistic_endpoint = LogisticEndpoint()
+
+    def call(self, inputs):
+        logits = self.dense(inputs["inputs"])
+        return self.logistic_endpoint(logits=logits, targets=inputs["targets"],
+                                      sample_weight=inputs["sample_weight"])
+
+
+ENDPOINT_FEATURES = 16
+
+
+def make_functional_endpoint():
+    keras.utils.set_random_seed(SEED)
+    inputs = keras.Input((ENDPOINT_FEATURES,), name="inputs")
+    logits = keras.layers.Dense(1)(inputs)
+    targets = keras.Input((1,), name="targets")
+    sample_weight = keras.Input((1,), name="sample_weight")
+    preds = LogisticEndpoint()(logits, targets, sample_weight)
+    model = keras.Model([inputs, targets, sample_weight], preds)
+    model.compile(keras.optimizers.Adam(1e-2))
+    return model
+
+
+def make_subclassed_endpoint():
+    keras.utils.set_random_seed(SEED)
+    model = LogReg()
+    model(endpoint_data(1))  # built before fit(), as the guide checks need
+    model.compile(keras.optimizers.Adam(1e-2))
+    return model
+
+
+def endpoint_data(n=64):
+    r = rng(14)
+    return {"inputs": r.random((n, ENDPOINT_FEATURES)).astype("float32"),
+            "targets": r.random((n, 1)).astype("float32"),
+            "sample_weight": r.random((n, 1)).astype("float32")}
+
+
+def _endpoint():
+    data = endpoint_data()
+    return (data,), {"batch_size": 16, "epochs": 2}, data, 16, 8
+
+
 ALL_LOGGED = ("*",)
 
 
@@ -1519,6 +1784,14 @@ GUIDES = {
     "simsiam": Guide(make_simsiam, _two_views, own=("loss",)),
     "knowledge_distillation": Guide(make_distiller, _distillation, own=("loss", "sparse_categorical_accuracy")),
     "vq_vae": Guide(make_vqvae_trainer, _vq_vae, own=("loss", "reconstruction_loss", "vqvae_loss")),
+    "masking_and_padding": Guide(make_masked_rnn, _padded, own=("loss", "accuracy")),
+    "working_with_rnns": Guide(make_rnn_classifier, _padded, own=("loss", "accuracy")),
+    # Its Dropouts draw from Keras' SeedGenerators, whose states the Stepper
+    # rewinds with the weights: the replay holds (see
+    # test_the_transformers_dropout_draws_are_rewound_and_replayed).
+    "text_classification_with_transformer": Guide(make_text_transformer, _text_reviews, own=("loss", "accuracy")),
+    "endpoint_layer_pattern/functional": Guide(make_functional_endpoint, _endpoint, own=("loss", "accuracy")),
+    "endpoint_layer_pattern/LogReg": Guide(make_subclassed_endpoint, _endpoint, own=("loss", "accuracy")),
 }
 
 _RUNS = {}
@@ -2331,3 +2604,119 @@ def test_the_actor_critic_examples_eager_episode_loop_trains_as_bare_under_watch
     np.testing.assert_allclose(rows["grad_norm"].to_numpy(np.float64),
                                np.sqrt((rows[columns].to_numpy(np.float64) ** 2).sum(axis=1)), rtol=1e-5)
     assert lab_traces(model) == []
+
+
+# ---- targeted checks of the masking, RNN, transformer and endpoint guides ---------
+
+
+def tape_steps(make, batches, loss_of):
+    """Trains a clean copy batch by batch with a tape and the model's own
+    optimizer, as fit() does; returns the model, each batch's loss, its
+    gradients made dense, and the last batch's raw gradients."""
+    model = make()
+    losses, dense = [], []
+    for batch in batches:
+        with tf.GradientTape() as tape:
+            loss = loss_of(model, batch)
+        grads = tape.gradient(loss, model.trainable_variables)
+        model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        losses.append(float(loss))
+        dense.append([np.asarray(tf.convert_to_tensor(g), np.float64) for g in grads])
+    return model, losses, dense, grads
+
+
+def check_rows_against_tape(t, losses, dense):
+    """The run's first rows hold the tape's losses and the norms of its dense gradients."""
+    rows = t.rows.iloc[:len(losses)]
+    np.testing.assert_allclose(rows["loss"].to_numpy(np.float64), losses, rtol=1e-5,
+                               err_msg="the run's loss against the batch's loss by a tape")
+    columns = [f"grad_norm/{k}" for k in variable_keys(t.lab.trainable_variables)]
+    missing = [c for c in columns if c not in rows.columns]
+    assert not missing, f"no gradient column for {missing}"
+    np.testing.assert_allclose(rows[columns].to_numpy(np.float64),
+                               [[np.linalg.norm(g) for g in grads] for grads in dense], rtol=1e-5, atol=1e-7,
+                               err_msg="the grad_norm/<path> columns against the tape's (dense) gradients")
+    np.testing.assert_allclose(rows["grad_norm"].to_numpy(np.float64),
+                               [np.sqrt(sum(np.sum(g ** 2) for g in grads)) for grads in dense], rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["masking_and_padding", "working_with_rnns"])
+def test_the_embeddings_sparse_gradient_is_recorded_as_its_dense_norm(name):
+    t = runs_of(name)
+    x, y = padded_sequences()
+    assert (x == 0).any() and len({int(n) for n in (x != 0).sum(axis=1)}) > 3, "padded to varying lengths"
+    batches = [(x[i:i + 16], y[i:i + 16]) for i in range(0, 64, 16)]  # the first epoch
+
+    def loss_of(model, batch):
+        return keras.losses.SparseCategoricalCrossentropy()(batch[1], model(batch[0], training=True))
+
+    _, losses, dense, grads = tape_steps(GUIDES[name].make, batches, loss_of)
+    # The Embedding's gradient is sparse, a row per token, repeated where a
+    # token repeats: the norm of its values is not the gradient's norm.
+    sparse = grads[0]
+    assert isinstance(sparse, tf.IndexedSlices)
+    assert len(np.unique(sparse.indices.numpy())) < len(sparse.indices)
+    assert not np.isclose(np.linalg.norm(sparse.values.numpy()), np.linalg.norm(dense[-1][0]), rtol=1e-3)
+    check_rows_against_tape(t, losses, dense)
+
+
+@pytest.mark.parametrize("name", ["endpoint_layer_pattern/functional", "endpoint_layer_pattern/LogReg"])
+def test_the_endpoint_layers_add_loss_is_the_runs_loss(name):
+    t = runs_of(name)
+    data = endpoint_data()
+    batches = [{k: v[i:i + 16] for k, v in data.items()} for i in range(0, 64, 16)]  # the first epoch
+
+    def loss_of(model, batch):
+        model(batch, training=True)
+        (loss,) = model.losses  # the one add_loss of LogisticEndpoint.call
+        return loss
+
+    _, losses, dense, _ = tape_steps(GUIDES[name].make, batches, loss_of)
+    # That loss is the weighted binary cross-entropy of the batch's targets,
+    # which are model inputs.
+    first = batches[0]
+    (dense_layer,) = [layer for layer in t.make()._flatten_layers() if isinstance(layer, layers.Dense)]
+    expected = keras.losses.BinaryCrossentropy(from_logits=True)(
+        first["targets"], dense_layer(first["inputs"]), first["sample_weight"])
+    if lab.compat.KERAS_VERSION > (3, 6):
+        # Keras 3.5 weighs the add_loss otherwise than its BinaryCrossentropy
+        # with sample_weight (0.538 against 0.556): the tape is the reference there.
+        np.testing.assert_allclose(float(expected), losses[0], rtol=1e-6)
+    check_rows_against_tape(t, losses, dense)
+
+
+def seed_states(model):
+    return [np.array(v.numpy()) for v in model.variables if "seed_generator_state" in v.path]
+
+
+def test_the_transformers_dropout_draws_are_rewound_and_replayed():
+    """The example's Dropouts draw from Keras' SeedGenerators, whose states
+    are model variables: the Stepper's steps draw as fit()'s did, a rewind
+    puts the states back, and the replay draws the same masks again."""
+    guide = GUIDES["text_classification_with_transformer"]
+    args, kwargs, data, batch_size, steps = guide.data()
+    # fit()'s seed states (runs_of's bare model may have been fit again since).
+    fitted = guide.make()
+    keras.utils.set_random_seed(SEED + 1)
+    fitted.fit(*args, shuffle=False, verbose=0, **kwargs)
+    model = guide.make()
+    initial = seed_states(model)
+    assert len(initial) == 4  # TransformerBlock's two, the head's two (MultiHeadAttention's rate is 0)
+    keras.utils.set_random_seed(SEED + 1)
+    stepper = lab.Stepper(model, data, batch_size=batch_size, shuffle=False, mode="graph")
+    half = steps // 2
+    stepped(stepper, half)
+    middle = seed_states(model)
+    assert all(not np.array_equal(a, b) for a, b in zip(middle, initial)), "Dropout drew no random numbers"
+    stepped(stepper, steps - half)
+    final, final_w = seed_states(model), weights(model)
+    assert_same_arrays(final, seed_states(fitted), "seed states after stepping, against fit()'s")
+    assert_same_arrays(final_w, weights(fitted), "weights after stepping, against fit()'s")
+    stepper.rewind(steps - half)
+    assert_same_arrays(seed_states(model), middle, "seed states after rewind")
+    stepped(stepper, steps - half)
+    assert_same_arrays(seed_states(model), final, "seed states after replay")
+    assert_same_arrays(weights(model), final_w, "weights after replay")
+    # Dropout is on in training: the same batch predicts otherwise without it.
+    x = data[0][:batch_size]
+    assert not np.allclose(model(x, training=True).numpy(), model(x, training=False).numpy())
