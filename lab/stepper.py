@@ -237,7 +237,6 @@ class Stepper:
         self._graph_compiled = None  # the CompiledState the graph step was traced for
         self._told_regrouped = False
         self._capture_slots = {}  # variables a graph step's nested values pass through
-        self._whole_batch = None  # the batch last split over the replicas
         self._condition_state = {}  # name -> (tf.Variable, initial value)
         self._step_function = _step_fn  # from_step: the user's step instead of train_step
         self._extra_optimizers = list(_optimizers)
@@ -613,7 +612,7 @@ class Stepper:
         if self.mode != "graph":
             raise ValueError(f"Unknown stepper mode {self.mode!r}; use 'eager' or 'graph'.")
         compiled = CompiledState(self.model)
-        signature = self.feed.signature(data)
+        whole, signature = data, self.feed.signature(data)
         if replicated:
             data, signature = self._distributed(data, signature)
         if self._graph_step is None or self._graph_compiled != compiled:
@@ -629,7 +628,7 @@ class Stepper:
             self._graph_step = tf.function(lambda d: self._traced(d, self._graph_capture), reduce_retracing=True,
                                            jit_compile=xla)
             with _built_here(self, capture):
-                self._build_for_graph(self._whole_batch if replicated else data)
+                self._build_for_graph(whole)
                 # Traced before it runs, so that what the trace builds (the
                 # optimizer's slots, on the variables the step applies, as in
                 # fit()) is counted at its first values.
@@ -655,7 +654,6 @@ class Stepper:
         """`data`, a whole batch, split over the replicas as fit() splits it
         (tf.distribute's rebatch of a dataset of fit()'s element spec), and
         that split's spec, for tracing."""
-        self._whole_batch = data
         return split_over_replicas(self.model.distribute_strategy, data,
                                    signature if signature is not None else self.feed.signature(data))
 
@@ -667,7 +665,7 @@ class Stepper:
             return
         if self._step_function is not None:
             what = "the step function"
-        elif type(strategy).__name__ == "MirroredStrategy":
+        elif splits_batches(strategy):
             what = "train_step (its optimizer updates in a nested graph, whose values cannot leave a replica)"
         else:
             what = "train_step"
