@@ -592,8 +592,10 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         if not self._weights_put:  # called every batch: nothing put is the common case
             return
         for name, step in self._weights_put:
+            if step < 0:  # put before the run's first step (BackupAndRestore resuming): its rows start there
+                continue
             self.run.add_event("warning", WEIGHTS_PUT_NOTE.format(method=name, step=step, next=step + 1),
-                               step=max(step, 0))
+                               step=step)
         self._weights_put = []
 
     def _note_short_execution(self):
