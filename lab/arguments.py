@@ -4,6 +4,10 @@ import numbers
 
 import numpy as np
 
+# Examples for the flags of a Recorder, a Dashboard and `lab.watch`.
+GRADIENTS_EXAMPLE = "gradients=True: record each variable's gradient norm at every batch"
+WEIGHTS_EXAMPLE = "weights=True: record each variable's weight norm and update ratio at every batch"
+
 
 def check_number(call, argument, value, kind, valid, described, example):
     """Raises unless `value` is a `kind` (never a bool) for which `valid(value)` holds.
@@ -25,6 +29,14 @@ def check_number(call, argument, value, kind, valid, described, example):
                         f"{value!r} (e.g. {example}).")
     if not valid(value):
         raise ValueError(f"{call}({argument}=...) must be {described}; got {value!r} (e.g. {example}).")
+
+
+def check_flag(call, argument, value, example):
+    """Raises a TypeError unless `value` is True or False (a NumPy bool too):
+    a string such as "no" or a number would otherwise pass as true or false."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{call}({argument}=...) must be True or False; got {type(value).__name__} {value!r} "
+                        f"(e.g. {example}).")
 
 
 def check_seconds(call, argument, value, example):

@@ -12,7 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from lab import compat, modes, schema
-from lab.arguments import check_seconds
+from lab.arguments import GRADIENTS_EXAMPLE, WEIGHTS_EXAMPLE, check_flag, check_seconds
 from lab.hooks import CompiledState, hooks_for, release_all
 from lab.observers import Observers
 from lab.norms import infinite_norms_message, newly_infinite, shown_names
@@ -127,6 +127,8 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
     def __init__(self, gradients=False, weights=False, breakpoints=(), path=None,
                  run=None, flush_every=0.25, save_every=30.0):
         super().__init__()
+        check_flag("lab.Recorder", "gradients", gradients, GRADIENTS_EXAMPLE)
+        check_flag("lab.Recorder", "weights", weights, WEIGHTS_EXAMPLE)
         check_seconds("lab.Recorder", "flush_every", flush_every, "flush_every=0.25: read the device four times a second")
         check_seconds("lab.Recorder", "save_every", save_every, "save_every=30.0: save twice a minute")
         if path is not None and not isinstance(path, (str, os.PathLike)):

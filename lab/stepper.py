@@ -29,7 +29,7 @@ import pandas as pd
 import tensorflow as tf
 
 from lab import schema
-from lab.arguments import check_number
+from lab.arguments import check_flag, check_number
 from lab.compat import reduce_per_replica, unscale_loss_for_distribution
 from lab.devices import split_over_replicas, splits_batches
 from lab.feed import Feed, to_numpy
@@ -218,6 +218,7 @@ class Stepper:
             if value is not None:
                 check_number("lab.Stepper", argument, value, numbers.Integral, lambda v: v >= 1,
                              "a whole number, 1 or more, or None", "32")
+        check_flag("lab.Stepper", "shuffle", shuffle, "shuffle=False: the batches in the data's order")
         _check_list_data(model, data)
         self.model = model
         self.feed = Feed(data, batch_size=batch_size, shuffle=shuffle, seed=seed,

@@ -33,7 +33,7 @@ from tensorflow.python.framework.ops import EagerTensor
 
 from lab import breakpoints as breakpoints_module
 from lab import compat
-from lab.arguments import check_number, check_seconds
+from lab.arguments import GRADIENTS_EXAMPLE, WEIGHTS_EXAMPLE, check_flag, check_number, check_seconds
 from lab.loop_probe import LoopProbe
 from lab.probes import find_optimizers
 from lab.run import Run
@@ -646,6 +646,8 @@ def watch(model, *optimizers, gradients=True, weights=False, breakpoints=(), flu
     _check_model(model)
     check_number("lab.watch", "capacity", capacity, numbers.Integral, lambda v: v >= 1,
                  "a positive whole number of steps", "capacity=1024: the steps kept on the device between reads")
+    check_flag("lab.watch", "gradients", gradients, GRADIENTS_EXAMPLE)
+    check_flag("lab.watch", "weights", weights, WEIGHTS_EXAMPLE)
     check_seconds("lab.watch", "flush_every", flush_every, "flush_every=0.25: read the device four times a second")
     points = breakpoints_module.as_breakpoints(breakpoints)
     for point in points:

@@ -34,7 +34,7 @@ import numpy as np
 
 import lab
 
-from lab.arguments import check_number, check_seconds
+from lab.arguments import GRADIENTS_EXAMPLE, WEIGHTS_EXAMPLE, check_flag, check_number, check_seconds
 from lab.recorder import Recorder
 from widgets import static
 from widgets.charts import LiveFigure
@@ -129,6 +129,8 @@ class Dashboard(keras.callbacks.Callback):
                  refresh_every=0.25, refresh_budget=0.01, max_points=2000, ghost=None, view="auto",
                  **recorder_options):
         self.requested_view = check_view(view)
+        check_flag("widgets.Dashboard", "gradients", gradients, GRADIENTS_EXAMPLE)
+        check_flag("widgets.Dashboard", "weights", weights, WEIGHTS_EXAMPLE)
         check_seconds("widgets.Dashboard", "refresh_every", refresh_every, "0.25: at most four refreshes a second")
         check_number("widgets.Dashboard", "refresh_budget", refresh_budget, numbers.Real, lambda v: 0 < v <= 1,
                      "a share of training time in (0, 1]", "0.01: refreshes take at most 1% of it")

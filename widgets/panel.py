@@ -17,6 +17,7 @@ import ipywidgets
 import keras
 import tensorflow as tf
 
+from lab.arguments import GRADIENTS_EXAMPLE, check_flag
 from lab.breakpoints import as_breakpoints, nonfinite
 from lab.devices import devices
 from lab.stepper import Stepper
@@ -85,6 +86,7 @@ class Lab(ipywidgets.VBox):
         self.data = _checked_data(data)
         self.batch_size = _positive_int("batch_size", batch_size, optional=True)
         self.epochs = _positive_int("epochs", epochs)
+        check_flag("widgets.Lab", "gradients", gradients, GRADIENTS_EXAMPLE)
         self.validation_data = validation_data
         self.fit_options = fit_options
         self.breakpoints = [nonfinite()] if breakpoints is None else as_breakpoints(breakpoints)

@@ -37,6 +37,9 @@ def test_a_plain_callable_or_a_single_breakpoint_is_accepted_as_breakpoints():
     ({"save_every": float("inf")}, ValueError, r"save_every=\.\.\.\) must be a number of seconds"),
     ({"path": 3}, TypeError, r"path=\.\.\.\) must be a file path"),
     ({"run": {}}, TypeError, r"run=\.\.\.\) must be a lab.Run"),
+    # A string or a number passed as true or false: gradients="no" recorded the gradients.
+    ({"gradients": "no"}, TypeError, r"lab.Recorder\(gradients=\.\.\.\) must be True or False; got str 'no'"),
+    ({"weights": 1}, TypeError, r"lab.Recorder\(weights=\.\.\.\) must be True or False; got int 1"),
 ])
 def test_a_recorder_refuses_bad_timings_paths_and_runs_at_construction(arguments, error, named):
     with pytest.raises(error, match=named):
@@ -219,6 +222,7 @@ def test_a_stepper_given_a_list_for_a_one_input_model_says_so_at_construction():
     (lambda model, data: lab.Stepper(model, data, history=2.5), TypeError, r"lab.Stepper\(history=\.\.\.\)"),
     (lambda model, data: lab.Stepper(model, data, history=0), ValueError, r"lab.Stepper\(history=\.\.\.\)"),
     (lambda model, data: lab.Stepper(model, data, batch_size="8"), TypeError, r"lab.Stepper\(batch_size=\.\.\.\)"),
+    (lambda model, data: lab.Stepper(model, data, shuffle="no"), TypeError, r"lab.Stepper\(shuffle=\.\.\.\)"),
     (lambda model, data: lab.Stepper(model, data, steps_per_epoch=0), ValueError,
      r"lab.Stepper\(steps_per_epoch=\.\.\.\)"),
     (lambda model, data: lab.Stepper(model, data, batch_size=8).step(1.5), TypeError, r"Stepper.step\(n=\.\.\.\)"),
@@ -232,4 +236,20 @@ def test_the_stepper_refuses_numbers_it_would_have_truncated_or_misread(call, er
     model = tiny_model()
     with pytest.raises(error, match=named + r" must be .*\(e.g. "):
         call(model, (x, y))
+    assert "train_step" not in vars(model)
+
+
+def test_the_flags_of_a_recorder_a_dashboard_a_lab_and_watch_are_true_or_false():
+    import widgets
+
+    model = tiny_model()
+    x, y = np.zeros((16, 4), "float32"), np.zeros((16, 1), "float32")
+    assert lab.Recorder(gradients=np.bool_(True)).gradients  # a NumPy bool is a bool
+    for call, named in ((lambda: widgets.Dashboard(gradients="no"), r"widgets.Dashboard\(gradients=\.\.\.\)"),
+                        (lambda: widgets.Dashboard(weights=0), r"widgets.Dashboard\(weights=\.\.\.\)"),
+                        (lambda: widgets.Lab(model, (x, y), gradients="no"), r"widgets.Lab\(gradients=\.\.\.\)"),
+                        (lambda: lab.watch(model, model.optimizer, weights="yes").__enter__(),
+                         r"lab.watch\(weights=\.\.\.\)")):
+        with pytest.raises(TypeError, match=named + r" must be True or False; got .*\(e.g. "):
+            call()
     assert "train_step" not in vars(model)
