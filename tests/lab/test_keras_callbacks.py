@@ -16,11 +16,16 @@ where it stops). Then it checks what the run says about that fit.
 - LearningRateScheduler, `initial_epoch` and `validation_freq`;
 - CSVLogger and TensorBoard(update_freq="batch", histogram_freq=1): the
   files they write;
-- the progress bar `fit(verbose=1)` prints.
+- the progress bar `fit(verbose=1)` prints;
+- from keras-io's guides/training_with_built_in_methods.py: its PyDataset fed
+  by 4 threads (and the Stepper over it), its ModelCheckpoint every few
+  batches named by the loss, and its make_or_restore_model resuming from the
+  latest checkpoint.
 """
 
 import contextlib
 import io
+import os
 import re
 
 import keras
@@ -228,3 +233,93 @@ def test_the_progress_bar_prints_what_it_prints_without_the_lab():
     bare = printed(None)
     assert "val_loss" in bare and "Epoch 2/2" in bare
     assert printed(watching()) == bare
+
+
+# =================================================================================
+# keras-io's guides/training_with_built_in_methods.py, as a user pastes it:
+# a PyDataset fed by 4 threads (fit()'s default shuffle shuffles its batch
+# order), a ModelCheckpoint every few batches named by the batch's loss, and
+# the guide's make_or_restore_model that resumes from the latest checkpoint.
+# =================================================================================
+
+
+class ExamplePyDataset(keras.utils.PyDataset):
+    def __init__(self, x, y, batch_size, **kwargs):
+        super().__init__(**kwargs)
+        self.x = x
+        self.y = y
+        self.batch_size = batch_size
+
+    def __len__(self):
+        return int(np.ceil(len(self.x) / float(self.batch_size)))
+
+    def __getitem__(self, idx):
+        batch_x = self.x[idx * self.batch_size: (idx + 1) * self.batch_size]
+        batch_y = self.y[idx * self.batch_size: (idx + 1) * self.batch_size]
+        return batch_x, batch_y
+
+
+def test_a_pydataset_fed_by_four_threads_trains_and_steps_as_without_the_lab():
+    x, y = data()
+
+    def threaded_fit(recorder):
+        model = make()
+        train = ExamplePyDataset(x, y, batch_size=16, workers=4)
+        val = ExamplePyDataset(x[:32], y[:32], batch_size=16, workers=4)
+        keras.utils.set_random_seed(5)
+        callbacks = [recorder] if recorder is not None else []
+        history = model.fit(train, validation_data=val, epochs=2, verbose=0, callbacks=callbacks).history
+        return model, history
+
+    (bare, bare_history), recorder = threaded_fit(None), watching()
+    model, history = threaded_fit(recorder)
+    assert state(model) == state(bare)
+    assert history == bare_history
+    assert len(recorder.run.batches()) == 12
+    # The Stepper over the same PyDataset, shuffled as fit() shuffles it
+    # after keras.utils.set_random_seed(5). Keras 3.5 shuffles it in a
+    # tf.data buffer too, which the Stepper cannot step, and says so.
+    stepped = make()
+    if not lab.compat.PYDATASET_SHUFFLE_IS_PYTHON_RANDOM:
+        with pytest.warns(UserWarning, match="shuffle=False to both"):
+            lab.Stepper(stepped, ExamplePyDataset(x, y, batch_size=16, workers=4), seed=5)
+        return
+    lab.Stepper(stepped, ExamplePyDataset(x, y, batch_size=16, workers=4), seed=5, mode="graph").step(6)
+    first_epoch = make()
+    keras.utils.set_random_seed(5)
+    first_epoch.fit(ExamplePyDataset(x, y, batch_size=16, workers=4), epochs=1, verbose=0)
+    assert state(stepped) == state(first_epoch)
+
+
+def test_checkpoints_every_few_batches_are_named_and_resumed_as_without_the_lab(tmp_path):
+    x, y = data()
+
+    def checkpointed(directory, recorder):
+        model = make()
+        checkpoint = keras.callbacks.ModelCheckpoint(filepath=str(directory / "model-loss={loss:.4f}.keras"),
+                                                     save_freq=4)
+        fit(model, [checkpoint], recorder, epochs=2)
+        return model
+
+    for name in ("bare", "lab"):
+        (tmp_path / name).mkdir()
+    checkpointed(tmp_path / "bare", None)
+    checkpointed(tmp_path / "lab", watching())
+    names = sorted(p.name for p in (tmp_path / "bare").iterdir())
+    assert len(names) == 3  # every 4 of the 12 batches, each named by that batch's loss
+    assert sorted(p.name for p in (tmp_path / "lab").iterdir()) == names
+
+    def make_or_restore_model(directory):  # the guide's, without its fresh-model branch
+        checkpoints = [os.path.join(directory, name) for name in os.listdir(directory)]
+        latest_checkpoint = max(checkpoints, key=os.path.getctime)
+        return keras.models.load_model(latest_checkpoint), os.path.basename(latest_checkpoint)
+
+    (resumed_bare, bare_name), (resumed, name) = make_or_restore_model(tmp_path / "bare"), \
+        make_or_restore_model(tmp_path / "lab")
+    assert name == bare_name
+    assert state(resumed) == state(resumed_bare)  # the checkpoint written with the lab is the bare one
+    recorder = watching()
+    fit(resumed_bare, [], epochs=1)
+    fit(resumed, [], recorder, epochs=1)
+    assert state(resumed) == state(resumed_bare)
+    assert len(recorder.run.batches()) == 6
