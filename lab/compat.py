@@ -413,12 +413,14 @@ def regrouped_through(gradient):
     (seen with TF 2.16-2.21; Adam reads a gradient twice, and nothing
     changes). So: a gradient made by such arithmetic (seen through the
     Identity ops the tape adds, and into the step from a cond branch the
-    lab's breakpoints put the update in), read by one such op alone.
+    lab's breakpoints put the update in), read by one such op alone, or by
+    copies of one (the same op on the same inputs, which Grappler merges
+    before it regroups).
     Eager execution and XLA (whose own case `lab.probes.XLA_NOTE` covers)
     are never regrouped by Grappler."""
     if tf.executing_eagerly() or in_xla_trace() or not hasattr(gradient, "consumers"):
         return False
-    readers = gradient.consumers()
+    readers = _distinct(gradient.consumers())
     if len(readers) != 1 or readers[0].type not in _REGROUPED:
         return False
     made = gradient
@@ -429,6 +431,19 @@ def regrouped_through(gradient):
             made = _captured(made)
         else:
             return made.op.type in _REGROUPED
+
+
+def _distinct(ops):
+    """`ops` less those that repeat an earlier one's type and inputs: Grappler
+    computes such repeats once (SGD with nesterov momentum multiplies the
+    gradient by the learning rate twice), so they are one reader."""
+    seen, distinct = set(), []
+    for op in ops:
+        key = (op.type, tuple(tensor.ref() for tensor in op.inputs))
+        if key not in seen:
+            seen.add(key)
+            distinct.append(op)
+    return distinct
 
 
 def _captured(tensor):
@@ -608,6 +623,26 @@ def stateful_random_ops(graph):
 # thread-local global state under this name
 # (`keras.src.random.seed_generator.global_seed_generator`, Keras 3.5 to 3.15).
 _KERAS_GLOBAL_SEED_GENERATOR = "global_seed_generator"
+
+
+def updating_optimizers(name, optimizer):
+    """The optimizers whose own update step runs where `optimizer` (held
+    under `name`) is applied, each with the name its columns take: a
+    LossScaleOptimizer's inner one under `name`; each of a MultiOptimizer's
+    (Keras 3.12 on: its `apply` hands each its own variables) under
+    `<name>/<its name>`, numbered where names repeat; else `optimizer`."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is not None:
+        return [(name, inner)]
+    multi = getattr(keras.optimizers, "MultiOptimizer", None)
+    if multi is None or not isinstance(optimizer, multi):
+        return [(name, optimizer)]
+    found, seen = [], {}
+    for part in optimizer.optimizers:
+        key = f"{name}/{part.name}"
+        seen[key] = seen.get(key, 0) + 1
+        found.append((key if seen[key] == 1 else f"{key}#{seen[key]}", part))
+    return found
 
 
 def optimizer_variables_for(optimizer):

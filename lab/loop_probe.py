@@ -322,7 +322,8 @@ class LoopProbe(Probe):
                 return self._wrap_checks(name, optimizer, apply)
 
             self._patch(optimizer, "apply", checked_apply)
-            self._patch_update(name, getattr(optimizer, "inner_optimizer", None) or optimizer)
+            for part_name, inner in compat.updating_optimizers(name, optimizer):
+                self._patch_update(part_name, inner)
         self._slots.active.assign(1.0)
 
     def uninstall(self):
@@ -333,7 +334,11 @@ class LoopProbe(Probe):
         self.release()
 
     def _allocate_slots(self):
-        names = [(f"_lr/{name}", np.nan) for name in self.optimizers]
+        # Each learning rate under the name of the optimizer whose update step
+        # runs (each of a MultiOptimizer's), the rest under the watched one's.
+        self._rate_names = {part: name for name, optimizer in self.optimizers.items()
+                            for part, _ in compat.updating_optimizers(name, optimizer)}
+        names = [(f"_lr/{name}", np.nan) for name in self._rate_names]
         names += [(f"_updates/{name}", 0.0) for name in self.optimizers]
         names += [(f"_applied/{name}", 0.0) for name in self.optimizers]
         names += [("_updates", 0.0), ("_overflow", 0.0)]
@@ -493,11 +498,12 @@ class LoopProbe(Probe):
         is recorded as inf, and the run says so (`row_columns`).
         """
         self.traced_in_xla = self.traced_in_xla or in_xla_trace()
+        rate_name, name = name, self._rate_names.get(name, name)
         if name not in state.optimizers:
             state.optimizers.append(name)
         self._writes.batch = []
         try:
-            self._emit(state, f"_lr/{name}", learning_rate)
+            self._emit(state, f"_lr/{rate_name}", learning_rate)
             one = tf.constant(1.0)
             self._emit_scalars(["_updates", f"_updates/{name}"], [one, one], reset=0.0, accumulate=True)
             self._emit_halves(name, variables, grads, before)
@@ -663,7 +669,7 @@ class LoopProbe(Probe):
             variables += compat.optimizer_variables_for(optimizer)
         keys = self._keys(variables)
         self._seen.update(f"{kind}{key}" for kind in (_GRAD_HALF, _WEIGHT_HALF, _UPDATE_HALF) for key in keys)
-        several = len(self.optimizers) > 1
+        several = len(self._rate_names) > 1
         # Per optimizer and kind asked for: the slots an update by a graph traced with that kind writes.
         self._kind_slots = {}
         for name, optimizer in self.optimizers.items():
@@ -683,7 +689,7 @@ class LoopProbe(Probe):
     def _records(self, name):
         kind = name.split("/", 1)[0] + "/"
         if kind == "_lr/":
-            return name[4:] in self.optimizers
+            return name[4:] in self._rate_names
         if kind in ("_hit/", "_held/", "_updates/"):
             return kind != "_updates/" or "/" in name
         return ((kind == _GRAD_HALF and self.gradients)

@@ -213,8 +213,14 @@ def watched_metrics(model):
 
 
 def is_mean(metric):
-    """Whether a metric is a mean (`total / count`): its batch value can be read off its state."""
-    return isinstance(metric, keras.metrics.Mean) and hasattr(metric, "total") and hasattr(metric, "count")
+    """Whether a metric is a mean (`total / count`): its batch value can be
+    read off its state. Not a Mean whose class computes its result otherwise
+    (RootMeanSquaredError takes the root of its mean): its batch value would
+    be the mean of its state, not its result on the batch."""
+    if not (isinstance(metric, keras.metrics.Mean) and hasattr(metric, "total") and hasattr(metric, "count")):
+        return False
+    defining = next(klass for klass in type(metric).__mro__ if "result" in vars(klass))
+    return defining is keras.metrics.Mean
 
 
 def _keras_defines(cls, name):
@@ -298,6 +304,20 @@ def _scalar_tensor(value):
     if tensor.shape.rank == 0 and (tensor.dtype.is_floating or tensor.dtype.is_integer or tensor.dtype.is_bool):
         return tensor
     return None
+
+
+def _vector_tensor(value):
+    """A logged vector of numbers whose columns the row can hold (a static
+    length of at most `schema.MAX_VECTOR_ELEMENTS`), else None."""
+    value = getattr(value, "value", value) if isinstance(value, keras.Variable) else value
+    try:
+        tensor = tf.convert_to_tensor(value)
+    except (TypeError, ValueError):
+        return None
+    size = tensor.shape[0] if tensor.shape.rank == 1 else None
+    if size is None or not 0 < size <= schema.MAX_VECTOR_ELEMENTS:
+        return None
+    return tensor if (tensor.dtype.is_floating or tensor.dtype.is_integer or tensor.dtype.is_bool) else None
 
 
 class MeanParts:
@@ -455,11 +475,11 @@ class Probe:
             for name, optimizer in optimizers.items():
                 if self.breakpoints:
                     self._patch(optimizer, "apply", lambda inner, o=optimizer, n=name: self._wrap_apply(o, inner, n))
-                inner = getattr(optimizer, "inner_optimizer", None) or optimizer
-                if self.gradients and _accumulates(inner):
-                    # Updates happen every k-th step; each row still shows its batch's gradient.
-                    self._patch(inner, "_backend_apply_gradients", self._wrap_accumulating)
-                self._patch_update(name, inner)
+                for part_name, inner in compat.updating_optimizers(name, optimizer):
+                    if self.gradients and _accumulates(inner):
+                        # Updates happen every k-th step; each row still shows its batch's gradient.
+                        self._patch(inner, "_backend_apply_gradients", self._wrap_accumulating)
+                    self._patch_update(part_name, inner)
         except BaseException:
             self.uninstall()
             raise
@@ -1191,6 +1211,16 @@ class Probe:
                 continue
             tensor = _scalar_tensor(value)
             if tensor is None:
+                vector = _vector_tensor(value)
+                if vector is None:
+                    continue
+                # A vector (F1Score(average=None)): one column per element.
+                vector = _all_reduce(tf.cast(isolated([vector])[0], tf.float32), "MEAN")
+                for i in range(vector.shape[0]):
+                    column = schema.element_column(key, i)
+                    values[column] = vector[i]
+                    if metric is not None:
+                        self.running_columns.add(column)
                 continue
             if metric is not None:
                 # Not a mean: its batch value cannot be read off its state.
@@ -1233,7 +1263,9 @@ class Probe:
         own = {name[len("_updates/"):]: produced.pop(name) for name in list(produced) if name.startswith("_updates/")}
         if several:
             for name, value in applied.items():
-                went = tf.minimum(value, own[name]) if name in own else tf.zeros_like(value)
+                # A MultiOptimizer applied under `name` updates through its parts (`name/<part>`).
+                parts = [own[key] for key in own if key == name or key.startswith(f"{name}/")]
+                went = tf.minimum(value, tf.reduce_max(tf.stack(parts))) if parts else tf.zeros_like(value)
                 values[schema.per_optimizer_column(schema.UPDATED_PREFIX, name)] = tf.cast(went > 0, tf.float32)
         updates = produced.get("_updates")  # stays in the row: the host's grad_norm needs it
         if updates is None and tf.executing_eagerly() and getattr(self, "_optimizer_names", None):

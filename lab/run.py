@@ -133,7 +133,7 @@ class Run:
     def append_epoch(self, epoch, logs):
         """Appends one epoch row (Keras' epoch logs, validation included)."""
         row = {"epoch": int(epoch), "step": self._next_step - 1}
-        row.update({k: float(v) for k, v in (logs or {}).items() if _is_scalar(v)})
+        row.update(_numbers(logs))
         with self._lock:
             self._epochs.append(row)
         self._notify("epochs", len(self._epochs) - 1, len(self._epochs))
@@ -143,7 +143,7 @@ class Run:
         every callback the same epoch logs, and callbacks after the recorder
         add to them (ReduceLROnPlateau's `learning_rate`, a user's `test_acc`),
         so the row ends as History's."""
-        values = {k: float(v) for k, v in (logs or {}).items() if _is_scalar(v)}
+        values = _numbers(logs)
         with self._lock:
             if not self._epochs or all(self._epochs[-1].get(k) == v for k, v in values.items()):
                 return
@@ -352,12 +352,9 @@ def _check_step(step, what):
     return step
 
 
-def _is_scalar(value):
-    try:
-        float(value)
-    except (TypeError, ValueError):
-        return False
-    return np.ndim(value) == 0
+def _numbers(logs):
+    """The numbers of Keras' logs by column, a vector's elements each in its own (`schema.number_columns`)."""
+    return dict(pair for key, value in (logs or {}).items() for pair in schema.number_columns(key, value))
 
 
 def _model_name(model):

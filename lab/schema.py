@@ -32,6 +32,34 @@ REPLICA_GRAD_NORM_PREFIX = "grad_norm/replica_"
 
 PER_VARIABLE_PREFIXES = (GRAD_NORM_PREFIX, WEIGHT_NORM_PREFIX, UPDATE_RATIO_PREFIX)
 
+# A logged value that is a vector (F1Score(average=None): one value per
+# class) is recorded as one column per element, `<name>/<index>`, up to this
+# many elements; a longer or higher-rank value is not recorded.
+MAX_VECTOR_ELEMENTS = 64
+
+
+def element_column(name, index):
+    """The column of element `index` of the vector logged as `name`."""
+    return f"{name}/{index}"
+
+
+def number_columns(name, value):
+    """(column, float) pairs of a logged value: itself where it is a number,
+    its elements where it is a vector of at most `MAX_VECTOR_ELEMENTS`
+    numbers, else none."""
+    import numpy as np
+
+    try:
+        array = np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError):
+        return []
+    if array.ndim == 0:
+        return [(name, float(array))]
+    if array.ndim == 1 and 0 < array.size <= MAX_VECTOR_ELEMENTS:
+        return [(element_column(name, i), float(v)) for i, v in enumerate(array)]
+    return []
+
+
 # Value kinds.
 BATCH = "batch"
 RUNNING = "running"

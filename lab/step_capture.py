@@ -191,9 +191,23 @@ class StepCapture:
             grads = list(grads)
             variables = list(variables)
             self.current().no_gradient += [self._key(v) for g, v in zip(grads, variables) if g is None]
+            if trainable_variables is not None and not optimizer.built and tf.executing_eagerly() and grads:
+                self._build(optimizer, variables)
             return original(grads, trainable_variables if trainable_variables is None else variables)
 
         return apply
+
+    def _build(self, optimizer, variables):
+        """Builds `optimizer` as its first apply would (in its name scope, on
+        the variables applied), and counts the variables it made at their
+        values once built, not at creation: a build may set them
+        (ScheduleFreeAdamW starts its momentum at the weights), and rewind
+        puts them back to these."""
+        start = len(self.created)
+        with keras.name_scope(optimizer.name, caller=optimizer):
+            optimizer.build(variables)
+        optimizer.built = True
+        self.created[start:] = [(variable, np.array(variable.numpy(), copy=True)) for variable, _ in self.created[start:]]
 
     def _wrap_update(self, name, original):
         def _backend_update_step(grads, trainable_variables, learning_rate):

@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 import tensorflow as tf
 
-from lab import schema
+from lab import compat, schema
 from lab.arguments import check_flag, check_number
 from lab.compat import reduce_per_replica, unscale_loss_for_distribution
 from lab.devices import split_over_replicas, splits_batches
@@ -788,6 +788,9 @@ class Stepper:
             inner = getattr(optimizer, "inner_optimizer", None)
             if inner is not None:
                 found[f"{name}.inner_optimizer"] = inner
+            else:  # a MultiOptimizer's
+                found.update((key, part) for key, part in compat.updating_optimizers(name, optimizer)
+                             if part is not optimizer)
         return found
 
     def _read_all(self):
@@ -848,8 +851,8 @@ class Stepper:
         trace.running = []
         for name, value in trace.logs.items():
             metric = metrics.get(name)
-            if metric is not None and not is_mean(metric) and np.ndim(value) == 0:
-                trace.running.append(name)  # its batch value cannot be read off its state
+            if metric is not None and not is_mean(metric):  # its batch value cannot be read off its state
+                trace.running += [column for column, _ in schema.number_columns(name, value)]
             if metric is not None and is_mean(metric):
                 total = [_metric_state(before, v) for v in (metric.total, metric.count)]
                 new = [_metric_state(after, v) for v in (metric.total, metric.count)]
@@ -861,8 +864,7 @@ class Stepper:
                         value = dt / dc
             if name == "loss" and "loss" in row:
                 continue
-            if np.ndim(value) == 0:
-                row[name] = float(value)
+            row.update(schema.number_columns(name, value))
         rates = _that_ran(outputs["learning_rate"], ran.get("learning_rates"))
         for name, rate in rates.items():
             row["learning_rate" if len(rates) == 1 else f"learning_rate/{name}"] = float(np.asarray(rate))
