@@ -33,8 +33,15 @@ loss's gradients for the encoder and the probe loss's for the probe; the
 gradient-centralization columns hold the gradients the update used, and
 where they cannot (a centralizing `update_step`) the run says so.
 
-A run's first two bare fits are checked equal (`bare fit() is reproducible`)
-before any lab run is compared with them.
+Before a lab run is compared with the bare one, bare fit() is checked
+reproducible: the oracle run (a bare fit() whose callback only resets the
+trackers) ends with the bare run's weights and optimizer states.
+
+Findings: the Keras 3 version of the gradient-centralization example
+centralizes nothing (Keras 3's optimizers never call `get_gradients`; its
+GCRMSprop trains bit for bit as RMSprop), and the run's columns rightly hold
+the uncentralized gradients it applies. DDIM's unseeded `tf.random` draws
+make a later plain fit() after the lab's differ (RETRACE_AFTER_FIT, xfail).
 """
 
 import math
@@ -56,7 +63,7 @@ from test_keras_io_guides import (RETRACE_AFTER_FIT, SEED, Guide, assert_same_ar
                                   stepped, variable_keys, weights)
 
 import lab
-from lab.probes import UPDATE_STEP_NOTE
+from lab.probes import RANDOM_NOTE, UPDATE_STEP_NOTE
 
 
 def digits(n, offset=0):
@@ -581,9 +588,9 @@ def _gc():
 # =================================================================================
 
 EXAMPLES = {
-    # Unseeded tf.random draws: Keras' logs are each batch's own where the
-    # oracle resets the trackers, and no replay after a rewind.
-    "ddim": Guide(make_ddim, _ddim, own=("n_loss", "i_loss"), replay=False),
+    # Unseeded tf.random draws: no replay after a rewind, and a later plain
+    # fit() draws otherwise after the lab's (its own xfail test below).
+    "ddim": Guide(make_ddim, _ddim, own=("n_loss", "i_loss"), replay=False, later_fit=False),
     "semisupervised_simclr": Guide(make_contrastive_model, _simclr, own=("c_loss", "c_acc", "p_loss", "p_acc")),
     "gradient_centralization": Guide(gc_maker("get_gradients"), _gc, own=("loss", "accuracy")),
     "gradient_centralization/apply": Guide(gc_maker("apply"), _gc, own=("loss", "accuracy")),
@@ -658,8 +665,7 @@ def test_stepper_matches_fit_and_rewinds_exactly(name):
     check_stepper(t, data, batch_size, steps, replay=example.replay)
 
 
-@pytest.mark.parametrize("name", [pytest.param("ddim", marks=pytest.mark.xfail(strict=True, reason=RETRACE_AFTER_FIT))]
-                         + [n for n in EXAMPLES if n != "ddim"])
+@pytest.mark.parametrize("name", list(EXAMPLES))
 def test_the_lab_leaves_no_trace(name, tmp_path):
     example, t = EXAMPLES[name], runs_of(name)
     args, kwargs, _, _, _ = example.data()
@@ -667,7 +673,22 @@ def test_the_lab_leaves_no_trace(name, tmp_path):
     check_no_trace(t, tmp_path, more=(args, kwargs) if example.later_fit else None)
 
 
-# ---- DDIM: the EMA network -------------------------------------------------------
+# ---- DDIM: the EMA network, tf.random draws ------------------------------------------
+
+
+def test_ddim_run_says_its_tf_random_draws_start_again_with_each_trace():
+    t = runs_of("ddim")
+    warnings = " ".join(t.rec.run.events().query("kind == 'warning'")["detail"])
+    assert RANDOM_NOTE.split("(")[0] in warnings, warnings
+    assert "RandomStandardNormal" in warnings and "RandomUniform" in warnings
+
+
+@pytest.mark.xfail(strict=True, reason=RETRACE_AFTER_FIT)
+def test_ddim_a_later_plain_fit_trains_as_after_the_bare_run(tmp_path):
+    example, t = EXAMPLES["ddim"], runs_of("ddim")
+    args, kwargs, _, _, _ = example.data()
+    kwargs["epochs"] = 1
+    check_no_trace(t, tmp_path, more=(args, kwargs))
 
 
 def test_ddim_ema_network_is_fits_average_and_has_no_gradient_columns():
@@ -754,8 +775,11 @@ def test_simclr_encoder_columns_are_the_contrastive_gradients_and_the_probes_the
     for key, grad in expected.items():
         np.testing.assert_allclose(row[f"grad_norm/{key}"], np.linalg.norm(grad.numpy()), rtol=1e-5,
                                    err_msg=f"grad_norm/{key} against the tape's gradient")
-    applies = [c for c in t.rows.columns if c.startswith("applies/")]
-    assert applies == [] or all((t.rows[c] <= 1).all() for c in applies)
+    # A learning-rate column for each of the two optimizers; none for Keras'
+    # own `optimizer`, which compile() left at its default and nothing applies.
+    rates = sorted(c for c in t.rows.columns if c.startswith("learning_rate"))
+    assert rates == ["learning_rate/contrastive_optimizer", "learning_rate/probe_optimizer"], rates
+    np.testing.assert_allclose(t.rows[rates].to_numpy(), 1e-3, rtol=1e-6)
 
 
 def test_simclr_augmenters_draw_as_fit_and_a_rewind_replays_them():
