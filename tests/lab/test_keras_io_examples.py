@@ -1,0 +1,864 @@
+"""Three more keras-io examples' training paths, with the lab attached.
+
+As in test_keras_io_guides.py (whose harness these tests use: `fit_three`
+and the guide checks), each example below (keras-team/keras-io) is
+re-expressed in small, on generated data or sklearn's 8x8 digits instead of
+its download:
+
+- examples/generative/ddim.py: a DiffusionModel whose train_step draws noises
+  and diffusion times (`tf.random`), trains a small U-Net with sinusoidal
+  embeddings through its own tape and AdamW, and updates an EMA copy of the
+  network with `assign` (weights changed outside the optimizer); a
+  Normalization layer adapted before fit(); a test_step that samples by
+  reverse diffusion with the EMA network and feeds a KID metric (its
+  InceptionV3 encoder replaced by a small fixed convolution, see `KID`);
+- examples/vision/semisupervised_simclr.py: a ContrastiveModel with its own
+  compile(contrastive_optimizer, probe_optimizer), a zip of an unlabelled and
+  a labelled dataset, augmenters of RandomFlip, RandomTranslation, RandomZoom
+  and a RandomColorAffine of its own (all drawing from Keras SeedGenerators),
+  the NT-Xent contrastive loss, a linear probe on the encoder, four trackers;
+- examples/vision/gradient_centralization.py (its Keras 3 version): a
+  Sequential convnet trained with a GCRMSprop that centralizes gradients by
+  overriding `get_gradients`; and, beside it, the centralization done where a
+  Keras 3 optimizer does call it: in `apply()` and in `update_step()`.
+
+Each is trained bare, with the oracle and with `lab.Recorder(gradients=True)`
+(`fit_three`) and checked: weights (the EMA network's too), every optimizer's
+state and Keras' History equal the bare fit()'s exactly; the rows hold each
+batch's own tracker values; a gradient column for every variable an
+optimizer updated; the graph Stepper steps to fit()'s weights and rewinds
+exactly; no trace is left. And per example: the EMA network is what fit()
+averaged and a rewind puts it back; the SimCLR columns are the contrastive
+loss's gradients for the encoder and the probe loss's for the probe; the
+gradient-centralization columns hold the gradients the update used, and
+where they cannot (a centralizing `update_step`) the run says so.
+
+Before a lab run is compared with the bare one, bare fit() is checked
+reproducible: the oracle run (a bare fit() whose callback only resets the
+trackers) ends with the bare run's weights and optimizer states.
+
+Findings: the Keras 3 version of the gradient-centralization example
+centralizes nothing (Keras 3's optimizers never call `get_gradients`; its
+GCRMSprop trains bit for bit as RMSprop), and the run's columns rightly hold
+the uncentralized gradients it applies. DDIM's unseeded `tf.random` draws
+make a later plain fit() after the lab's differ (RETRACE_AFTER_FIT, xfail).
+"""
+
+import math
+import pathlib
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from keras import layers, ops
+
+# pytest imports test files with --import-mode=importlib (pyproject.toml),
+# which puts no test folder on sys.path: the guides' harness is imported from here.
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from test_keras_io_guides import (RETRACE_AFTER_FIT, SEED, Guide, assert_same_arrays, assert_same_optimizer_state,
+                                  check_batch_values, check_gradient_columns, check_history, check_no_trace,
+                                  check_optimizer, check_stepper, check_weights, fit_three, optimizer_state,
+                                  stepped, variable_keys, weights)
+
+import lab
+from lab.probes import RANDOM_NOTE, UPDATE_STEP_NOTE
+
+
+def digits(n, offset=0):
+    from sklearn.datasets import load_digits
+    data = load_digits()
+    return data.images[offset:offset + n] / 16.0, data.target[offset:offset + n]
+
+
+def coloured(images, scale):
+    """8x8 grey digits as `scale` times larger RGB images, each channel tinted."""
+    big = np.kron(images, np.ones((scale, scale)))[..., None]
+    return (big * np.array([1.0, 0.8, 0.6])).astype("float32")
+
+
+def keys_of(t, variables):
+    """The lab model's keys of `variables` (twins matched by position)."""
+    ids = {id(v) for v in variables}
+    return [k for k, v in zip(variable_keys(t.lab.trainable_variables), t.lab.trainable_variables) if id(v) in ids]
+
+
+def check_columns_for(t, with_gradient, without_gradient=()):
+    """A grad_norm/<key> column for each of `with_gradient` (all finite, not
+    all zero); for `without_gradient`, no value (no column, or NaN: "no
+    value" in a row); `grad_norm` the norm of the row's columns."""
+    rows = t.rows
+    columns = [f"grad_norm/{k}" for k in with_gradient]
+    missing = [c for c in columns if c not in rows.columns]
+    assert not missing, f"no gradient column for {missing}"
+    values = rows[columns].to_numpy(np.float64)
+    assert np.isfinite(values).all() and (values > 0).any(axis=0).all()
+    extra = [k for k in without_gradient if f"grad_norm/{k}" in rows.columns and rows[f"grad_norm/{k}"].notna().any()]
+    assert not extra, f"gradient norms for variables no gradient reaches: {extra}"
+    every = [c for c in rows.columns if c.startswith("grad_norm/")]
+    np.testing.assert_allclose(rows["grad_norm"].to_numpy(np.float64),
+                               np.sqrt(np.nansum(rows[every].to_numpy(np.float64) ** 2, axis=1)), rtol=1e-5)
+
+
+# =================================================================================
+# Path of keras-io's examples/generative/ddim.py: a DiffusionModel with a
+# Normalization layer adapted to the training images before fit(), a U-Net
+# (residual blocks, skips, a sinusoidal embedding of the noise variance in a
+# Lambda layer, BatchNormalization without center and scale, a last
+# convolution initialized to zeros) and its EMA copy made by clone_model; a
+# train_step that draws noises and diffusion times with `tf.random`, mixes
+# them by the cosine schedule, applies the noise loss's gradient (mean
+# absolute error) with AdamW and then assigns the EMA weights; a test_step
+# that also samples images by reverse diffusion with the EMA network for KID.
+# In small: 8x8 RGB digits, widths (8, 16), one block per level, batches of 8,
+# two sampling steps for KID.
+# =================================================================================
+
+DDIM_SIZE = 8
+DDIM_BATCH = 8
+DDIM_EMBEDDING_DIMS = 8
+DDIM_EMBEDDING_MAX_FREQUENCY = 1000.0
+DDIM_MIN_SIGNAL_RATE, DDIM_MAX_SIGNAL_RATE = 0.02, 0.95
+DDIM_EMA = 0.999
+DDIM_KID_STEPS = 2
+
+
+class KID(keras.metrics.Metric):
+    """The example's KID, its estimate of the squared maximum mean discrepancy
+    of polynomial kernels averaged over batches, on features of a small fixed
+    random convolution instead of ImageNet's InceptionV3 (a download, and too
+    heavy here); the rescaling to 0-255 is kept, the resizing to 75x75 is not."""
+
+    def __init__(self, name="kid", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.kid_tracker = keras.metrics.Mean()
+        self.encoder = keras.Sequential([
+            keras.Input(shape=(DDIM_SIZE, DDIM_SIZE, 3)),
+            layers.Rescaling(255.0),
+            layers.Conv2D(8, 3, activation="relu", trainable=False),
+            layers.GlobalAveragePooling2D(),
+        ], name="kid_encoder")
+
+    def polynomial_kernel(self, features_1, features_2):
+        feature_dimensions = tf.cast(tf.shape(features_1)[1], dtype=tf.float32)
+        return (features_1 @ tf.transpose(features_2) / feature_dimensions + 1.0) ** 3.0
+
+    def update_state(self, real_images, generated_images, sample_weight=None):
+        real_features = self.encoder(real_images, training=False)
+        generated_features = self.encoder(generated_images, training=False)
+        kernel_real = self.polynomial_kernel(real_features, real_features)
+        kernel_generated = self.polynomial_kernel(generated_features, generated_features)
+        kernel_cross = self.polynomial_kernel(real_features, generated_features)
+        batch_size = tf.shape(real_features)[0]
+        batch_size_f = tf.cast(batch_size, dtype=tf.float32)
+        mean_kernel_real = tf.reduce_sum(kernel_real * (1.0 - tf.eye(batch_size))) / (
+            batch_size_f * (batch_size_f - 1.0))
+        mean_kernel_generated = tf.reduce_sum(kernel_generated * (1.0 - tf.eye(batch_size))) / (
+            batch_size_f * (batch_size_f - 1.0))
+        mean_kernel_cross = tf.reduce_mean(kernel_cross)
+        self.kid_tracker.update_state(mean_kernel_real + mean_kernel_generated - 2.0 * mean_kernel_cross)
+
+    def result(self):
+        return self.kid_tracker.result()
+
+    def reset_state(self):
+        self.kid_tracker.reset_state()
+
+
+@keras.saving.register_keras_serializable(package="keras_io_examples")
+def sinusoidal_embedding(x):
+    frequencies = tf.exp(tf.linspace(tf.math.log(1.0), tf.math.log(DDIM_EMBEDDING_MAX_FREQUENCY),
+                                     DDIM_EMBEDDING_DIMS // 2))
+    angular_speeds = 2.0 * math.pi * frequencies
+    return tf.concat([tf.sin(angular_speeds * x), tf.cos(angular_speeds * x)], axis=3)
+
+
+def residual_block(width):
+    def apply(x):
+        residual = x if x.shape[3] == width else layers.Conv2D(width, kernel_size=1)(x)
+        x = layers.BatchNormalization(center=False, scale=False)(x)
+        x = layers.Conv2D(width, kernel_size=3, padding="same", activation=keras.activations.swish)(x)
+        x = layers.Conv2D(width, kernel_size=3, padding="same")(x)
+        return layers.Add()([x, residual])
+    return apply
+
+
+def get_network(image_size, widths, block_depth):
+    noisy_images = keras.Input(shape=(image_size, image_size, 3))
+    noise_variances = keras.Input(shape=(1, 1, 1))
+    e = layers.Lambda(sinusoidal_embedding, output_shape=(1, 1, DDIM_EMBEDDING_DIMS))(noise_variances)
+    e = layers.UpSampling2D(size=image_size, interpolation="nearest")(e)
+    x = layers.Conv2D(widths[0], kernel_size=1)(noisy_images)
+    x = layers.Concatenate()([x, e])
+    skips = []
+    for width in widths[:-1]:  # DownBlock
+        for _ in range(block_depth):
+            x = residual_block(width)(x)
+            skips.append(x)
+        x = layers.AveragePooling2D(pool_size=2)(x)
+    for _ in range(block_depth):
+        x = residual_block(widths[-1])(x)
+    for width in reversed(widths[:-1]):  # UpBlock
+        x = layers.UpSampling2D(size=2, interpolation="bilinear")(x)
+        for _ in range(block_depth):
+            x = layers.Concatenate()([x, skips.pop()])
+            x = residual_block(width)(x)
+    x = layers.Conv2D(3, kernel_size=1, kernel_initializer="zeros")(x)
+    return keras.Model([noisy_images, noise_variances], x, name="residual_unet")
+
+
+class DiffusionModel(keras.Model):
+    def __init__(self, image_size, widths, block_depth):
+        super().__init__()
+        self.normalizer = layers.Normalization()
+        self.network = get_network(image_size, widths, block_depth)
+        self.ema_network = keras.models.clone_model(self.network)
+
+    def compile(self, **kwargs):
+        super().compile(**kwargs)
+        self.noise_loss_tracker = keras.metrics.Mean(name="n_loss")
+        self.image_loss_tracker = keras.metrics.Mean(name="i_loss")
+        self.kid = KID(name="kid")
+
+    @property
+    def metrics(self):
+        return [self.noise_loss_tracker, self.image_loss_tracker, self.kid]
+
+    def denormalize(self, images):
+        images = self.normalizer.mean + images * self.normalizer.variance ** 0.5
+        return tf.clip_by_value(images, 0.0, 1.0)
+
+    def diffusion_schedule(self, diffusion_times):
+        start_angle = tf.acos(DDIM_MAX_SIGNAL_RATE)
+        end_angle = tf.acos(DDIM_MIN_SIGNAL_RATE)
+        diffusion_angles = start_angle + diffusion_times * (end_angle - start_angle)
+        return tf.sin(diffusion_angles), tf.cos(diffusion_angles)
+
+    def denoise(self, noisy_images, noise_rates, signal_rates, training):
+        network = self.network if training else self.ema_network
+        pred_noises = network([noisy_images, noise_rates ** 2], training=training)
+        pred_images = (noisy_images - noise_rates * pred_noises) / signal_rates
+        return pred_noises, pred_images
+
+    def reverse_diffusion(self, initial_noise, diffusion_steps):
+        num_images = initial_noise.shape[0]
+        step_size = 1.0 / diffusion_steps
+        next_noisy_images = initial_noise
+        for step in range(diffusion_steps):
+            noisy_images = next_noisy_images
+            diffusion_times = tf.ones((num_images, 1, 1, 1)) - step * step_size
+            noise_rates, signal_rates = self.diffusion_schedule(diffusion_times)
+            pred_noises, pred_images = self.denoise(noisy_images, noise_rates, signal_rates, training=False)
+            next_noise_rates, next_signal_rates = self.diffusion_schedule(diffusion_times - step_size)
+            next_noisy_images = next_signal_rates * pred_images + next_noise_rates * pred_noises
+        return pred_images
+
+    def generate(self, num_images, diffusion_steps):
+        initial_noise = tf.random.normal(shape=(num_images, DDIM_SIZE, DDIM_SIZE, 3))
+        return self.denormalize(self.reverse_diffusion(initial_noise, diffusion_steps))
+
+    def _noisy(self, images, training):
+        images = self.normalizer(images, training=training)
+        noises = tf.random.normal(shape=(DDIM_BATCH, DDIM_SIZE, DDIM_SIZE, 3))
+        diffusion_times = tf.random.uniform(shape=(DDIM_BATCH, 1, 1, 1), minval=0.0, maxval=1.0)
+        noise_rates, signal_rates = self.diffusion_schedule(diffusion_times)
+        return images, noises, signal_rates * images + noise_rates * noises, noise_rates, signal_rates
+
+    def train_step(self, images):
+        images, noises, noisy_images, noise_rates, signal_rates = self._noisy(images, True)
+        with tf.GradientTape() as tape:
+            pred_noises, pred_images = self.denoise(noisy_images, noise_rates, signal_rates, training=True)
+            noise_loss = self.loss(noises, pred_noises)  # used for training
+            image_loss = self.loss(images, pred_images)  # only used as metric
+        gradients = tape.gradient(noise_loss, self.network.trainable_weights)
+        self.optimizer.apply_gradients(zip(gradients, self.network.trainable_weights))
+        self.noise_loss_tracker.update_state(noise_loss)
+        self.image_loss_tracker.update_state(image_loss)
+        for weight, ema_weight in zip(self.network.weights, self.ema_network.weights):
+            ema_weight.assign(DDIM_EMA * ema_weight + (1 - DDIM_EMA) * weight)
+        return {m.name: m.result() for m in self.metrics[:-1]}
+
+    def test_step(self, images):
+        images, noises, noisy_images, noise_rates, signal_rates = self._noisy(images, False)
+        pred_noises, pred_images = self.denoise(noisy_images, noise_rates, signal_rates, training=False)
+        self.image_loss_tracker.update_state(self.loss(images, pred_images))
+        self.noise_loss_tracker.update_state(self.loss(noises, pred_noises))
+        images = self.denormalize(images)
+        generated_images = self.generate(num_images=DDIM_BATCH, diffusion_steps=DDIM_KID_STEPS)
+        self.kid.update_state(images, generated_images)
+        return {m.name: m.result() for m in self.metrics}
+
+
+def ddim_images(n=32, offset=0):
+    return coloured(digits(n, offset)[0], 1)
+
+
+def make_ddim():
+    keras.utils.set_random_seed(SEED)
+    model = DiffusionModel(DDIM_SIZE, widths=(8, 16), block_depth=1)
+    model.compile(optimizer=keras.optimizers.AdamW(learning_rate=1e-3, weight_decay=1e-4),
+                  loss=keras.losses.mean_absolute_error)
+    model.normalizer.adapt(ddim_images())
+    return model
+
+
+def _ddim():
+    x, validation = ddim_images(), ddim_images(16, offset=32)
+    return ((x,), {"batch_size": DDIM_BATCH, "epochs": 2, "validation_data": validation},
+            x, DDIM_BATCH, 8)
+
+
+# =================================================================================
+# Path of keras-io's examples/vision/semisupervised_simclr.py (Keras 3): a
+# ContrastiveModel whose compile() takes a contrastive and a probe optimizer
+# (Keras' own `optimizer` left at its default, unused); a train_step on a zip
+# of unlabelled and labelled batches that augments the images twice, trains
+# encoder and projection head on the NT-Xent loss with one optimizer, then a
+# linear probe on the frozen encoder's features of weakly augmented labelled
+# images with the other; c_loss, c_acc, p_loss, p_acc trackers; a test_step
+# for the probe. In small: 32x32 RGB digits (0-255), width 16, batches of 8
+# unlabelled and 4 labelled images.
+# =================================================================================
+
+SIMCLR_WIDTH = 16
+SIMCLR_IMAGE = 32
+SIMCLR_TEMPERATURE = 0.1
+CONTRASTIVE_AUGMENTATION = {"min_area": 0.25, "brightness": 0.6, "jitter": 0.2}
+CLASSIFICATION_AUGMENTATION = {"min_area": 0.75, "brightness": 0.3, "jitter": 0.1}
+
+
+class RandomColorAffine(layers.Layer):
+    def __init__(self, brightness=0, jitter=0, **kwargs):
+        super().__init__(**kwargs)
+        self.seed_generator = keras.random.SeedGenerator(1337)
+        self.brightness = brightness
+        self.jitter = jitter
+
+    def call(self, images, training=True):
+        if training:
+            batch_size = ops.shape(images)[0]
+            brightness_scales = 1 + keras.random.uniform((batch_size, 1, 1, 1), minval=-self.brightness,
+                                                         maxval=self.brightness, seed=self.seed_generator)
+            jitter_matrices = keras.random.uniform((batch_size, 1, 3, 3), minval=-self.jitter, maxval=self.jitter,
+                                                   seed=self.seed_generator)
+            color_transforms = (ops.tile(ops.expand_dims(ops.eye(3), axis=0), (batch_size, 1, 1, 1))
+                                * brightness_scales + jitter_matrices)
+            images = ops.clip(ops.matmul(images, color_transforms), 0, 1)
+        return images
+
+
+def get_augmenter(min_area, brightness, jitter):
+    zoom_factor = 1.0 - math.sqrt(min_area)
+    return keras.Sequential([
+        layers.Rescaling(1 / 255),
+        layers.RandomFlip("horizontal"),
+        layers.RandomTranslation(zoom_factor / 2, zoom_factor / 2),
+        layers.RandomZoom((-zoom_factor, 0.0), (-zoom_factor, 0.0)),
+        RandomColorAffine(brightness, jitter),
+    ])
+
+
+def get_encoder():
+    return keras.Sequential([
+        layers.Conv2D(SIMCLR_WIDTH, kernel_size=3, strides=2, activation="relu"),
+        layers.Conv2D(SIMCLR_WIDTH, kernel_size=3, strides=2, activation="relu"),
+        layers.Conv2D(SIMCLR_WIDTH, kernel_size=3, strides=2, activation="relu"),
+        layers.Conv2D(SIMCLR_WIDTH, kernel_size=3, strides=2, activation="relu"),
+        layers.Flatten(),
+        layers.Dense(SIMCLR_WIDTH, activation="relu"),
+    ], name="encoder")
+
+
+class ContrastiveModel(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.temperature = SIMCLR_TEMPERATURE
+        self.contrastive_augmenter = get_augmenter(**CONTRASTIVE_AUGMENTATION)
+        self.classification_augmenter = get_augmenter(**CLASSIFICATION_AUGMENTATION)
+        self.encoder = get_encoder()
+        self.projection_head = keras.Sequential([
+            keras.Input(shape=(SIMCLR_WIDTH,)),
+            layers.Dense(SIMCLR_WIDTH, activation="relu"),
+            layers.Dense(SIMCLR_WIDTH),
+        ], name="projection_head")
+        self.linear_probe = keras.Sequential([layers.Input(shape=(SIMCLR_WIDTH,)), layers.Dense(10)],
+                                             name="linear_probe")
+
+    def compile(self, contrastive_optimizer, probe_optimizer, **kwargs):
+        super().compile(**kwargs)
+        self.contrastive_optimizer = contrastive_optimizer
+        self.probe_optimizer = probe_optimizer
+        self.probe_loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        self.contrastive_loss_tracker = keras.metrics.Mean(name="c_loss")
+        self.contrastive_accuracy = keras.metrics.SparseCategoricalAccuracy(name="c_acc")
+        self.probe_loss_tracker = keras.metrics.Mean(name="p_loss")
+        self.probe_accuracy = keras.metrics.SparseCategoricalAccuracy(name="p_acc")
+
+    @property
+    def metrics(self):
+        return [self.contrastive_loss_tracker, self.contrastive_accuracy, self.probe_loss_tracker,
+                self.probe_accuracy]
+
+    def contrastive_loss(self, projections_1, projections_2):
+        projections_1 = ops.normalize(projections_1, axis=1)
+        projections_2 = ops.normalize(projections_2, axis=1)
+        similarities = ops.matmul(projections_1, ops.transpose(projections_2)) / self.temperature
+        batch_size = ops.shape(projections_1)[0]
+        contrastive_labels = ops.arange(batch_size)
+        self.contrastive_accuracy.update_state(contrastive_labels, similarities)
+        self.contrastive_accuracy.update_state(contrastive_labels, ops.transpose(similarities))
+        loss_1_2 = keras.losses.sparse_categorical_crossentropy(contrastive_labels, similarities, from_logits=True)
+        loss_2_1 = keras.losses.sparse_categorical_crossentropy(contrastive_labels, ops.transpose(similarities),
+                                                                from_logits=True)
+        return (loss_1_2 + loss_2_1) / 2
+
+    def contrastive_views(self, unlabeled_images, labeled_images):
+        images = ops.concatenate((unlabeled_images, labeled_images), axis=0)
+        return self.contrastive_augmenter(images, training=True), self.contrastive_augmenter(images, training=True)
+
+    def train_step(self, data):
+        (unlabeled_images, _), (labeled_images, labels) = data
+        augmented_images_1, augmented_images_2 = self.contrastive_views(unlabeled_images, labeled_images)
+        with tf.GradientTape() as tape:
+            features_1 = self.encoder(augmented_images_1, training=True)
+            features_2 = self.encoder(augmented_images_2, training=True)
+            projections_1 = self.projection_head(features_1, training=True)
+            projections_2 = self.projection_head(features_2, training=True)
+            contrastive_loss = self.contrastive_loss(projections_1, projections_2)
+        gradients = tape.gradient(contrastive_loss,
+                                  self.encoder.trainable_weights + self.projection_head.trainable_weights)
+        self.contrastive_optimizer.apply_gradients(
+            zip(gradients, self.encoder.trainable_weights + self.projection_head.trainable_weights))
+        self.contrastive_loss_tracker.update_state(contrastive_loss)
+
+        preprocessed_images = self.classification_augmenter(labeled_images, training=True)
+        with tf.GradientTape() as tape:
+            features = self.encoder(preprocessed_images, training=False)
+            class_logits = self.linear_probe(features, training=True)
+            probe_loss = self.probe_loss(labels, class_logits)
+        gradients = tape.gradient(probe_loss, self.linear_probe.trainable_weights)
+        self.probe_optimizer.apply_gradients(zip(gradients, self.linear_probe.trainable_weights))
+        self.probe_loss_tracker.update_state(probe_loss)
+        self.probe_accuracy.update_state(labels, class_logits)
+        return {m.name: m.result() for m in self.metrics}
+
+    def test_step(self, data):
+        labeled_images, labels = data
+        preprocessed_images = self.classification_augmenter(labeled_images, training=False)
+        features = self.encoder(preprocessed_images, training=False)
+        class_logits = self.linear_probe(features, training=False)
+        probe_loss = self.probe_loss(labels, class_logits)
+        self.probe_loss_tracker.update_state(probe_loss)
+        self.probe_accuracy.update_state(labels, class_logits)
+        return {m.name: m.result() for m in self.metrics[2:]}
+
+
+def make_contrastive_model():
+    keras.utils.set_random_seed(SEED)
+    model = ContrastiveModel()
+    model.compile(contrastive_optimizer=keras.optimizers.Adam(), probe_optimizer=keras.optimizers.Adam())
+    # The example's encoder and augmenters have no Input: its first step
+    # builds them. Built here, so that the weights compared are there from the start.
+    for part in (model.contrastive_augmenter, model.classification_augmenter, model.encoder):
+        part.build((None, SIMCLR_IMAGE, SIMCLR_IMAGE, 3))
+    return model
+
+
+def simclr_images(n, offset):
+    images, labels = digits(n, offset)
+    return (coloured(images, 4) * 255.0).astype("float32"), labels.astype("int32")
+
+
+def _simclr():
+    unlabeled, _ = simclr_images(24, 0)
+    labeled, labels = simclr_images(12, 100)
+    test, test_labels = simclr_images(12, 200)
+    train = tf.data.Dataset.zip((
+        tf.data.Dataset.from_tensor_slices((unlabeled, np.full(24, -1, "int32"))).batch(8),
+        tf.data.Dataset.from_tensor_slices((labeled, labels)).batch(4)))
+    validation = tf.data.Dataset.from_tensor_slices((test, test_labels)).batch(6)
+    return (train,), {"epochs": 2, "validation_data": validation}, train, None, 6
+
+
+# =================================================================================
+# Path of keras-io's examples/vision/gradient_centralization.py (its Keras 3
+# version, `ops.mean`): a Sequential convnet (Conv2D, MaxPooling2D, Dropout,
+# Flatten, Dense, a sigmoid output) on binary labels with binary
+# cross-entropy and accuracy, trained with `GCRMSprop(RMSprop)`, which
+# centralizes gradients in an override of `get_gradients`, the method
+# tf.keras' optimizers called. Keras 3's optimizers call no `get_gradients`:
+# the example's GCRMSprop trains as RMSprop does (checked below). Beside it,
+# the same centralization in the two places a Keras 3 optimizer runs it:
+# `apply()` (the gradients then applied are centralized, and so are the
+# columns) and `update_step()` (the lab reads the gradients before, and the
+# run says so, `lab.probes.UPDATE_STEP_NOTE`). The example's augmentation
+# (RandomFlip, RandomRotation, RandomZoom) runs in its tf.data pipeline, not
+# in the training step: here it is applied once, seeded, to the data. In
+# small: 16x16 RGB digits, "is it 5 or more?", batches of 16.
+# =================================================================================
+
+
+def centralized(grad):
+    if grad is not None and len(grad.shape) > 1:
+        grad = grad - ops.mean(grad, axis=list(range(len(grad.shape) - 1)), keepdims=True)
+    return grad
+
+
+class GCRMSprop(keras.optimizers.RMSprop):
+    """The example's optimizer: `get_gradients`, as the example has it."""
+
+    calls = 0
+
+    def get_gradients(self, loss, params):
+        GCRMSprop.calls += 1
+        grads = []
+        gradients = super().get_gradients()
+        for grad in gradients:
+            grad_len = len(grad.shape)
+            if grad_len > 1:
+                axis = list(range(grad_len - 1))
+                grad -= ops.mean(grad, axis=axis, keepdims=True)
+            grads.append(grad)
+        return grads
+
+
+class ApplyCentralizedRMSprop(keras.optimizers.RMSprop):
+    def apply(self, grads, trainable_variables=None):
+        return super().apply([centralized(g) for g in grads], trainable_variables)
+
+
+class UpdateStepCentralizedRMSprop(keras.optimizers.RMSprop):
+    def update_step(self, gradient, variable, learning_rate):
+        return super().update_step(centralized(gradient), variable, learning_rate)
+
+
+GC_OPTIMIZERS = {"get_gradients": GCRMSprop, "apply": ApplyCentralizedRMSprop,
+                 "update_step": UpdateStepCentralizedRMSprop, "RMSprop": keras.optimizers.RMSprop}
+
+
+def make_gc_convnet(optimizer):
+    keras.utils.set_random_seed(SEED)
+    model = keras.Sequential([
+        keras.Input(shape=(16, 16, 3)),
+        layers.Conv2D(4, (3, 3), activation="relu"),
+        layers.MaxPooling2D(2, 2),
+        layers.Conv2D(8, (3, 3), activation="relu"),
+        layers.Dropout(0.5),
+        layers.MaxPooling2D(2, 2),
+        layers.Flatten(),
+        layers.Dropout(0.5),
+        layers.Dense(16, activation="relu"),
+        layers.Dense(1, activation="sigmoid"),
+    ])
+    model.compile(loss="binary_crossentropy", optimizer=GC_OPTIMIZERS[optimizer](learning_rate=1e-3),
+                  metrics=["accuracy"])
+    return model
+
+
+def gc_maker(optimizer):
+    def make():
+        return make_gc_convnet(optimizer)
+    make.__name__ = f"make_gc_convnet_{optimizer}"
+    return make
+
+
+_GC_DATA = []
+
+
+def gc_data():
+    """64 digits rescaled to [0, 1] and augmented once, as the example's pipeline does per epoch."""
+    if not _GC_DATA:
+        images, labels = digits(64, 300)
+        keras.utils.set_random_seed(SEED + 3)
+        augmentation = keras.Sequential([layers.RandomFlip("horizontal_and_vertical"), layers.RandomRotation(0.3),
+                                         layers.RandomZoom(0.2)])
+        x = np.asarray(augmentation(coloured(images, 2), training=True), "float32")
+        _GC_DATA.append((x, (labels >= 5).astype("float32")[:, None]))
+    return _GC_DATA[0]
+
+
+def _gc():
+    x, y = gc_data()
+    return (x, y), {"batch_size": 16, "epochs": 2}, (x, y), 16, 8
+
+
+# =================================================================================
+# The examples, their runs and the checks of test_keras_io_guides.py.
+# =================================================================================
+
+EXAMPLES = {
+    # Unseeded tf.random draws: no replay after a rewind, and a later plain
+    # fit() draws otherwise after the lab's (its own xfail test below).
+    "ddim": Guide(make_ddim, _ddim, own=("n_loss", "i_loss"), replay=False, later_fit=False),
+    "semisupervised_simclr": Guide(make_contrastive_model, _simclr, own=("c_loss", "c_acc", "p_loss", "p_acc")),
+    "gradient_centralization": Guide(gc_maker("get_gradients"), _gc, own=("loss", "accuracy")),
+    "gradient_centralization/apply": Guide(gc_maker("apply"), _gc, own=("loss", "accuracy")),
+    "gradient_centralization/update_step": Guide(gc_maker("update_step"), _gc, own=("loss", "accuracy")),
+}
+
+_RUNS = {}
+
+
+def runs_of(name):
+    if name not in _RUNS:
+        example = EXAMPLES[name]
+        args, kwargs, _, _, _ = example.data()
+        t = fit_three(example.make, *args, oracle=example.oracle, **kwargs)
+        # Bare fit() is reproducible: the oracle's weights are the bare ones
+        # (fit_three checks it); so are its optimizers' states.
+        assert_same_optimizer_state(optimizer_state(t.oracle), optimizer_state(t.bare))
+        # Later checks fit the bare and lab models again: their weights right after this fit.
+        t.fitted = {"bare": weights(t.bare), "lab": weights(t.lab)}
+        t.fitted_seeds = {"bare": seed_states(t.bare), "lab": seed_states(t.lab)}
+        _RUNS[name] = t
+    return _RUNS[name]
+
+
+def fitted(t, which, variables):
+    """The arrays `variables` (of model `which`, "bare" or "lab") held right after its fit()."""
+    model = getattr(t, which)
+    position = {id(v): i for i, v in enumerate(model.weights)}
+    return [t.fitted[which][position[id(v)]] for v in variables]
+
+
+def seed_states(model):
+    return [np.array(v.numpy()) for v in model.variables if "seed_generator_state" in v.path]
+
+
+def ema_network_keys(t):
+    return keys_of(t, t.lab.ema_network.trainable_variables)
+
+
+def gradient_keys(t):
+    """The keys of the variables the example's optimizers update."""
+    if isinstance(t.lab, DiffusionModel):
+        return keys_of(t, t.lab.network.trainable_variables)
+    return variable_keys(t.lab.trainable_variables)
+
+
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_fit_weights_optimizer_and_history_are_unchanged(name):
+    t = runs_of(name)
+    check_weights(t)
+    check_optimizer(t)
+    check_history(t, EXAMPLES[name].racy)
+
+
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_rows_hold_each_batch_own_values(name):
+    example, t = EXAMPLES[name], runs_of(name)
+    check_batch_values(t, example.own, own=True)
+    if example.running:
+        check_batch_values(t, example.running, own=False)
+
+
+@pytest.mark.parametrize("name", [n for n in EXAMPLES if n != "ddim"])
+def test_gradient_columns_for_every_updated_variable(name):
+    check_gradient_columns(runs_of(name))
+
+
+@pytest.mark.parametrize("name", [n for n in EXAMPLES if n != "ddim"])
+def test_stepper_matches_fit_and_rewinds_exactly(name):
+    example, t = EXAMPLES[name], runs_of(name)
+    _, _, data, batch_size, steps = example.data()
+    check_stepper(t, data, batch_size, steps, replay=example.replay)
+
+
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_the_lab_leaves_no_trace(name, tmp_path):
+    example, t = EXAMPLES[name], runs_of(name)
+    args, kwargs, _, _, _ = example.data()
+    kwargs["epochs"] = 1
+    check_no_trace(t, tmp_path, more=(args, kwargs) if example.later_fit else None)
+
+
+# ---- DDIM: the EMA network, tf.random draws ------------------------------------------
+
+
+def test_ddim_run_says_its_tf_random_draws_start_again_with_each_trace():
+    t = runs_of("ddim")
+    warnings = " ".join(t.rec.run.events().query("kind == 'warning'")["detail"])
+    assert RANDOM_NOTE.split("(")[0] in warnings, warnings
+    assert "RandomStandardNormal" in warnings and "RandomUniform" in warnings
+
+
+@pytest.mark.xfail(strict=True, reason=RETRACE_AFTER_FIT)
+def test_ddim_a_later_plain_fit_trains_as_after_the_bare_run(tmp_path):
+    example, t = EXAMPLES["ddim"], runs_of("ddim")
+    args, kwargs, _, _, _ = example.data()
+    kwargs["epochs"] = 1
+    check_no_trace(t, tmp_path, more=(args, kwargs))
+
+
+def test_ddim_ema_network_is_fits_average_and_has_no_gradient_columns():
+    t = runs_of("ddim")
+    ema_lab = fitted(t, "lab", t.lab.ema_network.weights)
+    assert_same_arrays(ema_lab, fitted(t, "bare", t.bare.ema_network.weights),
+                       "the EMA network's weights, lab against bare fit()")
+    # The EMA weights moved (they are trainable variables no gradient reaches)
+    # and are not the network's: the assign in train_step ran each step.
+    start = make_ddim()
+    moved = [not np.array_equal(a, b.numpy()) for a, b in zip(ema_lab, start.ema_network.weights)]
+    assert sum(moved) > len(moved) // 2, f"only {sum(moved)} of {len(moved)} EMA weights moved"
+    assert not np.array_equal(ema_lab[0], fitted(t, "lab", t.lab.network.weights[:1])[0])
+    # Normalization was adapted once, before fit(): fit() leaves its statistics.
+    assert_same_arrays(fitted(t, "lab", t.lab.normalizer.variables), [v.numpy() for v in start.normalizer.variables],
+                       "normalizer statistics")
+    check_columns_for(t, gradient_keys(t), without_gradient=ema_network_keys(t))
+    # The validation pass ran the test_step's reverse diffusion for KID.
+    assert len(t.history_lab["val_kid"]) == 2 and np.isfinite(t.history_lab["val_kid"]).all()
+
+
+def test_ddim_stepper_matches_fit_and_rewind_puts_the_ema_network_back():
+    example, t = EXAMPLES["ddim"], runs_of("ddim")
+    _, _, data, batch_size, steps = example.data()
+    model = example.make()
+    keras.utils.set_random_seed(SEED + 1)
+    stepper = lab.Stepper(model, data, batch_size=batch_size, shuffle=False, mode="graph")
+    half = steps // 2
+    stepped(stepper, half)
+    # The first step's gradients are of the network only, with fit()'s norms.
+    trace, row = stepper.traces[0], t.rows.iloc[0]
+    keys = dict(zip(variable_keys(model.trainable_variables), variable_keys(t.lab.trainable_variables)))
+    assert {keys[k] for k in trace.gradients} == set(gradient_keys(t))
+    for key, gradient in trace.gradients.items():
+        np.testing.assert_allclose(np.linalg.norm(np.asarray(gradient, np.float64)), row[f"grad_norm/{keys[key]}"],
+                                   rtol=1e-5, err_msg=f"stepper gradient of {key} against the recorded grad_norm")
+    middle_ema = [v.numpy() for v in model.ema_network.weights]
+    middle_w, middle_o = weights(model), optimizer_state(model)
+    stepped(stepper, steps - half)
+    # fit() ran a validation pass (its draws come between the epochs'), the
+    # Stepper none: its weights are those of a fit() without validation.
+    args, kwargs, _, _, _ = example.data()
+    del kwargs["validation_data"]
+    reference = example.make()
+    keras.utils.set_random_seed(SEED + 1)
+    reference.fit(*args, shuffle=False, verbose=0, **kwargs)
+    assert_same_arrays(weights(model), weights(reference), "weights after stepping (EMA network's too), against fit()")
+    assert_same_optimizer_state(optimizer_state(model), optimizer_state(reference))
+    assert not all(np.array_equal(a, v.numpy()) for a, v in zip(middle_ema, model.ema_network.weights))
+    stepper.rewind(steps - half)
+    assert_same_arrays([v.numpy() for v in model.ema_network.weights], middle_ema, "EMA weights after rewind")
+    assert_same_arrays(weights(model), middle_w, "weights after rewind")
+    assert_same_optimizer_state(optimizer_state(model), middle_o)
+
+
+# ---- SimCLR: two optimizers, augmenters' draws -------------------------------------
+
+
+def test_simclr_encoder_columns_are_the_contrastive_gradients_and_the_probes_the_probe_loss():
+    t = runs_of("semisupervised_simclr")
+    (train,), _, _, _, _ = EXAMPLES["semisupervised_simclr"].data()
+    (unlabeled_images, _), (labeled_images, labels) = next(iter(train))
+    model = make_contrastive_model()
+    # The first step, eagerly on a clean copy: the augmenters draw from the
+    # same seed states as fit()'s first step.
+    view_1, view_2 = model.contrastive_views(unlabeled_images, labeled_images)
+    contrastive = model.encoder.trainable_weights + model.projection_head.trainable_weights
+    with tf.GradientTape() as tape:
+        loss = model.contrastive_loss(model.projection_head(model.encoder(view_1, training=True)),
+                                      model.projection_head(model.encoder(view_2, training=True)))
+    contrastive_grads = tape.gradient(loss, contrastive)
+    model.contrastive_optimizer.apply_gradients(zip(contrastive_grads, contrastive))
+    weak = model.classification_augmenter(labeled_images, training=True)
+    with tf.GradientTape() as tape:
+        probe_loss = model.probe_loss(labels, model.linear_probe(model.encoder(weak, training=False)))
+    probe_grads = tape.gradient(probe_loss, model.linear_probe.trainable_weights)
+    row = t.rows.iloc[0]
+    np.testing.assert_allclose(row["c_loss"], float(ops.mean(loss)), rtol=1e-5)
+    np.testing.assert_allclose(row["p_loss"], float(probe_loss), rtol=1e-5)
+    expected = dict(zip(keys_of(t, t.lab.encoder.trainable_weights + t.lab.projection_head.trainable_weights),
+                        contrastive_grads))
+    expected.update(zip(keys_of(t, t.lab.linear_probe.trainable_weights), probe_grads))
+    assert len(expected) == len(t.lab.trainable_variables)
+    for key, grad in expected.items():
+        np.testing.assert_allclose(row[f"grad_norm/{key}"], np.linalg.norm(grad.numpy()), rtol=1e-5,
+                                   err_msg=f"grad_norm/{key} against the tape's gradient")
+    # A learning-rate column for each of the two optimizers; none for Keras'
+    # own `optimizer`, which compile() left at its default and nothing applies.
+    rates = sorted(c for c in t.rows.columns if c.startswith("learning_rate"))
+    assert rates == ["learning_rate/contrastive_optimizer", "learning_rate/probe_optimizer"], rates
+    np.testing.assert_allclose(t.rows[rates].to_numpy(), 1e-3, rtol=1e-6)
+
+
+def test_simclr_augmenters_draw_as_fit_and_a_rewind_replays_them():
+    example, t = EXAMPLES["semisupervised_simclr"], runs_of("semisupervised_simclr")
+    _, _, data, batch_size, steps = example.data()
+    model = example.make()
+    initial = seed_states(model)
+    # RandomFlip, RandomTranslation, RandomZoom and RandomColorAffine in each of the two augmenters.
+    assert len(initial) == 8
+    keras.utils.set_random_seed(SEED + 1)
+    stepper = lab.Stepper(model, data, batch_size=batch_size, shuffle=False, mode="graph")
+    stepped(stepper, steps)
+    final = seed_states(model)
+    assert all(not np.array_equal(a, b) for a, b in zip(final, initial)), "an augmenter drew no random numbers"
+    assert_same_arrays(final, t.fitted_seeds["lab"], "seed states after stepping, against fit() with the lab")
+    assert_same_arrays(t.fitted_seeds["bare"], t.fitted_seeds["lab"], "seed states, lab against bare fit()")
+    stepper.rewind(2)
+    stepped(stepper, 2)
+    assert_same_arrays(seed_states(model), final, "seed states after a rewind and replay")
+    assert_same_arrays(weights(model), t.fitted["lab"], "weights after a rewind and replay")
+    # Keras' SeedGenerators go on across traces: the run has nothing to say of these draws.
+    assert not t.rec.run.events()["detail"].str.contains(RANDOM_NOTE.split("(")[0], regex=False).any()
+
+
+# ---- Gradient centralization --------------------------------------------------------
+
+
+def first_batch_gradients(optimizer):
+    """The first batch's gradients by a tape on a clean copy (Dropout draws
+    from the same seed states as fit()'s first step), raw and centralized."""
+    x, y = gc_data()
+    model = make_gc_convnet(optimizer)
+    with tf.GradientTape() as tape:
+        loss = keras.losses.BinaryCrossentropy()(y[:16], model(x[:16], training=True))
+    grads = tape.gradient(loss, model.trainable_variables)
+    return float(loss), [g.numpy() for g in grads], [centralized(g).numpy() for g in grads]
+
+
+def test_the_examples_get_gradients_override_is_never_called_and_trains_as_rmsprop():
+    t = runs_of("gradient_centralization")
+    GCRMSprop.calls = 0
+    plain = make_gc_convnet("RMSprop")
+    (x, y), kwargs, _, _, _ = _gc()
+    keras.utils.set_random_seed(SEED + 1)
+    plain.fit(x, y, shuffle=False, verbose=0, **kwargs)
+    assert_same_arrays(t.fitted["bare"], weights(plain), "GCRMSprop's bare fit() against plain RMSprop's")
+    assert GCRMSprop.calls == 0
+    # So the columns hold the gradients as the tape made them, uncentralized:
+    # those the update used.
+    loss, raw, centred = first_batch_gradients("get_gradients")
+    row = t.rows.iloc[0]
+    np.testing.assert_allclose(row["loss"], loss, rtol=1e-5)
+    keys = variable_keys(t.lab.trainable_variables)
+    np.testing.assert_allclose([row[f"grad_norm/{k}"] for k in keys], [np.linalg.norm(g) for g in raw], rtol=1e-5)
+    assert not np.isclose(np.linalg.norm(raw[0]), np.linalg.norm(centred[0]), rtol=1e-3)
+
+
+def test_centralized_in_apply_the_columns_hold_the_centralized_gradients():
+    t = runs_of("gradient_centralization/apply")
+    assert not np.array_equal(t.fitted["lab"][0], runs_of("gradient_centralization").fitted["lab"][0])
+    _, raw, centred = first_batch_gradients("apply")
+    row = t.rows.iloc[0]
+    keys = variable_keys(t.lab.trainable_variables)
+    np.testing.assert_allclose([row[f"grad_norm/{k}"] for k in keys], [np.linalg.norm(g) for g in centred],
+                               rtol=1e-5, err_msg="the columns against the centralized gradients")
+    events = t.rec.run.events()
+    assert not events["detail"].str.contains("update_step").any()
+
+
+def test_centralized_in_update_step_the_columns_hold_the_gradients_before_and_the_run_says_so():
+    t = runs_of("gradient_centralization/update_step")
+    # The update used the centralized gradients: it trains as the apply() variant.
+    assert_same_arrays(t.fitted["lab"], runs_of("gradient_centralization/apply").fitted["lab"],
+                       "update_step-centralized training against apply-centralized training")
+    _, raw, _ = first_batch_gradients("update_step")
+    row = t.rows.iloc[0]
+    keys = variable_keys(t.lab.trainable_variables)
+    np.testing.assert_allclose([row[f"grad_norm/{k}"] for k in keys], [np.linalg.norm(g) for g in raw], rtol=1e-5,
+                               err_msg="the columns against the gradients handed to update_step")
+    warnings = " ".join(t.rec.run.events().query("kind == 'warning'")["detail"])
+    expected = UPDATE_STEP_NOTE.split("{variables}")[1][:60]
+    assert expected in warnings and "UpdateStepCentralizedRMSprop" in warnings, warnings
