@@ -83,6 +83,17 @@ UPDATE_STEP_NOTE = (
     "update may use others (a gradient centralized in update_step, for one). Change "
     "gradients in apply() or apply_gradients() for columns that hold what is applied.")
 
+UNCALLED_NOTE = (
+    "{variables}: Keras 3's optimizers never call these methods of Keras 2's optimizer API "
+    "({what}), so what they would do to the gradients or the update does not happen, in training "
+    "as in the lab's columns (keras-io's gradient centralization overrides get_gradients, and "
+    "trains as plain RMSprop). Change gradients in apply() or apply_gradients(), or the update "
+    "in update_step().")
+
+# Methods of Keras 2's optimizer API that Keras 3's optimizers never call.
+KERAS2_OPTIMIZER_METHODS = ("get_gradients", "get_updates", "_resource_apply_dense", "_resource_apply_sparse",
+                            "_create_slots", "_prepare_local")
+
 NO_LOSS_NOTE = (
     "{variables} watch the loss compute_loss returns, and this train_step computes its loss "
     "without compute_loss (a GAN's two losses, a loss object of its own): they can never hit. "
@@ -91,7 +102,7 @@ NO_LOSS_NOTE = (
 
 # The run's warning for each kind of `Probe.trace_notes`.
 TRACE_NOTES = {"regrouped": REGROUPED_NOTE, "changed_after": CHANGED_AFTER_NOTE, "random": RANDOM_NOTE,
-               "update_step": UPDATE_STEP_NOTE, "no_loss": NO_LOSS_NOTE}
+               "update_step": UPDATE_STEP_NOTE, "no_loss": NO_LOSS_NOTE, "uncalled": UNCALLED_NOTE}
 
 ALREADY_WATCHED = (
     "This model is already watched by another lab Recorder or Dashboard. "
@@ -493,6 +504,10 @@ class Probe:
         overriding = defined_outside_keras(inner, "update_step")
         if overriding is not None and self.gradients:
             self.trace_notes["update_step"].setdefault(overriding.__qualname__, "")
+        uncalled = [method for method in KERAS2_OPTIMIZER_METHODS if defined_outside_keras(inner, method) is not None]
+        if uncalled:
+            owner = defined_outside_keras(inner, uncalled[0])
+            self.trace_notes["uncalled"].setdefault(f"{owner.__qualname__}.{uncalled[0]}", ", ".join(uncalled))
         self._patch(inner, "_backend_update_step", lambda f: self._wrap_update_step(name, f, inner))
         if hasattr(inner, "_all_reduce_sum_gradients"):
             self._patch(inner, "_all_reduce_sum_gradients", self._wrap_all_reduce)

@@ -39,8 +39,9 @@ trackers) ends with the bare run's weights and optimizer states.
 
 Findings: the Keras 3 version of the gradient-centralization example
 centralizes nothing (Keras 3's optimizers never call `get_gradients`; its
-GCRMSprop trains bit for bit as RMSprop), and the run's columns rightly hold
-the uncentralized gradients it applies. DDIM's unseeded `tf.random` draws
+GCRMSprop trains bit for bit as RMSprop): the run's columns rightly hold the
+uncentralized gradients it applies, and the run names the override that
+never runs (`lab.probes.UNCALLED_NOTE`). DDIM's unseeded `tf.random` draws
 make a later plain fit() after the lab's differ (RETRACE_AFTER_FIT, xfail).
 """
 
@@ -835,6 +836,9 @@ def test_the_examples_get_gradients_override_is_never_called_and_trains_as_rmspr
     keys = variable_keys(t.lab.trainable_variables)
     np.testing.assert_allclose([row[f"grad_norm/{k}"] for k in keys], [np.linalg.norm(g) for g in raw], rtol=1e-5)
     assert not np.isclose(np.linalg.norm(raw[0]), np.linalg.norm(centred[0]), rtol=1e-3)
+    # And the run names the override that never runs.
+    warnings = " ".join(t.rec.run.events().query("kind == 'warning'")["detail"])
+    assert "GCRMSprop.get_gradients" in warnings and "never call" in warnings, warnings
 
 
 def test_centralized_in_apply_the_columns_hold_the_centralized_gradients():

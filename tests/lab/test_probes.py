@@ -1055,6 +1055,36 @@ def test_an_optimizer_whose_own_update_step_may_change_the_gradients_is_named_in
     assert not any("update_step" in d for d in plain.run.events()["detail"])
 
 
+class GCRMSprop(keras.optimizers.RMSprop):
+    """keras-io's gradient centralization, as its Keras 3 version writes it:
+    an override of Keras 2's get_gradients, which Keras 3 never calls."""
+
+    def get_gradients(self, loss, params):
+        grads = []
+        gradients = super().get_gradients()
+        for grad in gradients:
+            grad_len = len(grad.shape)
+            if grad_len > 1:
+                axis = list(range(grad_len - 1))
+                grad -= keras.ops.mean(grad, axis=axis, keepdims=True)
+            grads.append(grad)
+        return grads
+
+
+def test_an_optimizer_method_keras_3_never_calls_is_named_in_the_run():
+    # The example's optimizer trains as plain RMSprop: its centralization never
+    # runs. The lab's columns were right and the run said nothing of it.
+    bare, _ = fit_centralizing(keras.optimizers.RMSprop)
+    recorder = lab.Recorder()
+    watched, _ = fit_centralizing(GCRMSprop, recorder)
+    assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(watched.weights, bare.weights))
+    warned = [d for d in recorder.run.events()["detail"] if "never call" in d]
+    assert len(warned) == 1 and "GCRMSprop.get_gradients" in warned[0] and "apply()" in warned[0]
+    plain = lab.Recorder()
+    fit_centralizing(keras.optimizers.RMSprop, plain)
+    assert not any("never call" in d for d in plain.run.events()["detail"])
+
+
 # ---- the update of an optimizer that decays the weights ----------------------------
 
 
