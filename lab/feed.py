@@ -139,7 +139,8 @@ def to_numpy(structure):
     """Tensors in a nested structure -> numpy arrays (None stays None)."""
     if structure is None:
         return None
-    return keras.tree.map_structure(lambda t: None if t is None else np.asarray(t), structure)
+    return keras.tree.map_structure(lambda t: None if t is None else np.asarray(
+        tf.sparse.to_dense(t) if isinstance(t, tf.SparseTensor) else t), structure)
 
 
 def _as_step_input(data, floatx=False):
@@ -159,6 +160,8 @@ def _any_batch_size(data):
     def relaxed(leaf):
         if isinstance(leaf, tf.Tensor) and leaf.shape.rank:
             return tf.TensorSpec([None] + leaf.shape.as_list()[1:], leaf.dtype)
+        if isinstance(leaf, tf.SparseTensor):
+            return tf.SparseTensorSpec([None] + leaf.shape.as_list()[1:], leaf.dtype)
         return leaf
 
     return keras.tree.map_structure(relaxed, data)
@@ -222,7 +225,28 @@ def _is_arrays(data):
     else:
         leaves = keras.tree.flatten(data) if isinstance(data, (list, dict)) else [data]
     return bool(leaves) and all(hasattr(leaf, "shape") and hasattr(leaf, "__array__") or
-                                hasattr(leaf, "to_numpy") for leaf in leaves)
+                                hasattr(leaf, "to_numpy") or isinstance(leaf, tf.SparseTensor) for leaf in leaves)
+
+
+def _host_array(leaf):
+    """An array leaf as the feed slices it: NumPy, or a tf.SparseTensor as it is."""
+    return leaf if isinstance(leaf, tf.SparseTensor) else np.asarray(leaf)
+
+
+def _rows_of(leaf, rows):
+    """The samples `rows` (indices, in order) of an array leaf. Of a
+    tf.SparseTensor, a SparseTensor of those rows with its entries in
+    row-major order, as fit()'s batches of it are."""
+    if not isinstance(leaf, tf.SparseTensor):
+        return leaf[rows]
+    indices, values = leaf.indices.numpy(), leaf.values.numpy()
+    position = np.full(int(leaf.dense_shape[0]), -1)
+    position[rows] = np.arange(len(rows))
+    kept = position[indices[:, 0]] >= 0
+    moved = np.concatenate([position[indices[kept, 0]][:, None], indices[kept, 1:]], axis=1)
+    order = np.lexsort(moved.T[::-1])
+    shape = [len(rows)] + [int(d) for d in leaf.dense_shape[1:]]
+    return tf.SparseTensor(moved[order], values[kept][order], shape)
 
 
 class _Source:
@@ -243,11 +267,11 @@ class _ArraySource(_Source):
         if not (isinstance(data, tuple) and 1 <= len(data) <= 3):
             data = (data,)
         data = tuple(d for d in data if d is not None) if data[-1] is None else data
-        self.data = keras.tree.map_structure(lambda a: np.asarray(a), data)
+        self.data = keras.tree.map_structure(_host_array, data)
         lengths = {}
         for name, part in zip(("x", "y", "sample_weight"), self.data):
             for leaf in keras.tree.flatten(part):
-                lengths.setdefault(name, set()).add(len(leaf))
+                lengths.setdefault(name, set()).add(int(leaf.shape[0]) if leaf.shape else len(leaf))
         sizes = {n: sorted(s) for n, s in lengths.items()}
         if len({v for s in sizes.values() for v in s}) != 1:
             described = ", ".join(f"{n} has {s[0] if len(s) == 1 else s} samples" for n, s in sizes.items())
@@ -269,7 +293,7 @@ class _ArraySource(_Source):
         order = self.rng.permutation(self.count) if self.shuffle else np.arange(self.count)
         for start in range(0, self.count, self.batch_size):
             rows = order[start:start + self.batch_size]
-            batch = keras.tree.map_structure(lambda a: a[rows], self.data)
+            batch = keras.tree.map_structure(lambda a: _rows_of(a, rows), self.data)
             # fit(x) without targets hands train_step the bare x, not (x,) --
             # unless x is a list or tuple (several inputs): then (x,), so that
             # fit([x, y]) means two inputs and no targets, never (x, y).

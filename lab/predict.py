@@ -142,7 +142,7 @@ def _to_numpy(value):
 
 
 def _is_array(value):
-    return isinstance(value, (np.ndarray, tf.Tensor)) or (
+    return isinstance(value, (np.ndarray, tf.Tensor, tf.SparseTensor)) or (
         hasattr(value, "__array__") and hasattr(value, "shape") and not isinstance(value, tf.data.Dataset)
     )
 
@@ -196,6 +196,14 @@ def _floatx(array):
     return array.astype(floatx) if array.dtype.kind == "f" and array.dtype != np.dtype(floatx) else array
 
 
+def _rows(array, start, size):
+    """Samples `start` to `start + size` of an array (of a tf.SparseTensor, a SparseTensor)."""
+    if isinstance(array, tf.SparseTensor):
+        shape = array.shape.as_list()
+        return tf.sparse.slice(array, [start] + [0] * (len(shape) - 1), [size] + shape[1:])
+    return array[start:start + size]
+
+
 def _array_batches(data, batch_size):
     leaves = tf.nest.flatten(data)
     count = int(leaves[0].shape[0])
@@ -209,7 +217,7 @@ def _array_batches(data, batch_size):
     def slices():
         for start in range(0, count, batch_size):
             # A slice is a view: no copy of the data set is made.
-            x = tf.nest.map_structure(lambda a: a[start:start + batch_size], data)
+            x = tf.nest.map_structure(lambda a: _rows(a, start, batch_size), data)
             # As Keras' array adapter does: a tuple, so a list of inputs is
             # never read as (x, y) by predict_step; float arrays cast to the
             # backend's float type (`model.predict` casts them, a generator's

@@ -238,3 +238,15 @@ def test_float64_arrays_are_predicted_as_floatx_as_model_predict_casts_them(as_t
     got = np.concatenate(list(lab.predict_stream(model, data, batch_size=4)))
     assert model.fed[-1] == keras.backend.floatx()
     np.testing.assert_array_equal(got, expected)
+
+
+def test_a_sparse_tensor_of_inputs_is_predicted_as_model_predict_predicts_it():
+    # predict_stream refused it ("cannot read data of type SparseTensor"); model.predict takes it.
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((6,), sparse=True)
+    sparse = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+    dense = np.random.default_rng(5).normal(size=(50, 6)).astype("float32")
+    x = tf.sparse.from_dense(np.where(np.abs(dense) > 0.8, dense, 0).astype("float32"))
+    batches = list(lab.predict_stream(sparse, x, batch_size=16))
+    assert [len(b) for b in batches] == [16, 16, 16, 2]
+    np.testing.assert_array_equal(np.concatenate(batches), sparse.predict(x, batch_size=16, verbose=0))

@@ -1470,3 +1470,41 @@ def test_from_step_compiles_the_step_as_the_loop_does_not_as_the_models_jit_comp
     stepper.step(3)
     for got, expected in zip(stepped.get_weights(), looped.get_weights(), strict=True):
         np.testing.assert_array_equal(got, expected)
+
+
+# ---- a tf.SparseTensor of inputs, as fit() takes it --------------------------------
+
+
+def sparse_inputs(n=64):
+    rng = np.random.default_rng(5)
+    dense = rng.normal(size=(n, 6)).astype("float32")
+    x = tf.sparse.from_dense(np.where(np.abs(dense) > 0.8, dense, 0).astype("float32"))
+    return x, (dense[:, :1] > 0).astype("float32")
+
+
+def sparse_model():
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((6,), sparse=True)
+    model = keras.Model(inputs, keras.layers.Dense(1, activation="sigmoid")(keras.layers.Dense(4)(inputs)))
+    model.compile(optimizer="adam", loss="binary_crossentropy")
+    return model
+
+
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+def test_a_sparse_tensor_of_inputs_is_stepped_as_fit_batches_it(mode):
+    # fit(x_sparse, y, batch_size=...) slices the SparseTensor; the Stepper
+    # iterated the (x, y) tuple as if it were two batches, and the step failed.
+    x, y = sparse_inputs()
+    fitted, stepped = sparse_model(), sparse_model()
+    fitted.run_eagerly = mode == "eager"
+    fitted.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)  # 6 batches an epoch, the last of 4
+    stepper = lab.Stepper(stepped, (x, y), batch_size=12, shuffle=False, mode=mode)
+    trace = stepper.step(12)
+    assert trace.error is None
+    for got, expected in zip(stepped.weights + stepped.optimizer.variables,
+                             fitted.weights + fitted.optimizer.variables, strict=True):
+        np.testing.assert_array_equal(got.numpy(), expected.numpy())
+    # The trace shows the batch's inputs as an array; the last batch holds the last 4 samples.
+    np.testing.assert_array_equal(trace.x, tf.sparse.to_dense(x).numpy()[60:])
+    report = lab.inspect_data(x, y, batch_size=12, model=sparse_model(), validation_split=0.25)
+    assert report.ok and report.batches_per_epoch == 4  # 48 training samples
