@@ -1056,19 +1056,11 @@ def test_an_optimizer_whose_own_update_step_may_change_the_gradients_is_named_in
 
 
 class GCRMSprop(keras.optimizers.RMSprop):
-    """keras-io's gradient centralization, as its Keras 3 version writes it:
-    an override of Keras 2's get_gradients, which Keras 3 never calls."""
+    """An override of Keras 2's get_gradients, which Keras 3 never calls (as
+    keras-io's gradient centralization writes it: test_keras_io_examples.py)."""
 
     def get_gradients(self, loss, params):
-        grads = []
-        gradients = super().get_gradients()
-        for grad in gradients:
-            grad_len = len(grad.shape)
-            if grad_len > 1:
-                axis = list(range(grad_len - 1))
-                grad -= keras.ops.mean(grad, axis=axis, keepdims=True)
-            grads.append(grad)
-        return grads
+        raise AssertionError("Keras 3 called get_gradients")
 
 
 def test_an_optimizer_method_keras_3_never_calls_is_named_in_the_run():
