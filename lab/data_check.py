@@ -231,7 +231,7 @@ def _training_arrays(report, x, y, sample_weight, validation_split):
     lengths = {}
     for name, part in zip(_PARTS, data):
         for path, leaf in _leaves(part, name):
-            if not hasattr(leaf, "shape") or not len(leaf.shape if isinstance(leaf, tf.SparseTensor) else np.shape(leaf)):
+            if not hasattr(leaf, "shape") or not len(leaf.shape if tf.is_tensor(leaf) else np.shape(leaf)):
                 report.problems.append(Problem(
                     "data form", f"{path} is a {type(leaf).__name__}, not an array with one row per example.",
                     "pass numpy arrays (np.asarray(...)), a tf.data.Dataset, a PyDataset or a generator."))
