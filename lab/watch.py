@@ -32,7 +32,7 @@ import tensorflow as tf
 from tensorflow.python.framework.ops import EagerTensor
 
 from lab import breakpoints as breakpoints_module
-from lab import compat
+from lab import compat, schema
 from lab.arguments import GRADIENTS_EXAMPLE, WEIGHTS_EXAMPLE, check_flag, check_number, check_seconds
 from lab.loop_probe import LoopProbe
 from lab.probes import find_optimizers
@@ -190,7 +190,9 @@ class WatchedRun(StatusReporter, Run):
             loss: scalar tensor, float or None; a tensor of per-example losses
                 is averaged.
             **metrics: name -> scalar tensor, float or `keras.metrics.Metric`
-                (its `result()`); `epoch=` and `batch=` are kept as ints.
+                (its `result()`; a vector result, such as F1Score's per
+                class, one column per element, `<name>/<index>`); `epoch=`
+                and `batch=` are kept as ints.
 
         Returns:
             int, this step's index in the run (from 0).
@@ -259,6 +261,10 @@ class WatchedRun(StatusReporter, Run):
                     f"rename it (e.g. `my_{name.lstrip('_')}`).")
         self._given = list(metrics)
         self._given_set = frozenset(self._given)
+        # A keras metric whose result is a vector (F1Score(average=None): one
+        # value per class) gets a column per element, as in a Recorder's rows.
+        self._vectors = {name: _vector_length(metrics[name]) for name in self._given
+                         if _vector_length(metrics[name]) is not None}
         self._rows_kept = self.probe.rows_kept
         self.probe.freeze()
 
@@ -305,7 +311,11 @@ class WatchedRun(StatusReporter, Run):
                 if any(key in p[0] for p in pending):
                     columns[key] = np.array([p[0].get(key, -1) for p in pending])
             for position, name in enumerate(self._given):
-                columns[name] = _to_numpy([p[2][position] for p in pending])
+                if name in self._vectors:
+                    elements = _elements([p[2][position] for p in pending], self._vectors[name])
+                    columns.update((schema.element_column(name, i), column) for i, column in enumerate(elements))
+                else:
+                    columns[name] = _to_numpy([p[2][position] for p in pending])
             raw = self.probe.read_rows([p[3] for p in pending])
             if self.probe.breakpoints:
                 self._check_ungated(raw)
@@ -404,6 +414,16 @@ class WatchedRun(StatusReporter, Run):
                              step=len(self) - 1)
         self._note_warnings()
 
+    def _value_columns(self):
+        """The columns of the values run.step is given (a vector's, one per element)."""
+        columns = []
+        for given in self._given:
+            if given in self._vectors:
+                columns += [schema.element_column(given, i) for i in range(self._vectors[given])]
+            else:
+                columns.append(given)
+        return columns
+
     def _check_constant_metrics(self):
         if self._constant_checked or len(self) < CONSTANT_METRIC_STEPS:
             return
@@ -411,7 +431,7 @@ class WatchedRun(StatusReporter, Run):
         loss = super().column("loss") if "loss" in self.columns else None
         if loss is None or np.nanmax(loss) == np.nanmin(loss):
             return
-        for name in self._given:
+        for name in self._value_columns():
             values = super().column(name)
             if name != "loss" and np.isfinite(values).all() and (values == values[0]).all():
                 self.probe.warn_once(("constant", name), CONSTANT_METRIC_MESSAGE.format(
@@ -485,6 +505,24 @@ def _number(value):
         value = value.numpy()
         return value if value.ndim == 0 else _mean(value)
     return value
+
+
+def _vector_length(value):
+    """The length of a keras metric's vector result (at most
+    `schema.MAX_VECTOR_ELEMENTS`), else None: such a result is one value per
+    class or threshold, never per example, so its elements are not averaged."""
+    if not isinstance(value, keras.metrics.Metric):
+        return None
+    shape = tf.convert_to_tensor(value.result()).shape
+    if shape.rank == 1 and 1 < (shape[0] or 0) <= schema.MAX_VECTOR_ELEMENTS:
+        return int(shape[0])
+    return None
+
+
+def _elements(values, length):
+    """The columns of a vector's elements over steps (NaN where a step gave none)."""
+    rows = [np.asarray(v.numpy() if isinstance(v, (tf.Tensor, tf.Variable)) else v, np.float32) for v in values]
+    return np.array([row if row.shape == (length,) else np.full(length, np.nan, np.float32) for row in rows]).T
 
 
 def _mean(values):

@@ -1136,3 +1136,29 @@ def test_importing_the_lab_leaves_tensorflow_to_be_configured():
             "tf.config.set_visible_devices(tf.config.list_physical_devices('CPU')); print('configured')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "configured" in done.stdout, done.stderr[-2000:]
+
+
+def test_a_keras_metric_with_a_vector_result_gets_a_column_per_element():
+    # F1Score(average=None) gives one value per class: run.step averaged them
+    # into one number, as if they were per-example values.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 8)).astype("float32")
+    y = np.eye(3, dtype="float32")[(x[:, 0] > 0).astype(int) + (x[:, 1] > 1)]
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3, activation="softmax")])
+    optimizer, f1, accuracy = keras.optimizers.Adam(0.01), keras.metrics.F1Score(), keras.metrics.CategoricalAccuracy()
+    results = []
+    with lab.watch(model, optimizer) as run:
+        for i in range(0, 64, 16):
+            with tf.GradientTape() as tape:
+                predicted = model(x[i:i + 16], training=True)
+                loss = tf.reduce_mean(keras.losses.categorical_crossentropy(y[i:i + 16], predicted))
+            optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+            f1.update_state(y[i:i + 16], predicted)
+            accuracy.update_state(y[i:i + 16], predicted)
+            run.step(loss=loss, f1=f1, accuracy=accuracy)
+            results.append(f1.result().numpy())
+    rows = run.batches()
+    assert "f1" not in rows
+    np.testing.assert_array_equal(rows[["f1/0", "f1/1", "f1/2"]].to_numpy(), np.array(results, np.float32))
+    assert rows["accuracy"].notna().all()
