@@ -628,7 +628,8 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
 
     def _note_running_values(self):
         """Says which columns hold Keras' running values, not the batch's own."""
-        self.run.note_running_values(self._probe.running_columns, self.run.next_step - 1)
+        self.run.note_running_values(self._probe.running_columns, self.run.next_step - 1,
+                                     replicas=self.model.distribute_strategy.num_replicas_in_sync)
 
     def _cut_at_device_hit(self, columns):
         """Keeps rows up to a device breakpoint's hit; later steps of the same

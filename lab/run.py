@@ -165,10 +165,11 @@ class Run:
 
     # ---- reading -----------------------------------------------------------
 
-    def note_running_values(self, names, step):
+    def note_running_values(self, names, step, replicas=1):
         """Marks the columns `names` as Keras' running values, not each batch's
         own (`schema.RUNNING_VALUES`), with one `running_value` event for each
-        not marked before."""
+        not marked before; trained on several `replicas`, it says what Keras
+        reports there."""
         known = self.metadata.get(schema.RUNNING_VALUES, [])
         new = [name for name in sorted(names) if name not in known]
         if not new:
@@ -178,7 +179,8 @@ class Run:
             self.add_event(
                 "running_value",
                 f"{name!r} is the value Keras reports, a running value since the epoch began: "
-                "its metric is not a mean, so the batch's own value cannot be read off its state",
+                "its metric is not a mean, so the batch's own value cannot be read off its state"
+                + (REPLICAS_RUNNING_NOTE.format(replicas=replicas) if replicas > 1 else ""),
                 step=step)
 
     def __len__(self):
@@ -350,6 +352,12 @@ def _check_step(step, what):
         raise ValueError(f"{what} is {int(step)}, beyond {runfile.MAX_STEP} (2**53), the largest step a run "
                          "(and its file) holds either way; no run takes that many steps.")
     return step
+
+
+REPLICAS_RUNNING_NOTE = (
+    ". On {replicas} replicas each keeps its own running state of the metric, over its share of the "
+    "batches: Keras reports at each batch the mean of the replicas' values, which is not the value over "
+    "all the samples, and its epoch value (History, the epoch table) can differ from the last batch's")
 
 
 def _numbers(logs):

@@ -517,7 +517,9 @@ class Stepper:
                                    "once the run had its row: the step stands", step=trace.index)
             raise
         if self.run is not None:
-            self.run.note_running_values(trace.running, trace.index)
+            replicas = (self.model.distribute_strategy.num_replicas_in_sync
+                        if trace.running and self._steps_on_replicas() else 1)
+            self.run.note_running_values(trace.running, trace.index, replicas=replicas)
         return trace
 
     def _record(self, trace, fed, capture, before_state, after):

@@ -325,3 +325,15 @@ def test_a_first_batch_the_replicas_cannot_share_evenly_is_told_where_the_batch_
     assert "33 on CPU:0, 32 on CPU:1" in told["inspect_65"][0] and "64 or 66" in told["inspect_65"][0]
     assert "fails on it before it trains" in told["picker_65"] and "64 or 66" in told["picker_65"]
     assert "fails" not in told["picker_64"]
+
+
+def test_metrics_that_are_not_means_and_vector_metrics_on_the_replicas(mirrored):
+    # The rows hold what Keras reports at each batch (one column per element of
+    # F1Score's per-class vector), and the run says what that is on replicas:
+    # the mean of each replica's own running value, not the value over all samples.
+    assert "metrics_error" not in mirrored, mirrored["metrics_error"]
+    got = mirrored["metrics"]
+    np.testing.assert_allclose(got["f1"], got["keras_f1"], rtol=1e-6)
+    np.testing.assert_allclose(got["rmse"], got["keras_rmse"], rtol=1e-6)
+    assert got["running"] == ["f1/0", "f1/1", "f1/2", "rmse"]
+    assert len(got["told"]) == 4 and all("On 2 replicas" in told for told in got["told"])

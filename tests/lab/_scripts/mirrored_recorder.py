@@ -590,6 +590,33 @@ def lower_level_step(strategy, x, y):
     return found
 
 
+def metrics_on_replicas(strategy, x, y):
+    """A vector metric (F1Score, one value per class) and one that is not a
+    mean (RootMeanSquaredError) on the replicas: the rows hold what Keras
+    reports at each batch, and the run says what that is there."""
+    with strategy.scope():
+        model = make_model()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.CategoricalCrossentropy(from_logits=True),
+                      metrics=[keras.metrics.F1Score(name="f1"), keras.metrics.RootMeanSquaredError(name="rmse")])
+
+    class Logs(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.rows = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.rows.append({k: np.asarray(v).tolist() for k, v in logs.items()})
+
+    recorder, logs = lab.Recorder(), Logs()
+    onehot = np.eye(3, dtype="float32")[y]
+    model.fit(x, onehot, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[logs, recorder])
+    frame, events = recorder.run.batches(), recorder.run.events()
+    return {"f1": frame[["f1/0", "f1/1", "f1/2"]].astype(float).values.tolist(),
+            "rmse": frame["rmse"].astype(float).tolist(),
+            "keras_f1": [row["f1"] for row in logs.rows], "keras_rmse": [row["rmse"] for row in logs.rows],
+            "running": sorted(recorder.run.metadata["running_values"]),
+            "told": [d for k, d in zip(events["kind"], events["detail"]) if k == "running_value"]}
+
+
 def tf_split(strategy, n):
     """The examples each replica gets of one batch of `n`, from tf.distribute itself."""
     import tensorflow as tf
@@ -647,7 +674,7 @@ def main():
                            ("stepper_gan", stepper_gan_as_fit),
                            ("stepper_interrupted", stepper_interrupted), ("predicted", predicted_on_replicas),
                            ("stepper_rewind", stepper_rewind_replicas), ("compare_modes", compare_modes_replicas),
-                           ("uneven_first", uneven_first_batch_told)):
+                           ("uneven_first", uneven_first_batch_told), ("metrics", metrics_on_replicas)):
             try:
                 out[key] = check(mirrored, x, y)
             except Exception as error:  # noqa: BLE001 - reported, so the other checks still run
