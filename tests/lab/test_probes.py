@@ -1209,7 +1209,10 @@ def _fit_with_no_update_first(case, recorder, eager=False):
             keras.mixed_precision.set_global_policy("mixed_float16")
             optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01), initial_scale=2.0 ** 19)
         keras.utils.set_random_seed(1)
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
+        # Named layers: columns sorted by name keep one order whatever layers the process made before
+        # (auto names "dense_9" and "dense_10" sort the other way round).
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu", name="hidden"),
+                                  keras.layers.Dense(3, name="out")], name="net")
         model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       run_eagerly=eager)
         model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[recorder])
