@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from lab.arguments import check_number
 from lab.devices import uneven_first_batch
-from lab.feed import Feed
+from lab.feed import Feed, row_slice, sample_count
 
 
 
@@ -182,7 +182,7 @@ def _check_replicas(report, model):
     leaves = [leaf for leaf in tf.nest.flatten(report.batch) if leaf is not None and len(leaf.shape)]
     if not leaves:
         return
-    uneven = uneven_first_batch(model.distribute_strategy, _count(leaves[0]))
+    uneven = uneven_first_batch(model.distribute_strategy, sample_count(leaves[0]))
     if uneven is not None:
         report.problems.append(Problem("replicas", *uneven))
 
@@ -236,7 +236,7 @@ def _training_arrays(report, x, y, sample_weight, validation_split):
                     "data form", f"{path} is a {type(leaf).__name__}, not an array with one row per example.",
                     "pass numpy arrays (np.asarray(...)), a tf.data.Dataset, a PyDataset or a generator."))
                 return None
-            lengths[path] = _count(leaf)
+            lengths[path] = sample_count(leaf)
     if len(set(lengths.values())) > 1:
         described = ", ".join(f"{path} has {n}" for path, n in lengths.items())
         report.problems.append(Problem(
@@ -249,20 +249,9 @@ def _training_arrays(report, x, y, sample_weight, validation_split):
         split_at = int(math.floor(count * (1.0 - validation_split)))
         report.notes.append(f"validation_split={validation_split} holds out the last {count - split_at} "
                             f"of {count} examples (before any shuffle); {split_at} remain for training.")
-        data = keras.tree.map_structure(lambda a: _first_rows(a, split_at), data)
+        data = keras.tree.map_structure(
+            lambda a: row_slice(a if isinstance(a, tf.SparseTensor) else np.asarray(a), 0, split_at), data)
     return data
-
-
-def _count(array):
-    """The number of examples (rows) of an array, a tf.SparseTensor too."""
-    return int(array.shape[0]) if isinstance(array, tf.SparseTensor) else len(array)
-
-
-def _first_rows(array, count):
-    if isinstance(array, tf.SparseTensor):
-        shape = array.shape.as_list()
-        return tf.sparse.slice(array, [0] * len(shape), [count] + shape[1:])
-    return np.asarray(array)[:count]
 
 
 def _weights_unlike_y(report, y, sample_weight):
@@ -297,7 +286,7 @@ def _container(value):
 def _count_batches(report, x, data, batch_size, steps_per_epoch):
     report.batch_size = _size(report.batch)
     if report.form == "arrays":
-        count = _count(_leaves(data[0], "x")[0][1])
+        count = sample_count(_leaves(data[0], "x")[0][1])
         size = 32 if batch_size is None else int(batch_size)
         report.batches_per_epoch = -(-count // size)
         report.last_batch_size = count - size * (report.batches_per_epoch - 1)

@@ -229,24 +229,44 @@ def _is_arrays(data):
 
 
 def _host_array(leaf):
-    """An array leaf as the feed slices it: NumPy, or a tf.SparseTensor as it is."""
-    return leaf if isinstance(leaf, tf.SparseTensor) else np.asarray(leaf)
+    """An array leaf as the feed slices it: NumPy, or a tf.SparseTensor's entries on the host."""
+    return _HostSparse(leaf) if isinstance(leaf, tf.SparseTensor) else np.asarray(leaf)
+
+
+class _HostSparse:
+    """A tf.SparseTensor's entries, read to the host once: each batch takes its rows from them."""
+
+    def __init__(self, sparse):
+        self.indices, self.values = sparse.indices.numpy(), sparse.values.numpy()
+        self.shape = tuple(int(d) for d in sparse.dense_shape)
+
+    def rows(self, rows):
+        """A SparseTensor of the samples `rows` (indices, in order), its entries
+        in row-major order, as fit()'s batches of it are."""
+        position = np.full(self.shape[0], -1)
+        position[rows] = np.arange(len(rows))
+        kept = position[self.indices[:, 0]] >= 0
+        moved = np.concatenate([position[self.indices[kept, 0]][:, None], self.indices[kept, 1:]], axis=1)
+        order = np.lexsort(moved.T[::-1])
+        return tf.SparseTensor(moved[order], self.values[kept][order], (len(rows),) + self.shape[1:])
 
 
 def _rows_of(leaf, rows):
-    """The samples `rows` (indices, in order) of an array leaf. Of a
-    tf.SparseTensor, a SparseTensor of those rows with its entries in
-    row-major order, as fit()'s batches of it are."""
-    if not isinstance(leaf, tf.SparseTensor):
-        return leaf[rows]
-    indices, values = leaf.indices.numpy(), leaf.values.numpy()
-    position = np.full(int(leaf.dense_shape[0]), -1)
-    position[rows] = np.arange(len(rows))
-    kept = position[indices[:, 0]] >= 0
-    moved = np.concatenate([position[indices[kept, 0]][:, None], indices[kept, 1:]], axis=1)
-    order = np.lexsort(moved.T[::-1])
-    shape = [len(rows)] + [int(d) for d in leaf.dense_shape[1:]]
-    return tf.SparseTensor(moved[order], values[kept][order], shape)
+    """The samples `rows` (indices, in order) of an array leaf as `_host_array` keeps it."""
+    return leaf.rows(rows) if isinstance(leaf, _HostSparse) else leaf[rows]
+
+
+def sample_count(array):
+    """The number of samples (rows) of an array, of a tf.SparseTensor too."""
+    return int(array.shape[0]) if isinstance(array, tf.SparseTensor) else len(array)
+
+
+def row_slice(array, start, stop):
+    """Samples `start` to `stop` of an array; of a tf.SparseTensor, a SparseTensor."""
+    if isinstance(array, tf.SparseTensor):
+        shape = array.shape.as_list()
+        return tf.sparse.slice(array, [start] + [0] * (len(shape) - 1), [stop - start] + shape[1:])
+    return array[start:stop]
 
 
 class _Source:

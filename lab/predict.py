@@ -17,6 +17,7 @@ import tensorflow as tf
 from lab.arguments import check_number
 from lab.compat import reduce_per_replica
 from lab.devices import split_over_replicas, splits_batches
+from lab.feed import row_slice
 
 # model -> ((run_eagerly, jit_compile), function); kept off the model, which
 # the lab leaves as it found it, and weak so the model can be collected.
@@ -196,14 +197,6 @@ def _floatx(array):
     return array.astype(floatx) if array.dtype.kind == "f" and array.dtype != np.dtype(floatx) else array
 
 
-def _rows(array, start, size):
-    """Samples `start` to `start + size` of an array (of a tf.SparseTensor, a SparseTensor)."""
-    if isinstance(array, tf.SparseTensor):
-        shape = array.shape.as_list()
-        return tf.sparse.slice(array, [start] + [0] * (len(shape) - 1), [size] + shape[1:])
-    return array[start:start + size]
-
-
 def _array_batches(data, batch_size):
     leaves = tf.nest.flatten(data)
     count = int(leaves[0].shape[0])
@@ -217,7 +210,7 @@ def _array_batches(data, batch_size):
     def slices():
         for start in range(0, count, batch_size):
             # A slice is a view: no copy of the data set is made.
-            x = tf.nest.map_structure(lambda a: _rows(a, start, batch_size), data)
+            x = tf.nest.map_structure(lambda a: row_slice(a, start, start + batch_size), data)
             # As Keras' array adapter does: a tuple, so a list of inputs is
             # never read as (x, y) by predict_step; float arrays cast to the
             # backend's float type (`model.predict` casts them, a generator's

@@ -32,6 +32,7 @@ mean metric's totals and counts (`MeanParts`); the host takes the roots,
 the update ratios and the batch values, bit for bit as the step would.
 """
 
+import functools
 import threading
 import warnings
 
@@ -228,10 +229,14 @@ def is_mean(metric):
     read off its state. Not a Mean whose class computes its result otherwise
     (RootMeanSquaredError takes the root of its mean): its batch value would
     be the mean of its state, not its result on the batch."""
-    if not (isinstance(metric, keras.metrics.Mean) and hasattr(metric, "total") and hasattr(metric, "count")):
-        return False
-    defining = next(klass for klass in type(metric).__mro__ if "result" in vars(klass))
-    return defining is keras.metrics.Mean
+    return (isinstance(metric, keras.metrics.Mean) and hasattr(metric, "total") and hasattr(metric, "count")
+            and _results_as_mean(type(metric)))
+
+
+@functools.lru_cache(maxsize=None)
+def _results_as_mean(cls):
+    """Whether class `cls` takes its result from Mean (`total / count`)."""
+    return next(klass for klass in cls.__mro__ if "result" in vars(klass)) is keras.metrics.Mean
 
 
 def _keras_defines(cls, name):

@@ -263,8 +263,8 @@ class WatchedRun(StatusReporter, Run):
         self._given_set = frozenset(self._given)
         # A keras metric whose result is a vector (F1Score(average=None): one
         # value per class) gets a column per element, as in a Recorder's rows.
-        self._vectors = {name: _vector_length(metrics[name]) for name in self._given
-                         if _vector_length(metrics[name]) is not None}
+        lengths = {name: _vector_length(metrics[name]) for name in self._given}
+        self._vectors = {name: length for name, length in lengths.items() if length is not None}
         self._rows_kept = self.probe.rows_kept
         self.probe.freeze()
 

@@ -849,10 +849,8 @@ def test_bad_input_gets_a_clear_error():
 # ---- a step function of the user's own -------------------------------------------------
 
 
-def test_from_step_steps_a_hand_written_step_and_rewinds_it():
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
-    optimizer = keras.optimizers.Adam(0.01)
+def hand_written_step(model, optimizer):
+    """A hand-written loop's step: a tape, a sparse cross-entropy from logits, the optimizer's apply."""
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     def step(x, y):
@@ -860,6 +858,15 @@ def test_from_step_steps_a_hand_written_step_and_rewinds_it():
             loss = loss_fn(y, model(x, training=True))
         optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
         return {"loss": loss}
+
+    return step
+
+
+def test_from_step_steps_a_hand_written_step_and_rewinds_it():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    optimizer = keras.optimizers.Adam(0.01)
+    step = hand_written_step(model, optimizer)
 
     stepper = lab.Stepper.from_step(step, model, (X, Y), optimizers=[optimizer], batch_size=8, seed=0)
     first = stepper.step(2)
@@ -1450,15 +1457,7 @@ def test_from_step_compiles_the_step_as_the_loop_does_not_as_the_models_jit_comp
         model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(64, activation="tanh"), keras.layers.Dense(3)])
         model.compile(jit_compile=True)
         optimizer = keras.optimizers.Adam(1e-2)
-        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-        def step(xb, yb):
-            with tf.GradientTape() as tape:
-                loss = loss_fn(yb, model(xb, training=True))
-            optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
-            return {"loss": loss}
-
-        return model, optimizer, step
+        return model, optimizer, hand_written_step(model, optimizer)
 
     looped, _, step = made()
     compiled_step = tf.function(step)
