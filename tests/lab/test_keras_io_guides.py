@@ -1783,7 +1783,11 @@ GUIDES = {
     "conditional_gan": Guide(make_conditional_gan, _conditional_digits, own=("g_loss", "d_loss"), replay=False),
     "simsiam": Guide(make_simsiam, _two_views, own=("loss",)),
     "knowledge_distillation": Guide(make_distiller, _distillation, own=("loss", "sparse_categorical_accuracy")),
-    "vq_vae": Guide(make_vqvae_trainer, _vq_vae, own=("loss", "reconstruction_loss", "vqvae_loss")),
+    # Its total tracker sums the two others' losses as the VAE's does (RACY_ADDN): in one clean
+    # make test on TF 2.16 its History 'loss' came out 2 ulps from the bare one with every weight
+    # equal; 25 bare fits alone gave one rounding.
+    "vq_vae": Guide(make_vqvae_trainer, _vq_vae, own=("loss", "reconstruction_loss", "vqvae_loss"),
+                    racy={"loss": 3}),
     "masking_and_padding": Guide(make_masked_rnn, _padded, own=("loss", "accuracy")),
     "working_with_rnns": Guide(make_rnn_classifier, _padded, own=("loss", "accuracy")),
     # Its Dropouts draw from Keras' SeedGenerators, whose states the Stepper
