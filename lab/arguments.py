@@ -43,3 +43,23 @@ def check_seconds(call, argument, value, example):
     """`check_number` for a finite number of seconds, 0 or more (0: at every chance)."""
     check_number(call, argument, value, numbers.Real, lambda v: bool(np.isfinite(v)) and v >= 0,
                  "a number of seconds, 0 or more", example)
+
+
+CLASS_WEIGHT_EXAMPLE = "class_weight={0: 1.0, 1: 5.0}: each sample of class 1 weighs 5 in the loss"
+
+
+def check_class_weight(call, value):
+    """Raises unless `value` is None or what `fit(class_weight=...)` takes: a
+    dict from class indices (whole numbers, 0 or more) to finite weights."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise TypeError(f"{call}(class_weight=...) must be a dict from class index to weight; got "
+                        f"{type(value).__name__} {value!r} (e.g. {CLASS_WEIGHT_EXAMPLE}).")
+    for key, weight in value.items():
+        if isinstance(key, (bool, np.bool_)) or not isinstance(key, numbers.Integral) or key < 0:
+            raise ValueError(f"{call}(class_weight=...) has the key {key!r}: its keys must be class indices, "
+                             f"whole numbers 0 or more (e.g. {CLASS_WEIGHT_EXAMPLE}).")
+        if isinstance(weight, (bool, np.bool_)) or not isinstance(weight, numbers.Real) or not np.isfinite(weight):
+            raise ValueError(f"{call}(class_weight=...) gives class {key} the weight {weight!r}: each weight must "
+                             f"be a finite number (e.g. {CLASS_WEIGHT_EXAMPLE}).")

@@ -762,6 +762,25 @@ def array_batches(x, y=None, sample_weight=None, batch_size=32):
     return adapter.get_tf_dataset()
 
 
+def class_weights_as_sample_weights(y, class_weight):
+    """The sample weights `fit(x, y, class_weight=...)` gives arrays and a
+    PyDataset's batches: each sample its class's weight (Keras'
+    `data_adapter_utils.class_weight_to_sample_weights`, Keras 3.5 to 3.15:
+    the class of a one-hot or probability row is its argmax)."""
+    from keras.src.trainers.data_adapters import data_adapter_utils
+
+    return data_adapter_utils.class_weight_to_sample_weights(y, class_weight)
+
+
+def class_weight_map_fn(class_weight):
+    """The function `fit(dataset, class_weight=...)` maps over a
+    `tf.data.Dataset` to weight its batches (Keras'
+    `tf_dataset_adapter.make_class_weight_map_fn`, Keras 3.5 to 3.15)."""
+    from keras.src.trainers.data_adapters.tf_dataset_adapter import make_class_weight_map_fn
+
+    return make_class_weight_map_fn(class_weight)
+
+
 def reduce_per_replica(values, strategy, reduction):
     """The replicas' values of a `strategy.run` as Keras' TensorFlow trainer
     reduces them (`keras.src.backend.tensorflow.trainer.reduce_per_replica`,

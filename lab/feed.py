@@ -40,14 +40,17 @@ class Feed:
             Python's global `random`, as fit() does.
         steps_per_epoch: int or None, batches per epoch.
         position: tuple (epoch, batch) of the first item (to continue a fit()).
+        class_weight: dict or None, as `fit(class_weight=...)`: each `(x, y)`
+            batch gets its samples' class weights as its sample weights,
+            computed by Keras' own data adapters' code.
     """
 
     def __init__(self, data, batch_size=None, shuffle=True, seed=None, steps_per_epoch=None,
-                 position=(0, 0)):
+                 position=(0, 0), class_weight=None):
         if steps_per_epoch is not None and int(steps_per_epoch) < 1:
             raise ValueError(f"steps_per_epoch must be at least 1, got {steps_per_epoch}.")
         self.steps_per_epoch = None if steps_per_epoch is None else int(steps_per_epoch)
-        self._source = _source(data, batch_size, shuffle, seed)
+        self._source = _source(data, batch_size, shuffle, seed, class_weight)
         # Why the batches cannot come in the order fit() trains on, or None.
         self.order_note = self._source.order_note()
         self._replay = collections.deque()
@@ -201,13 +204,23 @@ def _floatx(value):
     return array
 
 
-def _source(data, batch_size, shuffle, seed):
+def _source(data, batch_size, shuffle, seed, class_weight=None):
     if isinstance(data, tf.data.Dataset):
+        if class_weight is not None:
+            # As fit() weights a dataset's batches; a batch with sample weights
+            # already, or several targets, is refused here, as fit() refuses it.
+            data = data.map(compat.class_weight_map_fn(class_weight))
         return _Reiterable(lambda: iter(data), "tf.data.Dataset", spec=data.element_spec)
     if isinstance(data, keras.utils.PyDataset):
-        return _PyDatasetSource(data, shuffle, seed)
+        return _PyDatasetSource(data, shuffle, seed, class_weight)
     if _is_arrays(data):
-        return _ArraySource(data, batch_size, shuffle, seed)
+        return _ArraySource(data, batch_size, shuffle, seed, class_weight)
+    if class_weight is not None and (hasattr(data, "__next__") or hasattr(data, "__iter__")):
+        raise ValueError(
+            f"class_weight cannot weight the batches of a {type(data).__name__}: fit() refuses it there too. "
+            "Give the arrays as (x, y) or a tf.data.Dataset, or yield (x, y, sample_weight) batches with each "
+            "sample's class weight."
+        )
     if hasattr(data, "__next__"):
         return _OneShot(data)
     if hasattr(data, "__iter__") and not isinstance(data, (str, bytes, dict)):
@@ -283,10 +296,12 @@ class _Source:
 class _ArraySource(_Source):
     FLOATX = True  # Keras' array slicing casts float arrays to floatx
 
-    def __init__(self, data, batch_size, shuffle, seed):
+    def __init__(self, data, batch_size, shuffle, seed, class_weight=None):
         if not (isinstance(data, tuple) and 1 <= len(data) <= 3):
             data = (data,)
         data = tuple(d for d in data if d is not None) if data[-1] is None else data
+        if class_weight is not None:
+            data = _class_weighted(data, class_weight)
         self.data = keras.tree.map_structure(_host_array, data)
         lengths = {}
         for name, part in zip(("x", "y", "sample_weight"), self.data):
@@ -324,6 +339,22 @@ class _ArraySource(_Source):
         return ValueError("The arrays hold no samples.")
 
 
+def _class_weighted(data, class_weight):
+    """Arrays `(x, y)` with each sample's class weight as its sample weight, as fit()'s array adapter weights them."""
+    if len(data) < 2:
+        raise ValueError("class_weight weighs each sample by its class in y, and the data has no targets: "
+                         "give (x, y), as fit(x, y, class_weight=...) takes them.")
+    if len(data) == 3:
+        raise ValueError("The data holds sample weights and class_weight is given too, which fit() refuses: "
+                         "give one of them (the sample weights may include the class weights).")
+    if keras.tree.is_nested(data[1]):
+        raise ValueError("class_weight weighs the samples of a model with one output; these targets are "
+                         f"a {type(data[1]).__name__} of several, as fit() refuses them too. Give each output's "
+                         "weights as sample weights instead: (x, y, sample_weight).")
+    y = data[1].to_numpy() if hasattr(data[1], "to_numpy") else np.asarray(data[1])
+    return data + (compat.class_weights_as_sample_weights(y, class_weight),)
+
+
 class _Reiterable(_Source):
     def __init__(self, make, kind, spec=None):
         self.make, self.kind, self.spec = make, kind, spec
@@ -339,8 +370,9 @@ class _Reiterable(_Source):
 
 
 class _PyDatasetSource(_Source):
-    def __init__(self, dataset, shuffle, seed):
+    def __init__(self, dataset, shuffle, seed, class_weight=None):
         self.dataset = dataset
+        self.class_weight = class_weight
         # Keras' PyDatasetAdapter shuffles with the global `random.shuffle`, so
         # a Random(seed) gives the order fit() trains on after
         # keras.utils.set_random_seed(seed) (which seeds Python's random).
@@ -376,7 +408,7 @@ class _PyDatasetSource(_Source):
             first = []
             for index in range(_BATCHES_FOR_SIGNATURE if count is None else min(count, _BATCHES_FOR_SIGNATURE)):
                 try:
-                    first.append(_from_pydataset(self.dataset[index]))
+                    first.append(self._batch(index))
                 except IndexError:
                     break
             self.spec = _merged_signature(first, data) if first else _any_batch_size(data)
@@ -400,10 +432,22 @@ class _PyDatasetSource(_Source):
                 self.random.shuffle(indices)  # as fit()'s adapter, as a pass starts
         for index in indices:
             try:
-                batch = self.dataset[index]
+                batch = self._batch(index)
             except IndexError:
                 return
-            yield _from_pydataset(batch)
+            yield batch
+
+    def _batch(self, index):
+        batch = _from_pydataset(self.dataset[index])
+        if self.class_weight is not None and isinstance(batch, (tuple, list)):
+            batch = tuple(batch)
+            # As Keras' PyDataset adapter weighs a batch (x, y); (x,) stays as it is.
+            if len(batch) == 3:
+                raise ValueError("The PyDataset's batches hold sample weights and class_weight is given too, "
+                                 "which fit() refuses: give one of them.")
+            if len(batch) == 2:
+                batch = batch + (compat.class_weights_as_sample_weights(batch[1], self.class_weight),)
+        return batch
 
     def empty_error(self, epoch):
         return ValueError("The PyDataset yields no batches.")

@@ -29,7 +29,7 @@ import pandas as pd
 import tensorflow as tf
 
 from lab import compat, schema
-from lab.arguments import check_flag, check_number
+from lab.arguments import check_class_weight, check_flag, check_number
 from lab.compat import reduce_per_replica, unscale_loss_for_distribution
 from lab.devices import split_over_replicas, splits_batches
 from lab.feed import Feed, to_numpy
@@ -183,6 +183,10 @@ class Stepper:
             `next_step` is set to it.
         start_batch: tuple (epoch, batch) of the first batch (to continue a
             fit() mid-epoch: metrics are reset only at a batch 0).
+        class_weight: dict or None, as `fit(class_weight=...)` takes it (class
+            index -> weight): each sample of `(x, y)` data, a dataset's or a
+            PyDataset's `(x, y)` batches, weighs its class's weight in the
+            loss and the weighted metrics, as in `fit()`.
 
     A model built under a MirroredStrategy with several replicas steps as a
     mirrored fit() does: each batch split over the replicas as tf.distribute
@@ -204,7 +208,7 @@ class Stepper:
 
     def __init__(self, model, data, batch_size=None, shuffle=True, seed=None, *, mode="eager",
                  history=16, steps_per_epoch=None, run=None, start_step=None, start_batch=(0, 0),
-                 _step_fn=None, _optimizers=(), _metrics=()):
+                 class_weight=None, _step_fn=None, _optimizers=(), _metrics=()):
         if not isinstance(model, keras.Model):
             raise TypeError(f"Stepper needs a keras.Model, got {type(model).__name__}.")
         if _step_fn is None and not getattr(model, "compiled", False):
@@ -219,10 +223,11 @@ class Stepper:
                 check_number("lab.Stepper", argument, value, numbers.Integral, lambda v: v >= 1,
                              "a whole number, 1 or more, or None", "32")
         check_flag("lab.Stepper", "shuffle", shuffle, "shuffle=False: the batches in the data's order")
+        check_class_weight("lab.Stepper", class_weight)
         _check_list_data(model, data)
         self.model = model
         self.feed = Feed(data, batch_size=batch_size, shuffle=shuffle, seed=seed,
-                         steps_per_epoch=steps_per_epoch, position=start_batch)
+                         steps_per_epoch=steps_per_epoch, position=start_batch, class_weight=class_weight)
         self.history = int(history)
         self.run = run
         self.mode = mode

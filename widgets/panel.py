@@ -17,7 +17,7 @@ import ipywidgets
 import keras
 import tensorflow as tf
 
-from lab.arguments import GRADIENTS_EXAMPLE, check_flag
+from lab.arguments import GRADIENTS_EXAMPLE, check_class_weight, check_flag
 from lab.breakpoints import as_breakpoints, nonfinite
 from lab.devices import devices
 from lab.stepper import Stepper
@@ -87,6 +87,7 @@ class Lab(ipywidgets.VBox):
         self.batch_size = _positive_int("batch_size", batch_size, optional=True)
         self.epochs = _positive_int("epochs", epochs)
         check_flag("widgets.Lab", "gradients", gradients, GRADIENTS_EXAMPLE)
+        check_class_weight("widgets.Lab", fit_options.get("class_weight"))
         self.validation_data = validation_data
         self.fit_options = fit_options
         self.breakpoints = [nonfinite()] if breakpoints is None else as_breakpoints(breakpoints)
@@ -224,7 +225,9 @@ class Lab(ipywidgets.VBox):
         if self.state in _ACTIVE:
             self._say("The stepper opens by hand only while no training runs; a breakpoint opens it on its batch.")
             return None
-        stepper = Stepper(self.model, self.data, batch_size=self.batch_size, shuffle=False)
+        # The batches fit() trains on: its class weights too, where the panel's fit() is given them.
+        stepper = Stepper(self.model, self.data, batch_size=self.batch_size, shuffle=False,
+                          class_weight=self.fit_options.get("class_weight"))
         self._set_stepper(StepperPanel(stepper, breakpoints=self.breakpoints))
         return self.stepper_panel
 

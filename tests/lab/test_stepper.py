@@ -1507,3 +1507,88 @@ def test_a_sparse_tensor_of_inputs_is_stepped_as_fit_batches_it(mode):
     np.testing.assert_array_equal(trace.x, tf.sparse.to_dense(x).numpy()[60:])
     report = lab.inspect_data(x, y, batch_size=12, model=sparse_model(), validation_split=0.25)
     assert report.ok and report.batches_per_epoch == 4  # 48 training samples
+
+
+# ---- class_weight, as fit() takes it ------------------------------------------
+
+CLASS_WEIGHT = {0: 1.0, 1: 4.0, 2: 0.5}
+
+
+class FortyByEight(keras.utils.PyDataset):
+    def __len__(self):
+        return 5
+
+    def __getitem__(self, index):
+        return X[index * 8:(index + 1) * 8], Y[index * 8:(index + 1) * 8]
+
+
+def weighted_model():
+    model = make_model()
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"],
+                  weighted_metrics=["accuracy"])
+    return model
+
+
+CLASS_WEIGHTED_DATA = {
+    "arrays": lambda: ((X, Y), 8),
+    "one-hot arrays": lambda: ((X, np.eye(3, dtype=np.float32)[Y]), 8),  # weighted by each row's argmax
+    "dataset": lambda: (tf.data.Dataset.from_tensor_slices((X, Y)).batch(8), None),
+    "pydataset": lambda: (FortyByEight(), None),
+}
+
+
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+@pytest.mark.parametrize("kind", list(CLASS_WEIGHTED_DATA))
+def test_class_weights_weigh_the_steps_as_they_weigh_fit(kind, mode):
+    # A user who fits an imbalanced set with class_weight steps the same
+    # batches: without it the Stepper's losses and updates were unweighted.
+    data, batch_size = CLASS_WEIGHTED_DATA[kind]()
+    fitted = weighted_model()
+    if kind == "one-hot arrays":
+        fitted.compile("adam", keras.losses.CategoricalCrossentropy(from_logits=True), metrics=["accuracy"],
+                       weighted_metrics=["accuracy"])
+    fitted.run_eagerly = mode == "eager"
+    recorder = lab.Recorder()
+    arrays = isinstance(data, tuple)
+    fitted.fit(*(data if arrays else (data,)), batch_size=batch_size, shuffle=False, verbose=0,
+               class_weight=CLASS_WEIGHT, callbacks=[recorder])
+    stepped = weighted_model()
+    if kind == "one-hot arrays":
+        stepped.compile("adam", keras.losses.CategoricalCrossentropy(from_logits=True), metrics=["accuracy"],
+                        weighted_metrics=["accuracy"])
+    run = lab.Run()
+    stepper = lab.Stepper(stepped, data, batch_size=batch_size, shuffle=False, mode=mode, run=run,
+                          class_weight=CLASS_WEIGHT)
+    stepper.step(5)
+    for got, expected in zip(stepped.weights + stepped.optimizer.variables,
+                             fitted.weights + fitted.optimizer.variables, strict=True):
+        np.testing.assert_array_equal(got.numpy(), expected.numpy())
+    for column in ("loss", "weighted_accuracy"):  # each batch's own, as the Recorder's rows of fit() hold them
+        np.testing.assert_array_equal(run.batches()[column], recorder.run.batches()[column])
+    trace = stepper.last_trace
+    np.testing.assert_array_equal(trace.sample_weight, [CLASS_WEIGHT[int(c)] for c in Y[32:]])
+
+
+@pytest.mark.parametrize("class_weight, error, message", [
+    ([1.0, 4.0], TypeError, r"class_weight=\.\.\.\) must be a dict from class index to weight; got list"),
+    ({"cat": 1.0}, ValueError, r"has the key 'cat': its keys must be class indices"),
+    ({-1: 1.0}, ValueError, r"has the key -1"),
+    ({0: float("nan")}, ValueError, r"gives class 0 the weight nan: each weight must be a finite number"),
+    ({0: "heavy"}, ValueError, r"gives class 0 the weight 'heavy'"),
+])
+def test_a_class_weight_that_is_not_a_map_of_classes_to_weights_is_refused_where_given(class_weight, error, message):
+    with pytest.raises(error, match=message):
+        lab.Stepper(make_model(), (X, Y), class_weight=class_weight)
+
+
+@pytest.mark.parametrize("data, message", [
+    (lambda: (X, Y, np.ones(40, np.float32)), "holds sample weights and class_weight is given too"),
+    (lambda: X, "the data has no targets"),
+    (lambda: (X, [Y, Y]), "a model with one output"),
+    (lambda: iter([(X, Y)]), "cannot weight the batches of a list_iterator: fit\\(\\) refuses it there too"),
+    (lambda: tf.data.Dataset.from_tensor_slices((X, Y, np.ones(40, np.float32))).batch(8),
+     "cannot `class_weight` and `sample_weight`"),  # Keras' own words, from the map fit() applies
+])
+def test_class_weights_on_data_fit_refuses_them_for_are_refused_by_the_stepper_too(data, message):
+    with pytest.raises(ValueError, match=message):
+        lab.Stepper(make_model(), data(), class_weight=CLASS_WEIGHT)

@@ -157,6 +157,21 @@ def test_step_here_opens_a_stepper_while_no_training_runs(panels):
     assert not isinstance(panel.tabs.children[2], widgets.StepperPanel)  # fit() moved the weights on
 
 
+def test_the_stepper_opened_by_hand_weighs_the_classes_as_the_panels_fit_does(panels):
+    # widgets.Lab(..., class_weight=...) passes it to fit(); a stepper opened
+    # on the same data stepped unweighted batches, another training.
+    class_weight = {0: 1.0, 1: 3.0, 2: 0.25}
+    panel = panels(class_weight=class_weight)
+    stepper = panel.open_stepper().stepper
+    stepper.step(BATCHES)
+    fitted = make_model()
+    fitted.fit(X, Y, batch_size=8, shuffle=False, verbose=0, class_weight=class_weight)
+    for got, expected in zip(panel.model.weights, fitted.weights, strict=True):
+        np.testing.assert_array_equal(got.numpy(), expected.numpy())
+    with pytest.raises(TypeError, match=r"widgets.Lab\(class_weight=...\) must be a dict"):
+        widgets.Lab(make_model(), (X, Y), class_weight=[1.0, 3.0, 0.25])
+
+
 def test_a_build_function_gives_the_device_picker_and_the_panel_trains_its_model(panels):
     built = []
 
