@@ -21,9 +21,9 @@ import numpy as np
 import pandas as pd
 import tensorflow as tf
 
-from lab.arguments import check_number
+from lab.arguments import check_class_weight, check_number
 from lab.devices import uneven_first_batch
-from lab.feed import Feed, row_slice, sample_count
+from lab.feed import ClassWeightError, Feed, row_slice, sample_count
 
 
 
@@ -113,7 +113,7 @@ class DataReport:
 
 
 def inspect_data(x, y=None, sample_weight=None, batch_size=None, model=None, validation_split=0.0,
-                 steps_per_epoch=None):
+                 steps_per_epoch=None, class_weight=None):
     """Describes the batches fit() would hand train_step, and checks them against a model.
 
     Takes the arguments as `fit()` takes them. A generator is read once: the
@@ -132,6 +132,10 @@ def inspect_data(x, y=None, sample_weight=None, batch_size=None, model=None, val
         validation_split: float in [0, 1), share of the arrays fit() holds out
             (the last examples).
         steps_per_epoch: int or None, as fit()'s.
+        class_weight: dict or None, as fit()'s: the batches carry each
+            example's class weight as its sample weight, as fit() weighs
+            them; for arrays, the report notes the classes of y that the
+            dict leaves at weight 1 and the classes it names that y lacks.
 
     Returns:
         `DataReport`: `print` it, `report.frame()` for the leaves,
@@ -150,6 +154,7 @@ def inspect_data(x, y=None, sample_weight=None, batch_size=None, model=None, val
                          "a whole number, 1 or more, or None", "32")
     check_number("lab.inspect_data", "validation_split", validation_split, numbers.Real, lambda v: 0 <= v < 1,
                  "a share of the examples in [0, 1)", "0.2: the last 20% are held out")
+    check_class_weight("lab.inspect_data", class_weight)
     report = DataReport(_form(x))
     if report.form != "arrays":
         _check_adapter_arguments(report, y, sample_weight, batch_size, validation_split)
@@ -158,8 +163,15 @@ def inspect_data(x, y=None, sample_weight=None, batch_size=None, model=None, val
         data = _training_arrays(report, x, y, sample_weight, validation_split)
         if data is None:
             return report
+        if class_weight is not None:
+            _note_class_weights(report, data, class_weight)
     try:
-        first = Feed(data, batch_size=batch_size, shuffle=False).next()
+        first = Feed(data, batch_size=batch_size, shuffle=False, class_weight=class_weight).next()
+    except ClassWeightError as error:
+        report.problems.append(Problem("class_weight", str(error),
+                                       "give fit() class_weight or sample weights, not both; with several outputs, "
+                                       "or a generator, each example's weight as its sample weight."))
+        return report
     except ValueError as error:
         report.problems.append(Problem("data", str(error), "give fit() data it can batch."))
         return report
@@ -252,6 +264,25 @@ def _training_arrays(report, x, y, sample_weight, validation_split):
         data = keras.tree.map_structure(
             lambda a: row_slice(a if isinstance(a, tf.SparseTensor) else np.asarray(a), 0, split_at), data)
     return data
+
+
+def _note_class_weights(report, data, class_weight):
+    """The classes of the training arrays' y that class_weight leaves at 1, and those it names that y lacks."""
+    if len(data) != 2 or keras.tree.is_nested(data[1]):
+        return  # the Feed refuses these, with fit()'s reason
+    y = np.asarray(data[1])
+    if y.ndim > 1:
+        y = np.argmax(y, axis=-1) if y.shape[-1] != 1 else np.squeeze(y, axis=-1)
+    classes, counts = np.unique(np.round(y).astype("int64"), return_counts=True)
+    unweighted = [f"{c} ({n} examples)" for c, n in zip(classes, counts) if int(c) not in class_weight]
+    if unweighted:
+        report.notes.append(f"class_weight gives no weight to class {', '.join(unweighted)}: fit() weighs "
+                            "those examples 1.0.")
+    absent = sorted(int(c) for c in class_weight if c not in set(int(c) for c in classes))
+    if absent:
+        report.notes.append(f"class_weight weighs class {', '.join(map(str, absent))}, which no training example "
+                            "has: check the class indices (y holds {}).".format(
+                                ", ".join(map(str, classes[:10])) + (", ..." if len(classes) > 10 else "")))
 
 
 def _weights_unlike_y(report, y, sample_weight):

@@ -24,6 +24,10 @@ from lab import compat
 
 Fed = collections.namedtuple("Fed", ["epoch", "batch", "data"])
 
+
+class ClassWeightError(ValueError):
+    """Data that fit() refuses to weigh by class_weight: sample weights too, several targets, no targets."""
+
 _END = (StopIteration, tf.errors.OutOfRangeError)
 
 
@@ -209,14 +213,17 @@ def _source(data, batch_size, shuffle, seed, class_weight=None):
         if class_weight is not None:
             # As fit() weights a dataset's batches; a batch with sample weights
             # already, or several targets, is refused here, as fit() refuses it.
-            data = data.map(compat.class_weight_map_fn(class_weight))
+            try:
+                data = data.map(compat.class_weight_map_fn(class_weight))
+            except ValueError as error:  # Keras' own words, as fit() raises them
+                raise ClassWeightError(str(error)) from None
         return _Reiterable(lambda: iter(data), "tf.data.Dataset", spec=data.element_spec)
     if isinstance(data, keras.utils.PyDataset):
         return _PyDatasetSource(data, shuffle, seed, class_weight)
     if _is_arrays(data):
         return _ArraySource(data, batch_size, shuffle, seed, class_weight)
     if class_weight is not None and (hasattr(data, "__next__") or hasattr(data, "__iter__")):
-        raise ValueError(
+        raise ClassWeightError(
             f"class_weight cannot weight the batches of a {type(data).__name__}: fit() refuses it there too. "
             "Give the arrays as (x, y) or a tf.data.Dataset, or yield (x, y, sample_weight) batches with each "
             "sample's class weight."
@@ -342,13 +349,13 @@ class _ArraySource(_Source):
 def _class_weighted(data, class_weight):
     """Arrays `(x, y)` with each sample's class weight as its sample weight, as fit()'s array adapter weights them."""
     if len(data) < 2:
-        raise ValueError("class_weight weighs each sample by its class in y, and the data has no targets: "
+        raise ClassWeightError("class_weight weighs each sample by its class in y, and the data has no targets: "
                          "give (x, y), as fit(x, y, class_weight=...) takes them.")
     if len(data) == 3:
-        raise ValueError("The data holds sample weights and class_weight is given too, which fit() refuses: "
+        raise ClassWeightError("The data holds sample weights and class_weight is given too, which fit() refuses: "
                          "give one of them (the sample weights may include the class weights).")
     if keras.tree.is_nested(data[1]):
-        raise ValueError("class_weight weighs the samples of a model with one output; these targets are "
+        raise ClassWeightError("class_weight weighs the samples of a model with one output; these targets are "
                          f"a {type(data[1]).__name__} of several, as fit() refuses them too. Give each output's "
                          "weights as sample weights instead: (x, y, sample_weight).")
     y = data[1].to_numpy() if hasattr(data[1], "to_numpy") else np.asarray(data[1])
@@ -443,7 +450,7 @@ class _PyDatasetSource(_Source):
             batch = tuple(batch)
             # As Keras' PyDataset adapter weighs a batch (x, y); (x,) stays as it is.
             if len(batch) == 3:
-                raise ValueError("The PyDataset's batches hold sample weights and class_weight is given too, "
+                raise ClassWeightError("The PyDataset's batches hold sample weights and class_weight is given too, "
                                  "which fit() refuses: give one of them.")
             if len(batch) == 2:
                 batch = batch + (compat.class_weights_as_sample_weights(batch[1], self.class_weight),)

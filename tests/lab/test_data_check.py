@@ -417,3 +417,31 @@ def test_error_line_finds_the_message_of_a_graph_error_below_its_traceback(array
         model.fit(*arrays, batch_size=32, epochs=1, verbose=0)
     line = lab.data_check.error_line(caught.value)
     assert line.startswith("Incompatible shapes") and "[Op:" not in line and "File" not in line
+
+
+def test_class_weights_reach_the_batch_and_the_classes_they_miss_are_named(arrays):
+    x, y = arrays  # classes 0, 1, 2
+    report = lab.inspect_data(x, y, batch_size=10, model=classifier(), class_weight={0: 1.0, 1: 4.0, 7: 2.0})
+    assert report.ok and report.structure == "(x, y, sample_weight)"
+    np.testing.assert_array_equal(report.batch[2], [{0: 1.0, 1: 4.0}.get(int(c), 1.0) for c in y[:10]])
+    notes = " ".join(report.notes)
+    assert "no weight to class 2 (33 examples): fit() weighs those examples 1.0" in notes
+    assert "weighs class 7, which no training example has" in notes
+
+
+@pytest.mark.parametrize("data", [
+    lambda x, y: dict(x=x, y=y, sample_weight=np.ones(len(y), np.float32)),
+    lambda x, y: dict(x=tf.data.Dataset.from_tensor_slices((x, y, np.ones(len(y), np.float32))).batch(10)),
+    lambda x, y: dict(x=iter([(x[:10], y[:10])])),
+    lambda x, y: dict(x=x, y=[y, y]),
+], ids=["arrays with sample weights", "dataset with sample weights", "generator", "two targets"])
+def test_class_weights_on_data_fit_refuses_them_for_are_a_problem_named_with_its_fix(arrays, data):
+    report = lab.inspect_data(**data(*arrays), class_weight={0: 2.0})
+    only_problem(report, "class_weight")
+    assert "class_weight" in report.problems[0].message or "sample weights" in report.problems[0].message
+    assert _fit_fails(classifier(), **data(*arrays), class_weight={0: 2.0})
+
+
+def test_a_class_weight_that_is_not_a_dict_is_refused_where_given(arrays):
+    with pytest.raises(TypeError, match=r"lab.inspect_data\(class_weight=...\) must be a dict"):
+        lab.inspect_data(*arrays, class_weight=[1.0, 2.0])
