@@ -101,9 +101,16 @@ NO_LOSS_NOTE = (
     "Call self.compute_loss(...) in the step, or stop on a logged value with a Python "
     "breakpoint: lab.Breakpoint(lambda row: row['g_loss'] > 10).")
 
+NO_UPDATE_NOTE = (
+    "{variables}: trainable, but no optimizer updates them in this train step (no gradient reaches "
+    "them, as Keras' \"Gradients do not exist\" warning says: a layer no loss depends on, an output "
+    "compiled with no loss; or the step hands them to no optimizer). They are not trained, and have "
+    "no gradient, weight-norm or update-ratio values. Training is not affected.")
+
 # The run's warning for each kind of `Probe.trace_notes`.
 TRACE_NOTES = {"regrouped": REGROUPED_NOTE, "changed_after": CHANGED_AFTER_NOTE, "random": RANDOM_NOTE,
-               "update_step": UPDATE_STEP_NOTE, "no_loss": NO_LOSS_NOTE, "uncalled": UNCALLED_NOTE}
+               "update_step": UPDATE_STEP_NOTE, "no_loss": NO_LOSS_NOTE, "uncalled": UNCALLED_NOTE,
+               "no_update": NO_UPDATE_NOTE}
 
 ALREADY_WATCHED = (
     "This model is already watched by another lab Recorder or Dashboard. "
@@ -389,6 +396,9 @@ class StepState:
         self.forward_state = []  # (variable, value before the step) the forward pass may assign
         self.local_batch_size = None  # this replica's share of the batch
         self.kept_out = []  # per gated apply: whether its update was kept out
+        self.kept_out_of = []  # per gated apply: (whether its update was kept out, the weights it updates)
+        self.weights_at_start = []  # (trainable variable, its value as the step began), under device breakpoints
+        self.updated = set()  # the keys of the variables an optimizer's update step took
         self.loss_scaling = LossScalingSeen()  # what Keras' loss scaling did in the step (replicas only)
 
     def nested(self):
@@ -486,6 +496,9 @@ class Probe:
             container = getattr(model, "_compile_metrics", None)
             if container is not None and hasattr(container, "build"):
                 self._patch(container, "update_state", lambda inner, c=container: self._wrap_metrics_update(c, inner))
+            compiled_loss = getattr(model, "_compile_loss", None)
+            if compiled_loss is not None and not getattr(compiled_loss, "built", True):
+                self._patch(compiled_loss, "build", self._wrap_loss_build)
             optimizers = find_optimizers(model)
             self._optimizer_names = list(optimizers)
             for name, optimizer in optimizers.items():
@@ -536,6 +549,8 @@ class Probe:
                 totals = state.totals = probe._metric_totals()
                 if probe.breakpoints:
                     state.forward_state = [(v, read_value(v)) for v in probe._forward_state_variables()]
+                    # Reads alias the weights' buffers: no copy unless the step assigns them.
+                    state.weights_at_start = [(v, read_value(v)) for v in probe.model.trainable_variables]
                 if _replica_context() is None:
                     logs = original(data)
                 else:
@@ -546,6 +561,7 @@ class Probe:
                     if not tf.executing_eagerly():
                         for name in stateful_random_ops(tf.compat.v1.get_default_graph()):
                             probe.trace_notes["random"].setdefault(name, "")
+                        probe._note_not_updated(state)
                     probe._record(state, totals, logs, _batch_size(data))
                 except Exception as error:  # noqa: BLE001 - training never dies of the lab
                     probe._could_not_record(error)
@@ -578,6 +594,16 @@ class Probe:
             run.metadata[key] = "\n".join(told + new)
             what = " and ".join(sorted({found[name] for name in new}))
             run.add_event("warning", TRACE_NOTES[kind].format(variables=shown_names(new), what=what), step=step)
+
+    def _note_not_updated(self, state):
+        """Notes (at trace time, where every branch of the step is traced: an
+        update gradient accumulation or a loss scale holds back is traced too)
+        the trainable variables no optimizer's update step took."""
+        if not (self.gradients or self.weights):
+            return
+        for key in self._keys(self.model.trainable_variables):
+            if key not in state.updated:
+                self.trace_notes["no_update"].setdefault(key, "")
 
     def _note_regrouped(self, variables, grads):
         """Notes (at trace time, the update built) the variables whose update
@@ -632,15 +658,36 @@ class Probe:
             state = getattr(probe._local, "state", None)
             if state is not None and not container.built:
                 container.build(y_true, y_pred)
-                skip = probe._unread_tracker()
-                for metric in leaf_metrics(probe.model).values():
-                    if is_mean(metric) and id(metric) not in state.totals and metric is not skip:
-                        state.totals[id(metric)] = (tf.convert_to_tensor(metric.total.value),
-                                                    tf.convert_to_tensor(metric.count.value))
-                        probe._patch(metric, "result", lambda inner, metric=metric: probe._wrap_result(metric, inner))
+                probe._read_new_means(state)
             return original(y_true, y_pred, sample_weight)
 
         return update_state
+
+    def _wrap_loss_build(self, original):
+        """The compiled loss of a model with several outputs builds a tracker
+        per output (`<output>_loss`, Keras' `CompileLoss.build`) in the first
+        traced step, just before it updates them: their totals are read as
+        they are made, so that their columns hold each batch's own value, as
+        the other means' do."""
+        probe = self
+
+        def build(*args, **kwargs):
+            result = original(*args, **kwargs)
+            state = getattr(probe._local, "state", None)
+            if state is not None:
+                probe._read_new_means(state)
+            return result
+
+        return build
+
+    def _read_new_means(self, state):
+        """Reads the totals of the mean metrics made inside this step, before their first update."""
+        skip = self._unread_tracker()
+        for metric in leaf_metrics(self.model).values():
+            if is_mean(metric) and id(metric) not in state.totals and metric is not skip:
+                state.totals[id(metric)] = (tf.convert_to_tensor(metric.total.value),
+                                            tf.convert_to_tensor(metric.count.value))
+                self._patch(metric, "result", lambda inner, metric=metric: self._wrap_result(metric, inner))
 
     def _wrap_compute_loss(self, original):
         probe = self
@@ -789,6 +836,7 @@ class Probe:
                     probe._note_overflow(state, overflowed)
                 if not state.nested():
                     state.kept_out.append(tf.logical_or(skip, overflowed))
+                    state.kept_out_of.append((state.kept_out[-1], variables))
                 probe._emit(state, f"_applied/{name}", 1.0 - tf.cast(tf.logical_or(skip, overflowed), tf.float32),
                             reset=0.0, accumulate=True)
             else:
@@ -809,6 +857,7 @@ class Probe:
                 ctx.merge_call(merged, args=(skip, grads, trainable_variables, state))
                 if not state.nested():
                     state.kept_out.append(skip)
+                    state.kept_out_of.append((skip, variables))
                 probe._emit(state, f"_applied/{name}", 1.0 - tf.cast(skip, tf.float32), reset=0.0, accumulate=True)
 
         return apply
@@ -828,17 +877,37 @@ class Probe:
     def _keep_out_forward_state(self, state):
         """Where a device breakpoint kept the step's update out, puts back
         what its forward pass assigned too (moving statistics that a NaN
-        batch made NaN), after anything the step did with them (an EMA copy)."""
-        if not (state.forward_state and state.kept_out):
+        batch made NaN), after anything the step did with them (an EMA copy);
+        and the weights whose every update in the step was kept out, as the
+        step began: a step may assign weights itself, outside the optimizer
+        (SpectralNormalization renormalizes its kernel in the forward pass;
+        sharpness-aware minimization adds a NaN batch's perturbation to every
+        weight and takes it off again, leaving NaN)."""
+        if not state.kept_out:
             return
         kept_out = tf.reduce_any(tf.stack(state.kept_out))
+        groups = {}  # the applies that update a weight -> [(weight, value at the step's start)]
+        for variable, value in state.weights_at_start:
+            covering = tuple(i for i, (_, updated) in enumerate(state.kept_out_of)
+                             if any(v is variable for v in updated))
+            if covering:
+                groups.setdefault(covering, []).append((variable, value))
 
         def put_back():
             for variable, value in state.forward_state:
                 variable.assign(value)
+            for covering, pairs in groups.items():
+                def restore(pairs=pairs):
+                    for variable, value in pairs:
+                        variable.assign(value)
+                    return tf.constant(True)
+
+                every = tf.reduce_all(tf.stack([state.kept_out_of[i][0] for i in covering]))
+                tf.cond(every, restore, lambda: tf.constant(False))
             return tf.constant(True)
 
-        tf.cond(kept_out, put_back, lambda: tf.constant(False))
+        if state.forward_state or groups:
+            tf.cond(kept_out, put_back, lambda: tf.constant(False))
 
     def _state_variables(self, optimizer, trainable_variables):
         """The variables one update may change: the weights it updates and
@@ -1033,6 +1102,7 @@ class Probe:
         self._emit(state, f"_updates/{name}", 1.0, reset=0.0, accumulate=True)
         if not (self.gradients or self.weights):
             return
+        state.updated.update(self._keys(variables))
         record_gradients = self.gradients and not state.batch_gradients
         keys = self._keys(variables)
         present = []

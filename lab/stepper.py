@@ -850,7 +850,11 @@ class Stepper:
         trace.no_gradient = list(capture.no_gradient)
         row = {}
         if "loss" in outputs:
-            row["loss"] = float(np.mean(np.asarray(outputs["loss"])))
+            # An unreduced loss (reduction=None) averaged by TensorFlow's kernel,
+            # as the Recorder's row and Keras' tracker average it (NumPy's
+            # pairwise sum ended an ulp away).
+            loss = np.asarray(outputs["loss"])
+            row["loss"] = float(loss if loss.ndim == 0 else tf.reduce_mean(tf.cast(loss, tf.float32)))
         # The metric whose result the step returned under a name, else the
         # one of that name: the Recorder's rule (a tracker may be logged
         # under another name than its own).
