@@ -93,7 +93,7 @@ def conv2d():
 
 
 def conv3d():
-    return stack((4, 4, 4, 1), [L.Conv3D(2, 2, activation="relu"), L.AveragePooling3D()], normal(4, 4, 4, 1))
+    return stack((4, 4, 4, 1), [L.Conv3D(2, 2, activation="relu"), L.AveragePooling3D(2)], normal(4, 4, 4, 1))
 
 
 def conv2d_transpose():
@@ -116,14 +116,20 @@ def simple_rnn_and_gru_sequences():
 
 
 def bidirectional():
-    return stack((5, 3), [L.Bidirectional(L.GRU(3, return_sequences=True)), L.Bidirectional(L.LSTM(3))],
+    return stack((5, 3), [L.Bidirectional(L.GRU(3, return_sequences=True)), L.GlobalAveragePooling1D()],
                  normal(5, 3))
 
 
 def stateful_lstm():
     # States carried from batch to batch: the batch size is fixed.
-    return stack((5, 3), [L.LSTM(4, stateful=True, return_sequences=True), L.GRU(3, stateful=True)],
-                 normal(5, 3), batch_size=BATCH)
+    return stack((5, 3), [L.LSTM(4, stateful=True)], normal(5, 3), batch_size=BATCH)
+
+
+def frozen_and_lora():
+    lora = L.Dense(8, name="lora")
+    lora.build((None, 8))
+    lora.enable_lora(2)  # the kernel frozen, two low-rank factors trained
+    return stack((8,), [L.Dense(8, trainable=False), lora], normal(8))
 
 
 def conv_lstm2d():
@@ -230,11 +236,12 @@ CASES = {
     "Embedding(mask_zero)+LSTM": embedding_masked_lstm,
     "SimpleRNN+GRU(return_sequences)": simple_rnn_and_gru_sequences,
     "Bidirectional": bidirectional,
-    "stateful LSTM+GRU": stateful_lstm,
+    "stateful LSTM": stateful_lstm,
     "ConvLSTM2D": conv_lstm2d,
     "TimeDistributed": time_distributed,
     "MultiHeadAttention": attention(lambda: L.MultiHeadAttention(2, key_dim=2)),
     "GroupQueryAttention": attention(gqa),
+    "frozen Dense+LoRA Dense": frozen_and_lora,
     "BatchNormalization": batch_normalization,
     "Layer+Group+UnitNormalization": normalizations,
     "RMSNormalization": rms_normalization,
@@ -336,7 +343,8 @@ def test_each_keras_layer_steps_as_fit_and_replays_after_a_rewind(name):
     initial = state(model, optimizer=False)
     stepper = lab.Stepper(model, data, batch_size=BATCH, shuffle=False, mode="graph")
     stepper.step(BATCHES)
-    assert stepper.last_trace.error is None
+    trace = stepper.last_trace
+    assert trace.error is None and set(trace.gradients) >= {v.path for v in model.trainable_variables}
     assert not differing(model, first_epoch), "the steps parted from fit()'s first epoch"
     stepper.rewind(BATCHES)
     assert not differing(model, initial, optimizer=False), "the rewind left these as they were"
