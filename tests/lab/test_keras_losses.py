@@ -26,6 +26,9 @@ import pytest
 
 import lab
 
+# A model whose one output has no loss: bare fit() warns that its weights get no gradient.
+pytestmark = pytest.mark.filterwarnings("ignore:Gradients do not exist:UserWarning")
+
 L = keras.losses
 BATCHES, BATCH = 4, 16
 N = BATCHES * BATCH
@@ -353,6 +356,16 @@ def test_each_loss_trains_as_bare_fit_with_a_recorder(name):
     epochs = recorder.run.epochs()
     for key, values in bare_history.items():
         assert list(epochs[key]) == pytest.approx(values, rel=1e-6), key
+    rows = recorder.run.batches()
+    assert np.isfinite(rows["grad_norm"]).all() and (rows["grad_norm"] > 0).all()
+    for variable in model.trainable_variables:
+        if name == "outputs/one_without_loss" and variable.path.startswith("clf/"):
+            continue  # no loss reaches it: no gradient, no update, no columns
+        column = f"weight_norm/{variable.path}"
+        assert column in rows and np.isfinite(rows[column]).all(), f"{column} is missing or not finite"
+    if name == "policy/mixed_float16":
+        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)  # what compile() made
+        assert rows["grad_norm"].iloc[0] < 100, "the gradient norm is the scaled loss's"
 
 
 @pytest.mark.parametrize("name", marked(case_params(), XFAIL))
