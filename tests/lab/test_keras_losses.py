@@ -161,7 +161,9 @@ def single(name, sample_weight=False, class_weight=False):
 # ---- multi-output and other models ---------------------------------------------------------------
 
 def two_outputs(loss, loss_weights=None, as_dict=False, sample_weight=False):
-    """A regressor and a three-class classifier on one trunk, outputs `reg` and `clf`."""
+    """A regressor and a three-class classifier on one trunk, outputs `reg` and
+    `clf`; `as_dict`: the model's outputs and the targets are dicts by name
+    (Keras 3.5 pairs a dict of targets with a list of outputs out of order)."""
     x = features()
     y = [targets("regression", x), targets("onehot", x)]
     if as_dict:
@@ -173,7 +175,7 @@ def two_outputs(loss, loss_weights=None, as_dict=False, sample_weight=False):
         hidden = keras.layers.Dense(8, activation="relu", name="hidden")(inputs)
         outputs = [keras.layers.Dense(1, name="reg")(hidden),
                    keras.layers.Dense(3, activation="softmax", name="clf")(hidden)]
-        model = keras.Model(inputs, outputs)
+        model = keras.Model(inputs, dict(zip(["reg", "clf"], outputs)) if as_dict else outputs)
         model.compile(keras.optimizers.Adam(0.01), loss, loss_weights=loss_weights)
         return model
 
@@ -293,7 +295,12 @@ def bare(name):
     if name not in _BARE:
         case = CASES[name]()
         logs = BatchLogs()
-        model, history = fitted(*case, [logs])
+        try:
+            model, history = fitted(*case, [logs])
+        except ValueError as error:
+            if name == "outputs/one_without_loss" and "No loss to compute" in str(error):
+                pytest.skip(f"bare fit() of Keras {keras.__version__} takes no output without a loss: {error}")
+            raise
         _BARE[name] = case, model, history, logs
     return _BARE[name]
 
