@@ -67,7 +67,7 @@ def targets(kind, x):
 
 # ---- single-output cases ---------------------------------------------------------------------------
 
-# name -> (loss factory, target kind, output units, output activation, fit extras)
+# name -> (loss factory, target kind, output units, output activation ("unit": UnitNormalization))
 SINGLE = {
     "MeanSquaredError": (lambda: L.MeanSquaredError(), "regression", 1, None),
     "MeanAbsoluteError": (lambda: L.MeanAbsoluteError(), "regression", 1, None),
@@ -322,7 +322,8 @@ def check_losses(rows, keras_rows, running, epochs=2):
             np.testing.assert_array_equal(values, logged, err_msg=f"{key}: listed as running, not Keras' value")
             continue
         first = np.arange(epochs * BATCHES) % BATCHES == 0
-        np.testing.assert_array_equal(values[first], logged[first], err_msg=f"{key}: a first batch's loss is not Keras'")
+        np.testing.assert_array_equal(values[first], logged[first],
+                                      err_msg=f"{key}: a first batch's loss is not Keras'")
         mean = np.concatenate([np.cumsum(v) / np.arange(1, BATCHES + 1) for v in values.reshape(epochs, BATCHES)])
         np.testing.assert_allclose(mean, logged, rtol=2e-6, err_msg=f"{key}: the rows' running mean is not Keras'")
 
