@@ -133,10 +133,19 @@ class BreakpointHit(Exception):
         skipped: bool, whether the step's update was kept out of the weights.
     """
 
-    def __init__(self, step, breakpoint, detail, skipped):
+    def __init__(self, step, breakpoint, detail, skipped, not_finite=()):
         self.step, self.breakpoint, self.detail, self.skipped = step, breakpoint, detail, skipped
-        then = ("the update was skipped, the weights are as before this step" if skipped
-                else "this step's update is in the weights")
+        if not skipped:
+            then = "this step's update is in the weights"
+        elif not_finite:
+            # The step assigned them itself, outside the optimizer: the gate
+            # keeps out the optimizer's update, which the lab sees, not the
+            # step's own assignments, which it does not.
+            then = (f"the update was skipped, but the step itself made {', '.join(not_finite)} not finite "
+                    "outside the optimizer (as a sharpness-aware step's perturbation does on a NaN batch): "
+                    "restore them before going on")
+        else:
+            then = "the update was skipped, the weights are as before this step"
         super().__init__(f"{breakpoint} at step {step}: {then}. Catch lab.BreakpointHit to stop "
                          "or go on; run.events() has the event.")
 
@@ -348,9 +357,14 @@ class WatchedRun(StatusReporter, Run):
     def _device_hit(self, index, number):
         point = self.probe.breakpoints[number - 1]
         detail = f"{point.name} at step {index}; update skipped"
+        # Read on the hit only: weights the step assigned itself are not the gate's to keep out.
+        not_finite = [variable.path for variable in self.probe.model.trainable_variables
+                      if "float" in str(variable.dtype) and not np.isfinite(keras.ops.convert_to_numpy(variable)).all()]
+        if not_finite:
+            detail += f"; not finite, assigned by the step outside the optimizer: {', '.join(not_finite)}"
         self.add_event("nonfinite" if point.name == "nonfinite" else "breakpoint", detail, step=index)
         self.probe.release()
-        raise BreakpointHit(index, point.name, detail, skipped=True)
+        raise BreakpointHit(index, point.name, detail, skipped=True, not_finite=not_finite)
 
     def _check_ungated(self, raw):
         first = self.probe.first_ungated(raw)

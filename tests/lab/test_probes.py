@@ -1299,3 +1299,66 @@ def test_a_nonfinite_hit_keeps_the_batch_out_of_dropouts_seed_state_and_training
     for m in (model, bare):
         m.fit(x[20:], y[20:], batch_size=4, shuffle=False, verbose=0)
     assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), bare.get_weights()))
+
+
+class _SharpnessAware(keras.Model):
+    """A sharpness-aware minimization step (Foret et al., 2021) as users write
+    it in Keras (the SAMModel of the public lihachev9/CAPTCHA repository, in
+    Keras 3 form): the step moves every weight up its gradient by e_w, takes
+    the gradient there, moves the weights back and applies that gradient."""
+
+    def __init__(self, rho=0.05):
+        super().__init__(name="sam")
+        self.rho = rho
+        self.hidden = keras.layers.Dense(8, activation="relu")
+        self.out = keras.layers.Dense(3)
+
+    def call(self, x, training=False):
+        return self.out(self.hidden(x))
+
+    def train_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x, y, self(x, training=True), sample_weight)
+        gradients = tape.gradient(loss, self.trainable_variables)
+        scale = self.rho / (tf.norm(tf.stack([tf.norm(g) for g in gradients])) + 1e-12)
+        e_ws = []
+        for gradient, weight in zip(gradients, self.trainable_variables):
+            e_ws.append(gradient * scale)
+            weight.assign_add(e_ws[-1])
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(x, y, y_pred, sample_weight)
+        sam_gradients = tape.gradient(loss, self.trainable_variables)
+        for weight, e_w in zip(self.trainable_variables, e_ws):
+            weight.assign_sub(e_w)
+        self.optimizer.apply_gradients(zip(sam_gradients, self.trainable_variables))
+        return self.compute_metrics(x, y, y_pred, sample_weight)
+
+
+def test_a_nonfinite_hit_keeps_out_what_the_step_itself_assigned_to_the_weights():
+    # A NaN batch makes SAM's e_w NaN: the step's own assign_add and
+    # assign_sub leave every weight NaN before the optimizer's update, which
+    # the gate kept out. The run said "update skipped" over a NaN model.
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 5)).astype("float32"), rng.integers(0, 3, size=(64,))
+    bad = x.copy()
+    bad[37, 1] = np.nan  # batch 2 of 4
+
+    def build():
+        keras.utils.set_random_seed(1)
+        model = _SharpnessAware()
+        model.compile(keras.optimizers.Adam(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model(x[:1])
+        return model
+
+    model, good = build(), build()
+    rec = lab.Recorder(breakpoints=[lab.breakpoints.nonfinite()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the step updates no loss tracker: the lab says so
+        model.fit(bad, y, batch_size=16, shuffle=False, verbose=0, callbacks=[rec])
+        good.fit(x[:32], y[:32], batch_size=16, shuffle=False, verbose=0)  # the batches before the hit
+    assert rec.run.events().query("kind == 'nonfinite'")["step"].tolist() == [2]
+    for got, expected in zip(model.weights + model.optimizer.variables, good.weights + good.optimizer.variables,
+                             strict=True):
+        np.testing.assert_array_equal(got.numpy(), expected.numpy())

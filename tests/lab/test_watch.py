@@ -190,6 +190,43 @@ def test_a_nonfinite_hit_raises_at_its_step_without_a_device_read_per_step(digit
     assert list(run.batches()["updated"]) == [1, 1, 1, 1, 0, 1]
 
 
+def test_a_hit_on_a_step_that_made_its_weights_not_finite_itself_says_so(digits):
+    # A sharpness-aware step moves every weight up its gradient and back, by
+    # hand: on a NaN batch the weights are NaN before the optimizer's update,
+    # which the gate kept out. The hit said "the weights are as before this step".
+    model, optimizer = make_mlp(), keras.optimizers.Adam(1e-3)
+
+    @tf.function
+    def sharpness_aware_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = keras.losses.sparse_categorical_crossentropy(y, model(x, training=True), from_logits=True)
+        grads = tape.gradient(loss, model.trainable_variables)
+        scale = 0.05 / (tf.linalg.global_norm(grads) + 1e-12)
+        for grad, weight in zip(grads, model.trainable_variables):
+            weight.assign_add(grad * scale)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, model(x, training=True),
+                                                                              from_logits=True))
+        sharp = tape.gradient(loss, model.trainable_variables)
+        for grad, weight in zip(grads, model.trainable_variables):
+            weight.assign_sub(grad * scale)
+        optimizer.apply_gradients(zip(sharp, model.trainable_variables))
+        return loss
+
+    (x, y), (bad, y2) = batches(*digits, 2)
+    bad = bad.copy()
+    bad[0, 0] = np.nan
+    with pytest.raises(lab.BreakpointHit) as hit:
+        with lab.watch(model, optimizer, breakpoints=[lab.breakpoints.nonfinite()]) as run:
+            run.step(loss=sharpness_aware_step(x, y))
+            run.step(loss=sharpness_aware_step(bad, y2))
+    names = ", ".join(v.path for v in model.trainable_variables)
+    assert hit.value.skipped and f"the step itself made {names} not finite outside the optimizer" in str(hit.value)
+    assert "as before this step" not in str(hit.value)
+    assert run.events()["detail"].tolist() == [f"nonfinite at step 1; update skipped; not finite, assigned by "
+                                               f"the step outside the optimizer: {names}"]
+
+
 def test_an_ungated_step_beside_a_gated_one_is_reported_when_the_rows_are_read(digits):
     # The gated step tells its hits, so the run reads no row per step; a step
     # traced before breakpoints were asked for is found in the rows instead.
