@@ -17,8 +17,9 @@ stepped by a graph `lab.Stepper`:
   says they may (Grappler's regrouping, `lab.probes.REGROUPED_NOTE`);
 - every trainable variable has its gradient, weight-norm and update-ratio
   values in every row; one the loss does not reach (a Dense before a
-  Discretization: Keras warns that it gets no gradient) trains as bare, and
-  its gradient column is missing (NaN) in every row, not zero;
+  Discretization: Keras warns that it gets no gradient) trains as bare, its
+  gradient column is missing (NaN) in every row, not zero, and the run says
+  that no optimizer updates it (`lab.probes.NO_UPDATE_NOTE`);
 - the Stepper's steps end where fit()'s first epoch ends, a rewind puts back
   every variable, and the steps taken again end there again, silently;
 - a `nonfinite()` hit at a NaN batch ends fit() with the model of the good
@@ -267,6 +268,7 @@ LATER = {"RMSNormalization": "RMSNormalization", "GroupQueryAttention": "GroupQu
 # Layers whose forward pass assigns variables, for the nonfinite() hit
 # (BatchNormalization's and a stateful RNN's are checked in test_probes.py).
 ASSIGNING = ["SpectralNormalization", "Dropout+GaussianNoise+GaussianDropout+AlphaDropout"]
+
 
 def params():
     return [pytest.param(name, marks=pytest.mark.skipif(not hasattr(L, LATER[name]),

@@ -16,8 +16,9 @@ each case, a small model is fit from the same weights bare and with
   is the batch's own value, as a fit() that resets its metrics at every
   batch logs it, and its running mean over the epoch is the value Keras
   logs; the epoch table holds History's values;
-- the Stepper's four steps end with the state of fit()'s first epoch, and
-  its rows' losses are fit()'s per-batch losses.
+- the Stepper's four steps (given fit()'s `class_weight` too) end with the
+  state of fit()'s first epoch, and its rows' losses are fit()'s per-batch
+  losses.
 """
 
 import keras
@@ -380,14 +381,9 @@ def test_each_loss_has_its_columns_each_batchs_own_or_listed_as_running(name):
 def test_each_loss_steps_as_fits_first_epoch(name):
     case, _, _, logs = bare(name)
     make, data, extras = case
-    if "class_weight" in extras:
-        # The Stepper takes no class_weight: the data carries fit()'s weights
-        # as sample weights (what fit() turns class_weight into).
-        x, y = data
-        data = (x, y, np.vectorize(extras["class_weight"].get)(np.asarray(y).reshape(N, -1)[:, 0]).astype("float32"))
     model = make()
     run = lab.Run()
-    stepper = lab.Stepper(model, data, batch_size=BATCH, shuffle=False, mode="graph", run=run)
+    stepper = lab.Stepper(model, data, batch_size=BATCH, shuffle=False, mode="graph", run=run, **extras)
     trace = stepper.step(BATCHES)
     assert trace.error is None, trace.traceback
     assert state(model) == logs.first_epoch, "the Stepper parted from fit()'s weights"
