@@ -7,7 +7,7 @@ environment replaced by `DriftWorld`, a tiny deterministic numpy environment:
   epsilon-greedy actions drawn with numpy's global random numbers, a replay
   history of lists trimmed to its maximum length, a target network read with
   `predict` and copied from the model with `set_weights` every N frames, a
-  `one_hot` action mask, the Huber loss, Adam with `clipnorm=1.0`, and an
+  `one_hot` action mask, the Huber loss, Adam with `clipnorm` (0.5 here, 1.0 there), and an
   update only every 4th frame once the history holds a batch. `run.step`
   closes every frame (loss NaN where the frame trained nothing).
 - examples/rl/ppo_cartpole.py: an actor and a critic, each with its own Adam
@@ -174,11 +174,13 @@ class DQN:
     num_actions, batch_size, gamma = 2, 8, 0.99
     epsilon_min, epsilon_max, epsilon_random_frames, epsilon_greedy_frames = 0.1, 1.0, 6, 30.0
     max_memory_length, update_after_actions, update_target_network = 24, 4, 10
+    # The example's clipnorm is 1.0; this small loop's gradients are smaller, some above 0.5.
+    clipnorm = 0.5
 
     def __init__(self):
         keras.utils.set_random_seed(SEED)
         self.model, self.model_target = self.create_q_model(), self.create_q_model()
-        self.optimizer = keras.optimizers.Adam(learning_rate=0.01, clipnorm=1.0)
+        self.optimizer = keras.optimizers.Adam(learning_rate=0.01, clipnorm=self.clipnorm)
         self.loss_function = keras.losses.Huber()
         self.models, self.optimizers = (self.model, self.model_target), (self.optimizer,)
         self.env, self.episode = DriftWorld(), 0
@@ -193,7 +195,7 @@ class DQN:
         return keras.Model(inputs=inputs, outputs=layers.Dense(self.num_actions, activation="linear")(hidden))
 
     def train(self, frames, run):
-        out = {"loss": [], "trained": [], "norms": [], "copied": []}
+        out = {"loss": [], "trained": [], "norms": [], "raw_norms": [], "copied": []}
         epsilon_interval = self.epsilon_max - self.epsilon_min
         for _ in range(frames):
             self.frame_count += 1
@@ -232,8 +234,10 @@ class DQN:
                 grads = tape.gradient(loss, self.model.trainable_variables)
                 self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables))
                 trained = True
-                # clipnorm=1.0 clips each gradient to norm 1: the update's gradients' norms.
-                out["norms"].append([min(float(np.linalg.norm(g.numpy())), 1.0) for g in grads])
+                # clipnorm clips each gradient to that norm: the update's gradients' norms.
+                raw = [float(np.linalg.norm(g.numpy())) for g in grads]
+                out["raw_norms"].append(raw)
+                out["norms"].append([min(n, self.clipnorm) for n in raw])
             copied = self.frame_count % self.update_target_network == 0
             if copied:
                 self.model_target.set_weights(self.model.get_weights())
@@ -261,6 +265,8 @@ def test_dqn_watched_frames_train_as_the_bare_frames_and_a_later_bare_phase_as_t
     bare, got = dqn
     assert sum(bare.first["trained"]) >= 6 and sum(bare.first["copied"]) >= 3
     assert not all(bare.first["trained"]), "the loop updates only every 4th frame"
+    raw = np.array(bare.first["raw_norms"])
+    assert (raw > DQN.clipnorm).any() and (raw < DQN.clipnorm).any(), "clipnorm should clip some gradients"
     check_twins(bare, got)
 
 
@@ -272,9 +278,9 @@ def test_dqn_rows_have_an_update_on_the_training_frames_only(dqn):
     np.testing.assert_array_equal(rows["loss"].to_numpy(np.float32), np.float32(got.first["loss"]))
     np.testing.assert_array_equal(rows["updated"].to_numpy(), trained.astype(np.float32))
     keys = variable_keys(got.loop.model.trainable_variables)
-    # The gradients Adam used are clipped to norm 1 each (clipnorm=1.0).
+    # The gradients Adam used, each clipped to norm `clipnorm`: not the tape's.
     check_gradient_columns(rows, keys, trained, got.first["norms"])
-    assert (rows[[f"grad_norm/{k}" for k in keys]].to_numpy()[trained] <= 1.0 + 1e-6).all()
+    assert (rows[[f"grad_norm/{k}" for k in keys]].to_numpy()[trained] <= DQN.clipnorm * (1 + 1e-6)).all()
     # Frames with no update: no gradient norm in total, no learning rate.
     assert rows["grad_norm"][~trained].isna().all() and np.isfinite(rows["grad_norm"][trained]).all()
     assert rows["learning_rate"][~trained].isna().all()
@@ -446,6 +452,7 @@ def ppo():
 
 def test_ppo_watched_epochs_with_two_optimizers_train_as_bare_and_a_later_bare_epoch_as_the_twins(ppo):
     bare, got = ppo
+    assert bare.first["stopped_early"] >= 1, "the policy's iterations never stopped early on the KL divergence"
     check_twins(bare, got)
     np.testing.assert_array_equal(got.first["kl"], bare.first["kl"])
 
@@ -570,8 +577,10 @@ class DDPG:
         return self.update(state_batch, action_batch, reward_batch, next_state_batch)
 
     @staticmethod
-    def _update_target(target_weights, weights, tau):
-        for (a, b) in zip(target_weights, weights):
+    def _update_target(target, model, tau):
+        # The example passes `target.variables` to the tf.function; Keras 3's
+        # variables arrive there as tensors (no `assign`): the models are passed.
+        for (a, b) in zip(target.variables, model.variables):
             a.assign(b * tau + a * (1 - tau))
 
     def policy(self, state):
@@ -586,8 +595,8 @@ class DDPG:
             state, reward, done = self.env.step(action)
             self.record((self.prev_state, action, reward, state))
             critic_loss, actor_loss, norms = self.learn()
-            self.update_target(self.target_actor.variables, self.actor_model.variables, self.tau)
-            self.update_target(self.target_critic.variables, self.critic_model.variables, self.tau)
+            self.update_target(self.target_actor, self.actor_model, self.tau)
+            self.update_target(self.target_critic, self.critic_model, self.tau)
             if run is not None:
                 run.step(loss=critic_loss, actor_loss=actor_loss)
             out["loss"].append(float(critic_loss))
