@@ -256,13 +256,14 @@ class DQN:
         return out
 
 
-@pytest.fixture(scope="module")
-def dqn():
-    return twin_runs(DQN, 40, 12, lambda loop: lab.watch(loop.model, loop.optimizer))
+@pytest.fixture(scope="module", params=[False, True], ids=["gradients", "gradients_and_weights"])
+def dqn(request):
+    bare, got = twin_runs(DQN, 40, 12, lambda loop: lab.watch(loop.model, loop.optimizer, weights=request.param))
+    return bare, got, request.param
 
 
 def test_dqn_watched_frames_train_as_the_bare_frames_and_a_later_bare_phase_as_the_twins(dqn):
-    bare, got = dqn
+    bare, got, _ = dqn
     assert sum(bare.first["trained"]) >= 6 and sum(bare.first["copied"]) >= 3
     assert not all(bare.first["trained"]), "the loop updates only every 4th frame"
     raw = np.array(bare.first["raw_norms"])
@@ -271,7 +272,7 @@ def test_dqn_watched_frames_train_as_the_bare_frames_and_a_later_bare_phase_as_t
 
 
 def test_dqn_rows_have_an_update_on_the_training_frames_only(dqn):
-    _, got = dqn
+    _, got, weights = dqn
     rows = got.run.batches()
     trained = np.array(got.first["trained"])
     assert list(rows["step"]) == list(range(40))
@@ -284,6 +285,16 @@ def test_dqn_rows_have_an_update_on_the_training_frames_only(dqn):
     # Frames with no update: no gradient norm in total, no learning rate.
     assert rows["grad_norm"][~trained].isna().all() and np.isfinite(rows["grad_norm"][trained]).all()
     assert rows["learning_rate"][~trained].isna().all()
+    # With weights=True, weight norms and update ratios are those of the updates: none between them.
+    for kind in ("weight_norm", "update_ratio"):
+        columns = [c for c in rows.columns if c.startswith(f"{kind}/")]
+        if weights:
+            assert sorted(columns) == sorted(f"{kind}/{k}" for k in keys)
+            values = rows[columns].to_numpy()
+            assert np.isfinite(values[trained]).all() and (values[trained] > 0).all()
+            assert np.isnan(values[~trained]).all()
+        else:
+            assert columns == []
     np.testing.assert_allclose(rows["learning_rate"][trained], 0.01, rtol=1e-7)
     # The target network is no variable of the watched model: no column of its own.
     target_keys = set(variable_keys(got.loop.model_target.trainable_variables)) - set(keys)
