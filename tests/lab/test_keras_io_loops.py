@@ -356,6 +356,8 @@ class PPOBuffer:
 class PPO:
     steps_per_epoch, train_policy_iterations, train_value_iterations = 24, 5, 4
     clip_ratio, target_kl, num_actions = 0.2, 0.01, 2
+    # run.step after each training call; else once per epoch, after all of its calls.
+    step_per_call = True
 
     def __init__(self):
         keras.utils.set_random_seed(SEED)
@@ -413,8 +415,8 @@ class PPO:
         return value_loss, [tf.norm(g) for g in value_grads]
 
     def train(self, epochs, run):
-        out = {"loss": [], "kl": [], "policy": [], "norms": [], "stopped_early": 0}
-        for _ in range(epochs):
+        out = {"loss": [], "kl": [], "policy": [], "norms": [], "epoch": [], "stopped_early": 0, "epoch_loss": []}
+        for epoch in range(epochs):
             for t in range(self.steps_per_epoch):
                 observation = self.observation.reshape(1, -1)
                 logits, action = self.sample_action(observation)
@@ -436,8 +438,9 @@ class PPO:
             for _ in range(self.train_policy_iterations):
                 kl, loss, norms = self.train_policy(observation_buffer, action_buffer, logprobability_buffer,
                                                     advantage_buffer)
-                if run is not None:
+                if run is not None and self.step_per_call:
                     run.step(loss=loss, kl=kl)
+                out["epoch"].append(epoch)
                 out["loss"].append(float(loss))
                 out["kl"].append(float(kl))
                 out["policy"].append(True)
@@ -447,13 +450,21 @@ class PPO:
                     break
             for _ in range(self.train_value_iterations):
                 loss, norms = self.train_value_function(observation_buffer, return_buffer)
-                if run is not None:
+                if run is not None and self.step_per_call:
                     run.step(loss=loss, kl=np.nan)
+                out["epoch"].append(epoch)
                 out["loss"].append(float(loss))
                 out["kl"].append(np.nan)
                 out["policy"].append(False)
                 out["norms"].append([float(n) for n in norms])
+            if run is not None and not self.step_per_call:
+                run.step(loss=loss)
+            out["epoch_loss"].append(float(loss))
         return out
+
+
+class PPOStepPerEpoch(PPO):
+    step_per_call = False
 
 
 @pytest.fixture(scope="module")
@@ -649,4 +660,32 @@ def test_ddpg_rows_hold_both_optimizers_updates_and_nothing_of_the_target_networ
     # The BatchNormalization statistics and the target networks get no gradient column.
     grad_columns = {c.partition("/")[2] for c in rows.columns if c.startswith("grad_norm/")}
     assert grad_columns == set(keys), sorted(grad_columns ^ set(keys))
+    assert warnings_of(got.run) == []
+
+
+@pytest.fixture(scope="module")
+def ppo_per_epoch():
+    return twin_runs(PPOStepPerEpoch, 3, 1,
+                     lambda loop: lab.watch(loop.agent, loop.policy_optimizer, loop.value_optimizer))
+
+
+def test_ppo_closed_once_per_epoch_trains_as_bare_and_its_rows_hold_the_norm_of_all_the_epochs_updates(
+        ppo_per_epoch):
+    # Several applies of both optimizers in one row: each variable's column is
+    # the norm of all the gradients applied to it in the row (of their
+    # concatenation), `updated` is 1 and each learning rate is there.
+    bare, got = ppo_per_epoch
+    check_twins(bare, got)
+    rows = got.run.batches()
+    assert len(rows) == 3 and (rows["updated"] == 1).all()
+    np.testing.assert_array_equal(rows["loss"].to_numpy(np.float32), np.float32(got.first["epoch_loss"]))
+    epoch, policy = np.array(got.first["epoch"]), np.array(got.first["policy"])
+    norms = got.first["norms"]
+    for keys, which in ((variable_keys(got.loop.actor.trainable_variables), policy),
+                        (variable_keys(got.loop.critic.trainable_variables), ~policy)):
+        expected = [np.sqrt(np.sum([np.square(norms[i]) for i in np.flatnonzero(which & (epoch == e))], axis=0))
+                    for e in range(3)]
+        np.testing.assert_allclose(rows[[f"grad_norm/{k}" for k in keys]].to_numpy(np.float64), expected, rtol=1e-5)
+    np.testing.assert_allclose(rows["learning_rate/policy_optimizer"], 3e-2, rtol=1e-7)
+    np.testing.assert_allclose(rows["learning_rate/value_optimizer"], 1e-2, rtol=1e-7)
     assert warnings_of(got.run) == []
