@@ -10,7 +10,8 @@ environment replaced by `DriftWorld`, a tiny deterministic numpy environment:
   `one_hot` action mask, the Huber loss, Adam with `clipnorm` (0.5 here, 1.0 there), and an
   update only every 4th frame once the history holds a batch. `run.step`
   closes every frame (loss NaN where the frame trained nothing); watched with
-  and without `weights=True`.
+  and without `weights=True`, and with the update as a `tf.function` traced
+  in the block (`DQNTraced`), called on the training frames only.
 - examples/rl/ppo_cartpole.py: an actor and a critic, each with its own Adam
   (held as attributes of one model, which names them), trained by separate
   `tf.function`s for several iterations per epoch, the policy's stopped early
@@ -213,6 +214,15 @@ class DQN:
         hidden = layers.Dense(16, activation="relu")(inputs)
         return keras.Model(inputs=inputs, outputs=layers.Dense(self.num_actions, activation="linear")(hidden))
 
+    def learn(self, state_sample, updated_q_values, masks):
+        with tf.GradientTape() as tape:
+            q_values = self.model(state_sample)
+            q_action = keras.ops.sum(keras.ops.multiply(q_values, masks), axis=1)
+            loss = self.loss_function(updated_q_values, q_action)
+        grads = tape.gradient(loss, self.model.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables))
+        return loss, grads
+
     def train(self, frames, run):
         out = {"loss": [], "trained": [], "norms": [], "raw_norms": [], "copied": []}
         epsilon_interval = self.epsilon_max - self.epsilon_min
@@ -246,12 +256,7 @@ class DQN:
                 updated_q_values = rewards_sample + self.gamma * keras.ops.amax(future_rewards, axis=1)
                 updated_q_values = updated_q_values * (1 - done_sample) - done_sample
                 masks = keras.ops.one_hot(action_sample, self.num_actions)
-                with tf.GradientTape() as tape:
-                    q_values = self.model(state_sample)
-                    q_action = keras.ops.sum(keras.ops.multiply(q_values, masks), axis=1)
-                    loss = self.loss_function(updated_q_values, q_action)
-                grads = tape.gradient(loss, self.model.trainable_variables)
-                self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables))
+                loss, grads = self.learn(state_sample, updated_q_values, masks)
                 trained = True
                 # clipnorm clips each gradient to that norm: the update's gradients' norms.
                 raw = [float(np.linalg.norm(g.numpy())) for g in grads]
@@ -275,10 +280,20 @@ class DQN:
         return out
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["gradients", "gradients_and_weights"])
+class DQNTraced(DQN):
+    """The example's eager update as a `tf.function`, called on the training frames only."""
+
+    def __init__(self):
+        super().__init__()
+        self.learn = tf.function(self.learn)
+
+
+@pytest.fixture(scope="module", params=[(DQN, False), (DQN, True), (DQNTraced, False)],
+                ids=["eager", "eager_weights", "traced"])
 def dqn(request):
-    bare, got = twin_runs(DQN, 40, 12, lambda loop: lab.watch(loop.model, loop.optimizer, weights=request.param))
-    return bare, got, request.param
+    make, weights = request.param
+    bare, got = twin_runs(make, 40, 12, lambda loop: lab.watch(loop.model, loop.optimizer, weights=weights))
+    return bare, got, weights
 
 
 def test_dqn_watched_frames_train_as_the_bare_frames_and_a_later_bare_phase_as_the_twins(dqn):
