@@ -156,11 +156,11 @@ def twin_runs(make, watched_steps, later_steps, watch):
         middle = (arrays(*loop.models), arrays(*loop.optimizers))
         later = loop.train(later_steps, None)
         end = (arrays(*loop.models), arrays(*loop.optimizers))
-        results[watched] = types_namespace(loop=loop, run=run, first=first, later=later, middle=middle, end=end)
+        results[watched] = as_twin(loop=loop, run=run, first=first, later=later, middle=middle, end=end)
     return results[False], results[True]
 
 
-def types_namespace(**kwargs):
+def as_twin(**kwargs):
     return collections.namedtuple("Twin", kwargs)(**kwargs)
 
 
@@ -746,7 +746,7 @@ def test_ddpg_watched_with_its_target_networks_trains_as_bare_and_leaves_their_c
     np.testing.assert_array_equal(first["loss"], bare.first["loss"])
     rows = run.batches()
     trained = variable_keys(loop.actor_model.trainable_variables + loop.critic_model.trainable_variables)
-    targets = [k for k in variable_keys(loop.target_actor.trainable_variables + loop.target_critic.trainable_variables)]
+    targets = variable_keys(loop.target_actor.trainable_variables + loop.target_critic.trainable_variables)
     check_gradient_columns(rows, trained, np.ones(len(rows), bool), first["norms"])
     # No optimizer updates the targets (a soft assign does): their columns are NaN throughout.
     assert rows[[f"grad_norm/{k}" for k in targets]].isna().all().all()
