@@ -35,6 +35,7 @@ from lab import breakpoints as breakpoints_module
 from lab import compat, schema
 from lab.arguments import GRADIENTS_EXAMPLE, WEIGHTS_EXAMPLE, check_flag, check_number, check_seconds
 from lab.loop_probe import LoopProbe
+from lab.norms import shown_names
 from lab.probes import find_optimizers
 from lab.run import Run
 from lab.status import StatusReporter
@@ -72,6 +73,12 @@ UNSEEN_UPDATE_MESSAGE = (
     "first call of the step, or wrap it anew inside the block: "
     "`train_step = tf.function(train_step.python_function)`."
 )
+NEVER_UPDATED_MESSAGE = (
+    "{variables}: trainable variables of the watched model that no watched optimizer updated in "
+    "this block (a target network the loop assigns by hand, variables it hands to no watched "
+    "optimizer, or a layer no loss reaches): they have no gradient, weight-norm or update-ratio "
+    "values. Watch the optimizer that trains them, lab.watch(model, optimizer_a, optimizer_b), "
+    "if one does.")
 UNAPPLIED_MESSAGE = (
     "{watched} in {steps} steps, so the run has no gradient norms and `updated` is 0. Pass "
     "the optimizer your loop applies: `lab.watch(model, optimizer)` (`lab.watch(model)` "
@@ -428,6 +435,24 @@ class WatchedRun(StatusReporter, Run):
                              step=len(self) - 1)
         self._note_warnings()
 
+    def _note_never_updated(self):
+        """Names once, at the block's end, the trainable variables whose
+        gradient no row of the block holds though the watched optimizers
+        updated (a `fit()` is told the same at its trace: `NO_UPDATE_NOTE`)."""
+        if not self.probe.gradients or "updated" not in self.columns:
+            return
+        updated = np.asarray(super().column("updated")) > 0
+        if not updated.any():
+            return  # no update at all: `_check_applied` has said so
+        never = []
+        for variable in self.probe.model.trainable_variables:
+            column = f"grad_norm/{self.probe._key(variable)}"
+            if column not in self.columns or np.isnan(np.asarray(super().column(column))[updated]).all():
+                never.append(self.probe._key(variable))
+        if never:
+            self.add_event("warning", NEVER_UPDATED_MESSAGE.format(variables=shown_names(never)),
+                           step=len(self) - 1)
+
     def _value_columns(self):
         """The columns of the values run.step is given (a vector's, one per element)."""
         columns = []
@@ -469,6 +494,7 @@ class WatchedRun(StatusReporter, Run):
             self._closed = True
         if self._steps > 0 and error is None:
             self._check_applied()
+            self._note_never_updated()
         updates = self._updates_after_last_step()
         unclosed = ""
         if updates > 0:
