@@ -350,14 +350,14 @@ def _class_weighted(data, class_weight):
     """Arrays `(x, y)` with each sample's class weight as its sample weight, as fit()'s array adapter weights them."""
     if len(data) < 2:
         raise ClassWeightError("class_weight weighs each sample by its class in y, and the data has no targets: "
-                         "give (x, y), as fit(x, y, class_weight=...) takes them.")
+                               "give (x, y), as fit(x, y, class_weight=...) takes them.")
     if len(data) == 3:
         raise ClassWeightError("The data holds sample weights and class_weight is given too, which fit() refuses: "
-                         "give one of them (the sample weights may include the class weights).")
+                               "give one of them (the sample weights may include the class weights).")
     if keras.tree.is_nested(data[1]):
         raise ClassWeightError("class_weight weighs the samples of a model with one output; these targets are "
-                         f"a {type(data[1]).__name__} of several, as fit() refuses them too. Give each output's "
-                         "weights as sample weights instead: (x, y, sample_weight).")
+                               f"a {type(data[1]).__name__} of several, as fit() refuses them too. Give each output's "
+                               "weights as sample weights instead: (x, y, sample_weight).")
     y = data[1].to_numpy() if hasattr(data[1], "to_numpy") else np.asarray(data[1])
     return data + (compat.class_weights_as_sample_weights(y, class_weight),)
 
@@ -451,7 +451,7 @@ class _PyDatasetSource(_Source):
             # As Keras' PyDataset adapter weighs a batch (x, y); (x,) stays as it is.
             if len(batch) == 3:
                 raise ClassWeightError("The PyDataset's batches hold sample weights and class_weight is given too, "
-                                 "which fit() refuses: give one of them.")
+                                       "which fit() refuses: give one of them.")
             if len(batch) == 2:
                 batch = batch + (compat.class_weights_as_sample_weights(batch[1], self.class_weight),)
         return batch
