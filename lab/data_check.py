@@ -278,7 +278,8 @@ def _note_class_weights(report, data, class_weight):
     if unweighted:
         report.notes.append(f"class_weight gives no weight to class {', '.join(unweighted)}: fit() weighs "
                             "those examples 1.0.")
-    absent = sorted(int(c) for c in class_weight if c not in set(int(c) for c in classes))
+    present = {int(c) for c in classes}
+    absent = sorted(int(key) for key in class_weight if key not in present)
     if absent:
         report.notes.append(f"class_weight weighs class {', '.join(map(str, absent))}, which no training example "
                             "has: check the class indices (y holds {}).".format(

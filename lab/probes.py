@@ -1102,9 +1102,9 @@ class Probe:
         self._emit(state, f"_updates/{name}", 1.0, reset=0.0, accumulate=True)
         if not (self.gradients or self.weights):
             return
-        state.updated.update(self._keys(variables))
         record_gradients = self.gradients and not state.batch_gradients
         keys = self._keys(variables)
+        state.updated.update(keys)
         present = []
         if record_gradients:
             present = [i for i in range(min(len(grads), len(variables))) if grads[i] is not None]

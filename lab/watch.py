@@ -366,7 +366,8 @@ class WatchedRun(StatusReporter, Run):
         detail = f"{point.name} at step {index}; update skipped"
         # Read on the hit only: weights the step assigned itself are not the gate's to keep out.
         not_finite = [variable.path for variable in self.probe.model.trainable_variables
-                      if "float" in str(variable.dtype) and not np.isfinite(keras.ops.convert_to_numpy(variable)).all()]
+                      if "float" in str(variable.dtype)
+                      and not np.isfinite(keras.ops.convert_to_numpy(variable)).all()]
         if not_finite:
             detail += f"; not finite, assigned by the step outside the optimizer: {', '.join(not_finite)}"
         self.add_event("nonfinite" if point.name == "nonfinite" else "breakpoint", detail, step=index)
