@@ -277,7 +277,9 @@ def _rows_of(leaf, rows):
 
 
 def sample_count(array):
-    """The number of samples (rows) of an array, of a tf.SparseTensor too."""
+    """The number of samples (rows) of an array, of a tf.SparseTensor or a tf.RaggedTensor too."""
+    if isinstance(array, tf.RaggedTensor):  # which has no len()
+        return int(array.nrows())
     return int(array.shape[0]) if isinstance(array, tf.SparseTensor) else len(array)
 
 
