@@ -595,13 +595,15 @@ def first_x(data, stepper_kwargs):
 
 
 def same_leaves(got, expected):
-    expected = keras.tree.map_structure(
-        lambda a: a.to_list() if isinstance(a, tf.RaggedTensor) else np.asarray(a), expected)
-    got = keras.tree.map_structure(lambda a: a.to_list() if isinstance(a, tf.RaggedTensor) else np.asarray(a), got)
-    for g, e in zip(keras.tree.flatten(got), keras.tree.flatten(expected)):
-        if isinstance(e, list):
-            assert g == e
+    """The trace's batch (numpy; a ragged one as an array of rows) holds `expected`'s values."""
+    got, expected = keras.tree.flatten(got), keras.tree.flatten(expected)
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        if isinstance(e, tf.RaggedTensor):
+            assert len(g) == int(e.nrows())
+            assert [np.asarray(row).tolist() for row in g] == e.to_list()
         else:
+            e = np.asarray(e)
             assert np.asarray(g).shape == e.shape and (np.asarray(g) == e).all()
 
 
