@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 import tensorflow as tf
 
+from lab import compat
 from lab.arguments import check_class_weight, check_number
 from lab.devices import uneven_first_batch
 from lab.feed import ClassWeightError, Feed, row_slice, sample_count
@@ -249,6 +250,14 @@ def _training_arrays(report, x, y, sample_weight, validation_split):
                     "pass numpy arrays (np.asarray(...)), a tf.data.Dataset, a PyDataset or a generator."))
                 return None
             lengths[path] = sample_count(leaf)
+            refused = _refused_by_keras(leaf)
+            if refused is not None:
+                report.problems.append(Problem(
+                    "dtype", f"{path} is an array of dtype {getattr(leaf, 'dtype', '?')}, which fit() refuses "
+                    f"(Keras {keras.__version__}: {refused}).",
+                    "give strings as a tf.Tensor (tf.constant(array)) or through a tf.data.Dataset; "
+                    "other values as numbers (np.asarray(array, 'float32'))."))
+                return None
     if len(set(lengths.values())) > 1:
         described = ", ".join(f"{path} has {n}" for path, n in lengths.items())
         report.problems.append(Problem(
@@ -264,6 +273,16 @@ def _training_arrays(report, x, y, sample_weight, validation_split):
         data = keras.tree.map_structure(
             lambda a: row_slice(a if isinstance(a, tf.SparseTensor) else np.asarray(a), 0, split_at), data)
     return data
+
+
+def _refused_by_keras(leaf):
+    """What fit()'s array adapter says of an array it cannot take (NumPy
+    strings: "Invalid dtype: str160"), tried on its first rows; None if it takes it."""
+    try:
+        compat.array_batches(row_slice(leaf, 0, 2), batch_size=2)
+    except ValueError as error:
+        return error_line(error)
+    return None
 
 
 def _note_class_weights(report, data, class_weight):

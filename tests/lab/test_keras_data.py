@@ -664,3 +664,19 @@ def test_stepping_two_epochs_of_a_dataset_of_unknown_length_ends_where_fit_ends(
     assert trace.error is None and trace.epoch == EPOCHS - 1, trace
     assert [v.numpy().tobytes() for v in stepped.model.variables] == [v.numpy().tobytes() for v in case.model.variables], \
         "two epochs of steps parted from fit()'s weights"
+
+
+def test_inspect_data_names_the_numpy_strings_fit_refuses():
+    # Keras' array adapter takes no NumPy string array (3.5 and 3.15: "Invalid
+    # dtype: str..."); fit() fails on it before any step, and so does the report.
+    frame, target = table()
+    case = make("dict(numeric+string)+StringLookup")
+    x = {"age": frame["age"].to_numpy()[:, None], "rate": frame["rate"].to_numpy()[:, None],
+         "city": frame["city"].to_numpy().astype(str)[:, None]}
+    with pytest.raises(ValueError, match="Invalid dtype"):
+        case.model.fit(x, target, batch_size=BATCH, epochs=1, verbose=0)
+    report = lab.inspect_data(x, target, batch_size=BATCH, model=case.model)
+    assert [p.kind for p in report.problems] == ["dtype"], repr(report)
+    assert "x['city']" in report.problems[0].message and "tf.constant" in report.problems[0].fix
+    x["city"] = tf.constant(x["city"])  # as the fix says
+    assert lab.inspect_data(x, target, batch_size=BATCH, model=case.model).ok
