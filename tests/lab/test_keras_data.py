@@ -549,6 +549,8 @@ def test_each_data_form_trains_as_bare_fit_with_a_recorder(name, tmp_path):
     assert list(rows["step"]) == list(range(len(rows)))
     check_loss_column(rows, logs.rows, case.sizes)
     assert rows["grad_norm"].notna().all() and (rows["grad_norm"] > 0).all()
+    warned = recorder.run.events().query("kind == 'warning'")["detail"].tolist()
+    assert not warned, f"the run warns of a fit() it recorded exactly: {warned}"
     for variable in labbed.model.trainable_variables:
         assert rows[f"weight_norm/{variable.path}"].notna().all(), variable.path
     for key, values in bare_history.items():
