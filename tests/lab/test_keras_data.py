@@ -654,12 +654,14 @@ def test_predict_stream_yields_what_predict_returns(name):
 
 
 UNKNOWN_LENGTH = (
-    "fit() on the TensorFlow backend counts an extra optimizer step at the end of each epoch of a dataset of "
-    "unknown cardinality (from_generator): its last train_function call finds the iterator empty, and the "
-    "optimizer's `iterations.assign_add(1)`, which does not wait on the batch, has already run (Keras 3.5 and "
-    "3.15: iterations 5 after 4 batches, 10 after 8; scratch/keras_iterations_unknown_cardinality.py). The "
-    "Stepper counts only the steps it takes, so from the second epoch on its Adam bias correction (and any "
-    "learning-rate schedule) uses other step numbers than fit()'s, and its weights part from fit()'s.")
+    "fit() in graph mode on the TensorFlow backend ends each epoch of a dataset of unknown cardinality "
+    "(from_generator) with one more train_function call, which finds the iterator empty; the step's stateful "
+    "ops that do not wait on the batch have run by then: the optimizer's `iterations.assign_add(1)` and a "
+    "Dropout's seed generator (Keras 3.5 and 3.15: iterations 5 after 4 batches, 10 after 8, the seed state "
+    "one draw ahead; fit(run_eagerly=True) counts 4 and 8; scratch/keras_iterations_unknown_cardinality.py, "
+    "scratch/keras_phantom_call_state.py). The Stepper takes only the steps it is given, so from the second "
+    "epoch on its Adam bias correction, learning-rate schedule and dropout masks use other step numbers than "
+    "fit()'s, and its weights part from fit()'s.")
 
 
 @pytest.mark.xfail(strict=True, reason=UNKNOWN_LENGTH)
