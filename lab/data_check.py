@@ -356,6 +356,11 @@ def _count_batches(report, x, data, batch_size, steps_per_epoch):
             report.batches_per_epoch = cardinality
             last = next(iter(x.skip(cardinality - 1).take(1)))
             report.last_batch_size = _size(last)
+        elif cardinality == tf.data.UNKNOWN_CARDINALITY and steps_per_epoch is None:
+            report.notes.append("the dataset's length is unknown to TensorFlow (from_generator, filter, ...): "
+                                "fit() ends each epoch with a call that finds no batch, yet counts an optimizer "
+                                "step (iterations, seed generators) there; give it its length with "
+                                "dataset.apply(tf.data.experimental.assert_cardinality(batches)).")
     if steps_per_epoch is not None:
         steps = int(steps_per_epoch)
         known = report.batches_per_epoch

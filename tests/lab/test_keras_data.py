@@ -607,7 +607,11 @@ def test_each_data_form_steps_as_fits_first_epoch_and_replays(name):
     initial = [v.numpy().tobytes() for v in model.variables]  # the optimizer is built by the first step
     keras.utils.set_random_seed(SEED + 1)  # as fit() is given its data: a seeded shuffle draws its order from it
     data, kwargs = case.step()
-    stepper = lab.Stepper(model, data, mode="graph", **kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stepper = lab.Stepper(model, data, mode="graph", **kwargs)
+    told = [w for w in caught if str(w.message) == lab.stepper.UNKNOWN_LENGTH_MESSAGE]
+    assert bool(told) == case.unknown_length, "the Stepper tells of a dataset of unknown length, and only there"
     trace = stepper.step(len(case.sizes))
     assert trace.error is None, trace.traceback
     assert same_state(model, logs.first_epoch, case), "the Stepper parted from fit()'s first epoch"
@@ -639,6 +643,7 @@ def test_inspect_data_reports_each_data_form(name):
     for path in case.strings:
         assert frame.set_index("path").loc[path, "dtype"] == "string", frame
     assert "no problem found" in repr(report)
+    assert any("length is unknown" in note for note in report.notes) == case.unknown_length, report.notes
     assert state(case.model) == before
 
 
@@ -661,9 +666,30 @@ UNKNOWN_LENGTH = (
     "one draw ahead; fit(run_eagerly=True) counts 4 and 8; scratch/keras_iterations_unknown_cardinality.py, "
     "scratch/keras_phantom_call_state.py). The Stepper takes only the steps it is given, so from the second "
     "epoch on its Adam bias correction, learning-rate schedule and dropout masks use other step numbers than "
-    "fit()'s, and its weights part from fit()'s.")
+    "fit()'s, and its weights part from fit()'s. It says so (lab.stepper.UNKNOWN_LENGTH_MESSAGE), with the fix: "
+    "the dataset's length given by tf.data.experimental.assert_cardinality.")
 
 
+def test_a_dataset_given_its_length_steps_two_epochs_as_fit_trains_them():
+    # The fix UNKNOWN_LENGTH_MESSAGE gives: fit() makes no end-of-data call.
+    name = "tf.data/from_generator+padded_batch+Embedding(mask_zero)"
+    states = []
+    for stepped in (False, True):
+        case = make(name)
+        keras.utils.set_random_seed(SEED + 1)
+        data = case.step()[0].apply(tf.data.experimental.assert_cardinality(BATCHES))
+        if stepped:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", UserWarning)  # nothing to tell
+                stepper = lab.Stepper(case.model, data, mode="graph")
+            assert stepper.step(EPOCHS * BATCHES).error is None
+        else:
+            case.model.fit(data, epochs=EPOCHS, verbose=0)
+        states.append(state(case.model))
+    assert states[0] == states[1], "two epochs of steps parted from fit()'s"
+
+
+@pytest.mark.filterwarnings("ignore:The dataset's length is unknown:UserWarning")  # told, as it should be
 @pytest.mark.xfail(strict=True, reason=UNKNOWN_LENGTH)
 @pytest.mark.parametrize("name", ["tf.data/from_generator+padded_batch+Embedding(mask_zero)"])
 def test_stepping_two_epochs_of_a_dataset_of_unknown_length_ends_where_fit_ends(name):
