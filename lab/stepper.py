@@ -167,7 +167,10 @@ class Stepper:
         model: keras.Model, compiled (its `train_step` may be overridden).
         data: what `fit()` takes as `x`: an array, a tuple `(x, y)` or
             `(x, y, sample_weight)` of arrays, a `tf.data.Dataset`, a
-            `keras.utils.PyDataset` or a generator of such tuples.
+            `keras.utils.PyDataset` or a generator of such tuples. Of a
+            dataset of unknown length (from_generator, filter), fit()
+            counts one more optimizer step per epoch than it trains; the
+            stepper says so (`UNKNOWN_LENGTH_MESSAGE`, with the fix).
         batch_size: int or None, for arrays (default 32, as in `fit()`).
         shuffle: bool, reshuffle arrays, and a PyDataset's batch order, every
             epoch; False keeps data order.
