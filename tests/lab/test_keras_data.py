@@ -35,6 +35,13 @@ directory, fit for two epochs of four batches bare and with
    and lists its leaves (string ones as strings);
 4. `lab.predict_stream` yields what `model.predict` returns, batch by batch;
 5. the run saved to HDF5 loads back with the same rows.
+
+Two forms fit() itself treats in its own way: NumPy string arrays, which its
+array adapter refuses ("Invalid dtype"; inspect_data names them and the fix,
+a tf.Tensor), and a dataset of unknown length (from_generator), each epoch of
+which fit() ends with a call that finds no batch yet counts an optimizer step
+(the Stepper and inspect_data say so; stepping a second epoch parts from
+fit()'s: UNKNOWN_LENGTH, an xfail).
 """
 
 import dataclasses
