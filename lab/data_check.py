@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 import tensorflow as tf
 
+from lab import compat
 from lab.arguments import check_class_weight, check_number
 from lab.devices import uneven_first_batch
 from lab.feed import ClassWeightError, Feed, row_slice, sample_count
@@ -249,6 +250,14 @@ def _training_arrays(report, x, y, sample_weight, validation_split):
                     "pass numpy arrays (np.asarray(...)), a tf.data.Dataset, a PyDataset or a generator."))
                 return None
             lengths[path] = sample_count(leaf)
+            refused = _refused_by_keras(leaf)
+            if refused is not None:
+                report.problems.append(Problem(
+                    "dtype", f"{path} is an array of dtype {getattr(leaf, 'dtype', '?')}, which fit() refuses "
+                    f"(Keras {keras.__version__}: {refused}).",
+                    "give strings as a tf.Tensor (tf.constant(array)) or through a tf.data.Dataset; "
+                    "other values as numbers (np.asarray(array, 'float32'))."))
+                return None
     if len(set(lengths.values())) > 1:
         described = ", ".join(f"{path} has {n}" for path, n in lengths.items())
         report.problems.append(Problem(
@@ -264,6 +273,19 @@ def _training_arrays(report, x, y, sample_weight, validation_split):
         data = keras.tree.map_structure(
             lambda a: row_slice(a if isinstance(a, tf.SparseTensor) else np.asarray(a), 0, split_at), data)
     return data
+
+
+def _refused_by_keras(leaf):
+    """What fit()'s array adapter says of an array it cannot take (NumPy
+    strings: "Invalid dtype: str160"), tried on its first rows; None if it takes it."""
+    if tf.is_tensor(leaf) or isinstance(leaf, tf.SparseTensor) or (
+            isinstance(leaf, np.ndarray) and leaf.dtype.kind in "biuf"):
+        return None  # taken as they are (asking Keras costs a tenth of a second a leaf)
+    try:
+        compat.array_batches(row_slice(leaf, 0, 2), batch_size=2)
+    except ValueError as error:
+        return error_line(error)
+    return None
 
 
 def _note_class_weights(report, data, class_weight):
@@ -337,6 +359,11 @@ def _count_batches(report, x, data, batch_size, steps_per_epoch):
             report.batches_per_epoch = cardinality
             last = next(iter(x.skip(cardinality - 1).take(1)))
             report.last_batch_size = _size(last)
+        elif cardinality == tf.data.UNKNOWN_CARDINALITY and steps_per_epoch is None:
+            report.notes.append("the dataset's length is unknown to TensorFlow (from_generator, filter, ...): "
+                                "fit() ends each epoch with a call that finds no batch, yet counts an optimizer "
+                                "step (iterations, seed generators) there; give it its length with "
+                                "dataset.apply(tf.data.experimental.assert_cardinality(batches)).")
     if steps_per_epoch is not None:
         steps = int(steps_per_epoch)
         known = report.batches_per_epoch

@@ -143,11 +143,19 @@ class Feed:
 
 
 def to_numpy(structure):
-    """Tensors in a nested structure -> numpy arrays (None stays None)."""
+    """Tensors in a nested structure -> numpy arrays (None stays None); a
+    tf.RaggedTensor -> its `numpy()`, an object array of one array per row."""
     if structure is None:
         return None
-    return keras.tree.map_structure(lambda t: None if t is None else np.asarray(
-        tf.sparse.to_dense(t) if isinstance(t, tf.SparseTensor) else t), structure)
+
+    def leaf(t):
+        if t is None:
+            return None
+        if isinstance(t, tf.RaggedTensor):  # np.asarray wraps it whole in a 0-d object array
+            return t.numpy()
+        return np.asarray(tf.sparse.to_dense(t) if isinstance(t, tf.SparseTensor) else t)
+
+    return keras.tree.map_structure(leaf, structure)
 
 
 def _as_step_input(data, floatx=False):
@@ -277,7 +285,9 @@ def _rows_of(leaf, rows):
 
 
 def sample_count(array):
-    """The number of samples (rows) of an array, of a tf.SparseTensor too."""
+    """The number of samples (rows) of an array, of a tf.SparseTensor or a tf.RaggedTensor too."""
+    if isinstance(array, tf.RaggedTensor):  # which has no len()
+        return int(array.nrows())
     return int(array.shape[0]) if isinstance(array, tf.SparseTensor) else len(array)
 
 

@@ -67,6 +67,15 @@ REPLICAS_MESSAGE = (
     "BatchNormalization by more. Step a copy of the model built outside the strategy's scope "
     "to compare with a one-device fit().")
 
+UNKNOWN_LENGTH_MESSAGE = (
+    "The dataset's length is unknown to TensorFlow (from_generator, filter, ...): fit() then ends each "
+    "epoch with one more call of its train function, which finds no batch but has already run what the "
+    "step does without waiting on one: it adds 1 to the optimizer's iterations and advances the model's "
+    "seed generators. The Stepper takes only the steps it is given, so from the second epoch on its "
+    "updates (Adam's bias correction, a learning-rate schedule, dropout masks) part from fit()'s. Give "
+    "the dataset its length, dataset.apply(tf.data.experimental.assert_cardinality(batches)), or pass "
+    "steps_per_epoch to both fit() and the Stepper, and they train alike.")
+
 
 @dataclasses.dataclass
 class StepTrace:
@@ -158,7 +167,10 @@ class Stepper:
         model: keras.Model, compiled (its `train_step` may be overridden).
         data: what `fit()` takes as `x`: an array, a tuple `(x, y)` or
             `(x, y, sample_weight)` of arrays, a `tf.data.Dataset`, a
-            `keras.utils.PyDataset` or a generator of such tuples.
+            `keras.utils.PyDataset` or a generator of such tuples. Of a
+            dataset of unknown length (from_generator, filter), fit()
+            counts one more optimizer step per epoch than it trains; the
+            stepper says so (`UNKNOWN_LENGTH_MESSAGE`, with the fix).
         batch_size: int or None, for arrays (default 32, as in `fit()`).
         shuffle: bool, reshuffle arrays, and a PyDataset's batch order, every
             epoch; False keeps data order.
@@ -256,6 +268,10 @@ class Stepper:
             warnings.warn(self.feed.order_note, UserWarning, stacklevel=2)
             if self.run is not None:
                 self.run.add_event("warning", self.feed.order_note, step=self._index)
+        if _step_fn is None and _ends_epochs_with_an_empty_call(model, data, steps_per_epoch):
+            warnings.warn(UNKNOWN_LENGTH_MESSAGE, UserWarning, stacklevel=2)
+            if self.run is not None:
+                self.run.add_event("warning", UNKNOWN_LENGTH_MESSAGE, step=self._index)
 
     # ---- public ------------------------------------------------------------
 
@@ -1034,3 +1050,11 @@ def trace_condition(condition, make_variable=None):
     raise TypeError(
         f"run_until needs a callable condition(trace) -> bool or a lab.Breakpoint, got {type(condition).__name__}."
     )
+
+
+def _ends_epochs_with_an_empty_call(model, data, steps_per_epoch):
+    """Whether fit() (in graph mode) ends each epoch of `data` with a train
+    function call that finds no batch (`UNKNOWN_LENGTH_MESSAGE`): a dataset
+    of unknown cardinality without steps_per_epoch (Keras 3.5 to 3.15)."""
+    return (isinstance(data, tf.data.Dataset) and steps_per_epoch is None and not model.run_eagerly
+            and int(data.cardinality()) == tf.data.UNKNOWN_CARDINALITY)
