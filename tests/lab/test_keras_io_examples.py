@@ -1,4 +1,4 @@
-"""Three more keras-io examples' training paths, with the lab attached.
+"""More keras-io examples' training paths, with the lab attached.
 
 As in test_keras_io_guides.py (whose harness these tests use: `fit_three`
 and the guide checks), each example below (keras-team/keras-io) is
@@ -20,7 +20,25 @@ its download:
 - examples/vision/gradient_centralization.py (its Keras 3 version): a
   Sequential convnet trained with a GCRMSprop that centralizes gradients by
   overriding `get_gradients`; and, beside it, the centralization done where a
-  Keras 3 optimizer does call it: in `apply()` and in `update_step()`.
+  Keras 3 optimizer does call it: in `apply()` and in `update_step()`;
+- examples/nlp/masked_language_modeling.py: a BERT-like encoder fit on
+  (masked tokens, tokens, sample weights) whose weights keep only the masked
+  tokens, an unreduced SparseCategoricalCrossentropy and a Mean tracker of
+  the model's own; in its Keras 3 version through overrides of compute_loss
+  (returning the weighted token losses' sum) and compute_metrics, and in its
+  tf.keras version through a train_step of its own that unpacks the three;
+- examples/vision/supervised-contrastive-learning.py: an encoder
+  (augmentation with an adapted Normalization, BatchNormalization) pretrained
+  under a projection head on a SupervisedContrastiveLoss overriding
+  `__call__` (tfa's npairs_loss re-expressed in tf ops), then every layer of
+  it frozen under a classifier with Dropouts, compiled and fit again;
+- examples/nlp/lstm_seq2seq.py: an encoder-decoder of two inputs, the
+  encoder LSTM's states the decoder LSTM's `initial_state`, the decoder
+  teacher-forced, fit with `validation_split`;
+- examples/generative/real_nvp.py: a RealNVP of affine coupling models (l2
+  kernel regularizers its loss leaves out) with its own train_step and
+  test_step on the negative log-likelihood (tfp's MultivariateNormalDiag
+  log_prob re-expressed in tf ops), `validation_split`.
 
 Each is trained bare, with the oracle and with `lab.Recorder(gradients=True)`
 (`fit_three`) and checked: weights (the EMA network's too), every optimizer's
@@ -31,7 +49,15 @@ exactly; no trace is left. And per example: the EMA network is what fit()
 averaged and a rewind puts it back; the SimCLR columns are the contrastive
 loss's gradients for the encoder and the probe loss's for the probe; the
 gradient-centralization columns hold the gradients the update used, and
-where they cannot (a centralizing `update_step`) the run says so.
+where they cannot (a centralizing `update_step`) the run says so; the masked
+language model's columns are the gradients of its summed token losses and
+its tf.keras version's rows the masked tokens' mean loss; the supervised
+contrastive phases, a Recorder each, train as bare, the frozen encoder keeps
+its weights and has no gradient column, and one Recorder for both phases
+refuses the second model before any step and leaves it to train as bare;
+seq2seq's rows are the training split's batches and its epochs hold the
+validation; Real NVP's rows hold the loss without the l2 penalties, and its
+test_step's val_loss is the held-out points'.
 
 Before a lab run is compared with the bare one, bare fit() is checked
 reproducible: the oracle run (a bare fit() whose callback only resets the
@@ -43,6 +69,9 @@ GCRMSprop trains bit for bit as RMSprop): the run's columns rightly hold the
 uncentralized gradients it applies, and the run names the override that
 never runs (`lab.probes.UNCALLED_NOTE`). DDIM's unseeded `tf.random` draws
 make a later plain fit() after the lab's differ (RETRACE_AFTER_FIT, xfail).
+The Keras 3 masked language model's "loss" column holds compute_loss's sum
+where Keras logs its tracker's mean, and the run says nothing of it
+(MLM_LOSS_COLUMN, xfail).
 """
 
 import math
