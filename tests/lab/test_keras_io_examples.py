@@ -38,7 +38,14 @@ its download:
 - examples/generative/real_nvp.py: a RealNVP of affine coupling models (l2
   kernel regularizers its loss leaves out) with its own train_step and
   test_step on the negative log-likelihood (tfp's MultivariateNormalDiag
-  log_prob re-expressed in tf ops), `validation_split`.
+  log_prob re-expressed in tf ops), `validation_split`;
+- examples/vision/adamatch.py: a trainer around a Wide-ResNet whose
+  train_step takes a zip of two zips (source and target, weakly and strongly
+  augmented), runs the network twice (BatchNormalization training, then in
+  inference mode), interpolates logits with an unseeded `tf.random.uniform`,
+  masks pseudo-labels behind `tf.stop_gradient` and weights the target loss
+  by a warm-up that reads a `tf.Variable` step counter the step counts up;
+  Adam on a CosineDecay.
 
 Each is trained bare, with the oracle and with `lab.Recorder(gradients=True)`
 (`fit_three`) and checked: weights (the EMA network's too), every optimizer's
@@ -57,7 +64,8 @@ its weights and has no gradient column, and one Recorder for both phases
 refuses the second model before any step and leaves it to train as bare;
 seq2seq's rows are the training split's batches and its epochs hold the
 validation; Real NVP's rows hold the loss without the l2 penalties, and its
-test_step's val_loss is the held-out points'.
+test_step's val_loss is the held-out points'; AdaMatch's step counter
+(outside the weights) counts as bare and a rewind puts it back.
 
 Before a lab run is compared with the bare one, bare fit() is checked
 reproducible: the oracle run (a bare fit() whose callback only resets the
@@ -1072,6 +1080,178 @@ def _real_nvp():
 
 
 # =================================================================================
+# Path of keras-io's examples/vision/adamatch.py: an AdaMatch trainer model
+# wrapping a Wide-ResNet (Rescaling, BatchNormalization before each
+# convolution, l2 kernel regularizers its loss leaves out) whose train_step
+# takes a zip of a source dataset (a zip of weakly and strongly augmented
+# labelled batches) and a target dataset three times larger (the same,
+# unlabelled); two forward passes, one over every image with BatchNormalization
+# training and one over the source images in inference mode; random logit
+# interpolation with an unseeded `tf.random.uniform`; distribution alignment;
+# relative confidence thresholding (a mask on the target's pseudo-labels,
+# behind `tf.stop_gradient`); the target loss weighted by a warm-up that reads
+# the trainer's step counter, a `tf.Variable` the step `assign_add`s; Adam on
+# a CosineDecay schedule; a Mean tracker. In small: MNIST is the 8x8 digits
+# and SVHN those digits tinted, inverted and shifted; the augmentations (the
+# example's run in its tf.data pipeline: a flip and a crop for the weak one,
+# RandAugment from tf-models, not installed, for the strong one) are applied
+# once, seeded, to the data (a flip; a flip and a brightness and contrast
+# change); a Wide-ResNet of two stages of one block each (8 and 16 filters)
+# instead of three of four (32 to 128); batches of 8 source and 24 target
+# images.
+# =================================================================================
+
+ADAMATCH_SIZE = 8
+ADAMATCH_SOURCE_BATCH = 8
+ADAMATCH_TARGET_BATCH = 3 * ADAMATCH_SOURCE_BATCH
+ADAMATCH_EPOCHS = 2
+ADAMATCH_STEPS_PER_EPOCH = 4
+ADAMATCH_TOTAL_STEPS = ADAMATCH_EPOCHS * ADAMATCH_STEPS_PER_EPOCH
+ADAMATCH_WEIGHT_DECAY = 0.0005
+ADAMATCH_INIT = "he_normal"
+
+
+def compute_loss_source(source_labels, logits_source_w, logits_source_s):
+    loss_func = keras.losses.CategoricalCrossentropy(from_logits=True)
+    w_loss = loss_func(source_labels, logits_source_w)
+    s_loss = loss_func(source_labels, logits_source_s)
+    return w_loss + s_loss
+
+
+def compute_loss_target(target_pseudo_labels_w, logits_target_s, mask):
+    loss_func = keras.losses.CategoricalCrossentropy(from_logits=True, reduction="none")
+    target_pseudo_labels_w = tf.stop_gradient(target_pseudo_labels_w)
+    target_loss = loss_func(target_pseudo_labels_w, logits_target_s)
+    mask = tf.cast(mask, target_loss.dtype)
+    target_loss *= mask
+    return tf.reduce_mean(target_loss, 0)
+
+
+class AdaMatch(keras.Model):
+    def __init__(self, model, tau=0.9):
+        super().__init__()
+        self.model = model
+        self.tau = tau
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+        self.total_steps = ADAMATCH_TOTAL_STEPS
+        self.current_step = tf.Variable(0, dtype="int64")
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker]
+
+    def compute_mu(self):
+        pi = tf.constant(np.pi, dtype="float32")
+        step = tf.cast(self.current_step, dtype="float32")
+        return 0.5 - tf.cos(tf.math.minimum(pi, (2 * pi * step) / self.total_steps)) / 2
+
+    def train_step(self, data):
+        source_ds, target_ds = data
+        (source_w, source_labels), (source_s, _) = source_ds
+        (target_w, _), (target_s, _) = target_ds
+        combined_images = tf.concat([source_w, source_s, target_w, target_s], 0)
+        combined_source = tf.concat([source_w, source_s], 0)
+        total_source = tf.shape(combined_source)[0]
+        with tf.GradientTape() as tape:
+            combined_logits = self.model(combined_images, training=True)
+            z_d_prime_source = self.model(combined_source, training=False)
+            z_prime_source = combined_logits[:total_source]
+            lambd = tf.random.uniform((total_source, 10), 0, 1)
+            final_source_logits = (lambd * z_prime_source) + ((1 - lambd) * z_d_prime_source)
+            y_hat_source_w = tf.nn.softmax(final_source_logits[: tf.shape(source_w)[0]])
+            logits_target = combined_logits[total_source:]
+            logits_target_w = logits_target[: tf.shape(target_w)[0]]
+            y_hat_target_w = tf.nn.softmax(logits_target_w)
+            expectation_ratio = tf.reduce_mean(y_hat_source_w) / tf.reduce_mean(y_hat_target_w)
+            y_tilde_target_w = tf.math.l2_normalize(y_hat_target_w * expectation_ratio, 1)
+            row_wise_max = tf.reduce_max(y_hat_source_w, axis=-1)
+            final_sum = tf.reduce_mean(row_wise_max, 0)
+            c_tau = self.tau * final_sum
+            mask = tf.reduce_max(y_tilde_target_w, axis=-1) >= c_tau
+            source_loss = compute_loss_source(source_labels, final_source_logits[: tf.shape(source_w)[0]],
+                                              final_source_logits[tf.shape(source_w)[0]:])
+            target_loss = compute_loss_target(y_tilde_target_w, logits_target[tf.shape(target_w)[0]:], mask)
+            t = self.compute_mu()
+            total_loss = source_loss + (t * target_loss)
+            self.current_step.assign_add(1)
+        gradients = tape.gradient(total_loss, self.model.trainable_variables)
+        self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables))
+        self.loss_tracker.update_state(total_loss)
+        return {"loss": self.loss_tracker.result()}
+
+
+def adamatch_conv(filters, kernel, strides=1):
+    return layers.Conv2D(filters, kernel, strides=strides, padding="same", kernel_initializer=ADAMATCH_INIT,
+                         kernel_regularizer=keras.regularizers.l2(ADAMATCH_WEIGHT_DECAY), use_bias=False)
+
+
+def wide_basic(n_input_plane, n_output_plane, stride):
+    def f(net):
+        if n_input_plane != n_output_plane:
+            net = layers.Activation("relu")(layers.BatchNormalization()(net))
+            convs = net
+        else:
+            convs = layers.Activation("relu")(layers.BatchNormalization()(net))
+        convs = adamatch_conv(n_output_plane, 3, stride)(convs)
+        convs = layers.Activation("relu")(layers.BatchNormalization()(convs))
+        convs = adamatch_conv(n_output_plane, 3)(convs)
+        shortcut = adamatch_conv(n_output_plane, 1, stride)(net) if n_input_plane != n_output_plane else net
+        return layers.Add()([convs, shortcut])
+    return f
+
+
+def get_wide_resnet(image_size=ADAMATCH_SIZE, num_classes=10):
+    n_stages = [8, 8, 16]
+    inputs = layers.Input(shape=(image_size, image_size, 3))
+    x = layers.Rescaling(scale=1.0 / 255)(inputs)
+    x = adamatch_conv(n_stages[0], 3)(x)
+    x = wide_basic(n_stages[0], n_stages[1], 1)(x)
+    x = wide_basic(n_stages[1], n_stages[2], 2)(x)
+    x = layers.Activation("relu")(layers.BatchNormalization()(x))
+    x = layers.GlobalAveragePooling2D()(x)
+    outputs = layers.Dense(num_classes, kernel_regularizer=keras.regularizers.l2(ADAMATCH_WEIGHT_DECAY))(x)
+    return keras.Model(inputs, outputs, name="wide_resnet")
+
+
+def make_adamatch():
+    keras.utils.set_random_seed(SEED)
+    reduce_lr = keras.optimizers.schedules.CosineDecay(0.03, ADAMATCH_TOTAL_STEPS, 0.25)
+    trainer = AdaMatch(get_wide_resnet())
+    trainer.compile(optimizer=keras.optimizers.Adam(reduce_lr))
+    return trainer
+
+
+def adamatch_images(n, offset, target):
+    """0-255 RGB images, flipped (weak) and also brightened and contrasted
+    (strong), with their one-hot labels; the target domain's tinted, inverted
+    and shifted by a pixel."""
+    images, labels = digits(n, offset)
+    images = coloured(images, 1) * 255.0
+    if target:
+        images = np.roll(255.0 - images * np.array([0.9, 0.5, 0.7]), 1, axis=2)
+    r = rng(40 + int(target))
+    flip = r.random(n) < 0.5
+    weak = np.where(flip[:, None, None, None], images[:, :, ::-1], images).astype("float32")
+    strong = np.clip((weak - 128.0) * r.uniform(0.6, 1.4, (n, 1, 1, 1)) + 128.0 + r.uniform(-40, 40, (n, 1, 1, 1)),
+                     0, 255).astype("float32")
+    return weak, strong, keras.utils.to_categorical(labels, 10).astype("float32")
+
+
+def _adamatch():
+    n = ADAMATCH_SOURCE_BATCH * ADAMATCH_STEPS_PER_EPOCH
+    source_w, source_s, source_labels = adamatch_images(n, 600, False)
+    target_w, target_s, target_labels = adamatch_images(3 * n, 700, True)
+
+    def zipped(weak, strong, labels, batch_size):
+        return tf.data.Dataset.zip((tf.data.Dataset.from_tensor_slices((weak, labels)).batch(batch_size),
+                                    tf.data.Dataset.from_tensor_slices((strong, labels)).batch(batch_size)))
+
+    total_ds = tf.data.Dataset.zip((zipped(source_w, source_s, source_labels, ADAMATCH_SOURCE_BATCH),
+                                    zipped(target_w, target_s, target_labels, ADAMATCH_TARGET_BATCH)))
+    return (total_ds,), {"epochs": ADAMATCH_EPOCHS}, total_ds, None, ADAMATCH_TOTAL_STEPS
+
+
+# =================================================================================
 # The examples, their runs and the checks of test_keras_io_guides.py.
 # =================================================================================
 
@@ -1091,6 +1271,8 @@ EXAMPLES = {
                                                       own=("loss", "sparse_categorical_accuracy")),
     "lstm_seq2seq": Guide(make_seq2seq, _seq2seq, own=("loss", "accuracy")),
     "real_nvp": Guide(make_real_nvp, _real_nvp, own=("loss",)),
+    # An unseeded tf.random.uniform: as DDIM's.
+    "adamatch": Guide(make_adamatch, _adamatch, own=("loss",), replay=False, later_fit=False),
 }
 
 _RUNS = {}
@@ -1513,3 +1695,26 @@ def test_real_nvp_rows_hold_the_negative_log_likelihood_without_the_l2_penalties
     for variable, value in zip(model.weights, t.fitted["lab"]):
         variable.assign(value)
     np.testing.assert_allclose(t.history_lab["val_loss"][-1], float(model.log_loss(x[64:])), rtol=1e-6)
+
+
+# ---- AdaMatch: the warm-up's step counter, unseeded draws ---------------------------
+
+
+def test_adamatch_step_counter_counts_as_bare_and_a_rewind_puts_it_back():
+    example, t = EXAMPLES["adamatch"], runs_of("adamatch")
+    # The warm-up reads a tf.Variable of the trainer's own, outside its
+    # weights, which the step counts up: the lab's fit() counted as the bare one.
+    assert all(v is not t.lab.current_step for v in t.lab.variables)
+    assert int(t.lab.current_step.numpy()) == int(t.bare.current_step.numpy()) == ADAMATCH_TOTAL_STEPS
+    _, _, data, batch_size, steps = example.data()
+    model = example.make()
+    keras.utils.set_random_seed(SEED + 1)
+    stepper = lab.Stepper(model, data, batch_size=batch_size, shuffle=False, mode="graph")
+    stepped(stepper, steps)
+    assert int(model.current_step.numpy()) == steps
+    stepper.rewind(3)
+    assert int(model.current_step.numpy()) == steps - 3
+    # The columns are the Wide-ResNet's, every trainable variable of it.
+    check_columns_for(t, keys_of(t, t.lab.model.trainable_variables))
+    warnings = " ".join(t.rec.run.events().query("kind == 'warning'")["detail"])
+    assert RANDOM_NOTE.split("(")[0] in warnings and "RandomUniform" in warnings, warnings
