@@ -79,7 +79,10 @@ never runs (`lab.probes.UNCALLED_NOTE`). DDIM's unseeded `tf.random` draws
 make a later plain fit() after the lab's differ (RETRACE_AFTER_FIT, xfail).
 The Keras 3 masked language model's "loss" column holds compute_loss's sum
 where Keras logs its tracker's mean, and the run says nothing of it
-(MLM_LOSS_COLUMN, xfail).
+(MLM_LOSS_COLUMN, xfail). After the examples before it in this file, the
+first lab fit() of Real NVP parts from bare fit() by an ulp in a few biases,
+as Grappler regroups its arithmetic, unsaid (REAL_NVP_REGROUPED, xfail not
+strict: alone it passes).
 """
 
 import math
@@ -1275,6 +1278,24 @@ EXAMPLES = {
     "adamatch": Guide(make_adamatch, _adamatch, own=("loss",), replay=False, later_fit=False),
 }
 
+# Not strict: run alone (`-k real_nvp`) these pass; after the examples above
+# it in this file they fail, the same way each time (on TF 2.21 and 2.16).
+# scratch/real_nvp_context.py shows it.
+REAL_NVP_REGROUPED = (
+    "after this file's earlier examples, the first lab fit() of Real NVP ends one unit in the last place (6e-11) "
+    "off bare fit() in 8 Dense biases of the coupling applied first (its kernels, every other weight and a second "
+    "lab fit() in the same process equal), and the run says nothing; with Grappler's arithmetic optimization "
+    "off it matches: Grappler regroups the bias update's arithmetic once the lab reads the gradients (the case "
+    "of lab.probes.REGROUPED_NOTE, not detected here), and whether it does depends on the traced graph's node "
+    "names, so on what the process built before")
+
+
+def examples_but(xfail):
+    """pytest params over the examples; `xfail` maps an example to the reason (not strict) it fails."""
+    return [pytest.param(name, marks=pytest.mark.xfail(strict=False, reason=xfail[name])) if name in xfail else name
+            for name in EXAMPLES]
+
+
 _RUNS = {}
 
 
@@ -1315,7 +1336,7 @@ def gradient_keys(t):
     return variable_keys(t.lab.trainable_variables)
 
 
-@pytest.mark.parametrize("name", list(EXAMPLES))
+@pytest.mark.parametrize("name", examples_but({"real_nvp": REAL_NVP_REGROUPED}))
 def test_fit_weights_optimizer_and_history_are_unchanged(name):
     t = runs_of(name)
     check_weights(t)
@@ -1344,7 +1365,7 @@ def test_stepper_matches_fit_and_rewinds_exactly(name):
     check_stepper(t, data, batch_size, steps, replay=example.replay)
 
 
-@pytest.mark.parametrize("name", list(EXAMPLES))
+@pytest.mark.parametrize("name", examples_but({"real_nvp": REAL_NVP_REGROUPED}))
 def test_the_lab_leaves_no_trace(name, tmp_path):
     example, t = EXAMPLES[name], runs_of(name)
     args, kwargs, _, _, _ = example.data()
@@ -1600,17 +1621,34 @@ def supcon_both_phases(recorders=(None, None)):
     first = pretraining.fit(x, y, verbose=0, shuffle=False, callbacks=callbacks[0], **kwargs).history
     encoder = pretraining.get_layer("encoder")
     pretrained = [v.numpy() for v in encoder.weights]
+    encoder_keys = keys_of_model(pretraining, encoder.trainable_variables)
     keras.utils.set_random_seed(SEED + 2)
     classifier = create_classifier(encoder, trainable=False)
     keras.utils.set_random_seed(SEED + 3)
     second = classifier.fit(xc, yc, verbose=0, shuffle=False, callbacks=callbacks[1], **kwargs_c).history
-    return pretraining, classifier, first, second, pretrained
+    return pretraining, classifier, first, second, (pretrained, encoder_keys)
+
+
+_SUPCON_BARE = []
+
+
+def supcon_bare():
+    """Both phases bare (run once)."""
+    if not _SUPCON_BARE:
+        _SUPCON_BARE.append(supcon_both_phases())
+    return _SUPCON_BARE[0]
+
+
+def keys_of_model(model, variables):
+    """`model`'s keys of `variables`, among its trainable variables."""
+    ids = {id(v) for v in variables}
+    return [k for k, v in zip(variable_keys(model.trainable_variables), model.trainable_variables) if id(v) in ids]
 
 
 def test_supcon_both_phases_with_a_recorder_each_train_as_bare_and_the_frozen_encoder_has_no_columns():
-    bare, bare_classifier, first, second, _ = supcon_both_phases()
+    bare, bare_classifier, first, second, _ = supcon_bare()
     recorders = (lab.Recorder(gradients=True), lab.Recorder(gradients=True))
-    pretraining, classifier, first_l, second_l, pretrained = supcon_both_phases(recorders)
+    pretraining, classifier, first_l, second_l, (pretrained, encoder_keys) = supcon_both_phases(recorders)
     assert first_l == first and second_l == second
     for model, reference in ((pretraining, bare), (classifier, bare_classifier)):
         assert_same_arrays(weights(model), weights(reference), f"{model.name}'s weights, lab against bare")
@@ -1623,20 +1661,25 @@ def test_supcon_both_phases_with_a_recorder_each_train_as_bare_and_the_frozen_en
     assert_same_arrays([v.numpy() for v in encoder.weights], pretrained, "the frozen encoder's weights")
     first_rows, second_rows = recorders[0].run.batches(), recorders[1].run.batches()
     assert len(first_rows) == len(second_rows) == 6
-    encoder_keys = variable_keys(pretraining.trainable_variables)[:len(encoder.weights)]
+    # The first run has a column for each of the encoder's trainable variables
+    # (convolutions, BatchNormalization's gamma and beta) and the head's.
+    assert len(encoder_keys) == 8
     pretrained_keys = variable_keys(pretraining.trainable_variables)
     assert all(np.isfinite(first_rows[f"grad_norm/{k}"]).all() for k in pretrained_keys)
+    # The second, for the classifier's two Dense layers only: none for the frozen encoder.
     head_keys = variable_keys(classifier.trainable_variables)
     assert len(head_keys) == 4 and not set(head_keys) & set(encoder_keys)
     columns = sorted(c[len("grad_norm/"):] for c in second_rows.columns if c.startswith("grad_norm/"))
     assert columns == sorted(head_keys), f"the second run's gradient columns: {columns}"
+    # Frozen before compile() is no stale trainable set: the run has nothing to warn of.
+    assert recorders[1].run.events().query("kind == 'warning'").empty
     # The classifier's epoch table holds its validation.
     epochs = recorders[1].run.epochs()
     assert epochs["val_sparse_categorical_accuracy"].tolist() == second["val_sparse_categorical_accuracy"]
 
 
 def test_supcon_one_recorder_for_both_phases_refuses_the_second_model_and_leaves_it_bare():
-    _, bare_classifier, _, second, _ = supcon_both_phases()
+    _, bare_classifier, _, second, _ = supcon_bare()
     rec = lab.Recorder(gradients=True)
     (x, y), kwargs, _, _, _ = _supcon_pretraining()
     (xc, yc), kwargs_c, _, _, _ = _supcon_classifier()
