@@ -773,7 +773,7 @@ def _masked_language_model():
 MLM_LOSS_COLUMN = (
     "Keras' own train_step with a compute_loss override that returns the sum of the weighted token losses and "
     "feeds a 'loss' Mean tracker of the model's own their weighted mean, which compute_metrics returns: Keras "
-    "logs the tracker's mean as 'loss', the run's 'loss' column holds compute_loss's sum (5 to 14 times larger "
+    "logs the tracker's mean as 'loss', the run's 'loss' column holds compute_loss's sum (4 to 14 times larger "
     "here: the batch's masked tokens), and the run says nothing of it (Probe._unread_tracker takes any 'loss' "
     "metric under Keras' own train_step for Keras' _loss_tracker, which is fed compute_loss's value)")
 
@@ -1286,8 +1286,8 @@ REAL_NVP_REGROUPED = (
     "off bare fit() in 8 Dense biases of the coupling applied first (its kernels, every other weight and a second "
     "lab fit() in the same process equal), and the run says nothing; with Grappler's arithmetic optimization "
     "off it matches: Grappler regroups the bias update's arithmetic once the lab reads the gradients (the case "
-    "of lab.probes.REGROUPED_NOTE, not detected here), and whether it does depends on the traced graph's node "
-    "names, so on what the process built before")
+    "of lab.probes.REGROUPED_NOTE, not detected here), and whether it does depends on what the process built "
+    "before (presumably through the traced graph's node names)")
 
 
 def examples_but(xfail):
