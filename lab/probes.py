@@ -220,6 +220,12 @@ def _compiled_metric_names(flat, weighted):
     return names
 
 
+def is_keras_loss_tracker(model, metric):
+    """Whether `metric` is the loss tracker Keras' compile() made (fed
+    compute_loss's value by Keras' own train_step)."""
+    return metric is not None and metric is getattr(model, "_loss_tracker", None)
+
+
 def watched_metrics(model):
     """The metric objects a step may return results of: the model's own
     (trackers a custom step keeps) and the compiled metrics' leaves."""
@@ -1244,8 +1250,13 @@ class Probe:
         return totals
 
     def _unread_tracker(self):
-        """The loss tracker when its batch value needs no reading (Keras' own step), else None."""
-        return leaf_metrics(self.model).get("loss") if _keras_defines(type(self.model), "train_step") else None
+        """Keras' loss tracker when its batch value needs no reading (Keras'
+        own step feeds it compute_loss's value), else None. A tracker of the
+        model's own named "loss" is read: its value is the model's to define."""
+        tracker = leaf_metrics(self.model).get("loss")
+        if _keras_defines(type(self.model), "train_step") and is_keras_loss_tracker(self.model, tracker):
+            return tracker
+        return None
 
     def _metric_delta(self, metric, before, state, column=None):
         """The batch's own value of a mean metric: the change of its total
@@ -1280,7 +1291,14 @@ class Probe:
             tracker_loss = self._metric_delta(tracker, totals[id(tracker)], state)
         logged = dict(_flat_logs(logs))
         state.local_batch_size = batch_size
-        if state.loss is not None:
+        if ("loss" in logged and tracker_loss is not None and not is_keras_loss_tracker(self.model, tracker)
+                and self._logged_metric(state, "loss", logged["loss"], by_name) is tracker):
+            # The model logs a tracker of its own as its loss (keras-io's
+            # masked language model: compute_loss returns the sum of the
+            # tokens' losses and feeds their mean to its tracker): the
+            # column holds that tracker's batch value, as Keras logs it.
+            values["loss"] = tracker_loss
+        elif state.loss is not None:
             values["loss"] = _batch_loss(state.loss, batch_size)
             if tracker_loss is not None:
                 values["_tracker_loss"] = tracker_loss

@@ -35,7 +35,7 @@ from lab.devices import split_over_replicas, splits_batches
 from lab.feed import Feed, to_numpy
 from lab.hooks import CompiledState, hooks_for
 from lab.norms import shown_names
-from lab.probes import find_optimizers, is_mean, leaf_metrics, variable_keys
+from lab.probes import find_optimizers, is_keras_loss_tracker, is_mean, leaf_metrics, variable_keys
 from lab.state import (raw_variable, read_variables, replica_copies, replicated, same_array, training_variables,
                        uninterrupted)
 from lab.step_capture import StepCapture, hint
@@ -889,8 +889,9 @@ class Stepper:
                     dc = new[1] - (0.0 if reset else total[1])
                     if dc:  # else the step returned this name without updating the metric
                         value = dt / dc
-            if name == "loss" and "loss" in row:
-                continue
+            if name == "loss" and "loss" in row and not (metric is not None and is_mean(metric)
+                                                         and not is_keras_loss_tracker(self.model, metric)):
+                continue  # Keras' tracker, fed the loss above; a tracker of the model's own is its to define
             row.update(schema.number_columns(name, value))
         rates = _that_ran(outputs["learning_rate"], ran.get("learning_rates"))
         for name, rate in rates.items():

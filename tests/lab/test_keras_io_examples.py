@@ -77,9 +77,9 @@ GCRMSprop trains bit for bit as RMSprop): the run's columns rightly hold the
 uncentralized gradients it applies, and the run names the override that
 never runs (`lab.probes.UNCALLED_NOTE`). DDIM's unseeded `tf.random` draws
 make a later plain fit() after the lab's differ (RETRACE_AFTER_FIT, xfail).
-The Keras 3 masked language model's "loss" column holds compute_loss's sum
-where Keras logs its tracker's mean, and the run says nothing of it
-(MLM_LOSS_COLUMN, xfail). After the examples before it in this file, the
+The Keras 3 masked language model logs a tracker of its own as its "loss"
+(the tokens' mean, where compute_loss returns their sum): the run's column
+held compute_loss's sum until the lab took such a tracker's batch value. After the examples before it in this file, the
 first lab fit() of Real NVP parts from bare fit() by an ulp in a few biases,
 as Grappler regroups its arithmetic, unsaid (REAL_NVP_REGROUPED, xfail not
 strict: alone it passes).
@@ -770,14 +770,6 @@ def _masked_language_model():
 
 # The Keras 3 version's "loss" (test_rows_hold_each_batch_own_values, xfail):
 # scratch/mlm_loss_column.py shows it.
-MLM_LOSS_COLUMN = (
-    "Keras' own train_step with a compute_loss override that returns the sum of the weighted token losses and "
-    "feeds a 'loss' Mean tracker of the model's own their weighted mean, which compute_metrics returns: Keras "
-    "logs the tracker's mean as 'loss', the run's 'loss' column holds compute_loss's sum (4 to 14 times larger "
-    "here: the batch's masked tokens), and the run says nothing of it (Probe._unread_tracker takes any 'loss' "
-    "metric under Keras' own train_step for Keras' _loss_tracker, which is fed compute_loss's value)")
-
-
 # =================================================================================
 # Path of keras-io's examples/vision/supervised-contrastive-learning.py: an
 # encoder (augmentation: a Normalization adapted to the training images,
@@ -1344,8 +1336,7 @@ def test_fit_weights_optimizer_and_history_are_unchanged(name):
     check_history(t, EXAMPLES[name].racy)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=MLM_LOSS_COLUMN))
-                                  if n == "masked_language_modeling" else n for n in EXAMPLES])
+@pytest.mark.parametrize("name", list(EXAMPLES))
 def test_rows_hold_each_batch_own_values(name):
     example, t = EXAMPLES[name], runs_of(name)
     check_batch_values(t, example.own, own=True)
@@ -1597,11 +1588,19 @@ def test_mlm_gradient_columns_are_those_of_the_masked_tokens_summed_loss(name):
                                atol=1e-6, err_msg="the columns against the gradients of the summed token losses")
 
 
-def test_mlm_train_step_rows_hold_the_masked_tokens_mean_loss():
-    t = runs_of("masked_language_modeling/train_step")
+@pytest.mark.parametrize("name", ["masked_language_modeling", "masked_language_modeling/train_step"])
+def test_mlm_rows_hold_the_masked_tokens_mean_loss_as_keras_logs_it(name):
+    # The Keras 3 version's compute_loss returns the tokens' summed loss and
+    # feeds their mean to the model's own "loss" tracker, which Keras logs:
+    # the Recorder's and the Stepper's rows held the sum, unsaid.
+    t = runs_of(name)
     loss, sample_weight, _ = mlm_first_step()
     # The tracker's weighted mean over the masked tokens (the weights are 0 or 1).
-    np.testing.assert_allclose(t.rows["loss"].iloc[0], loss.sum() / sample_weight.sum(), rtol=1e-6)
+    mean = loss.sum() / sample_weight.sum()
+    np.testing.assert_allclose(t.rows["loss"].iloc[0], mean, rtol=1e-6)
+    (dataset,), _, _, _, _ = _masked_language_model()
+    stepper = lab.Stepper(EXAMPLES[name].make(), dataset, mode="graph")
+    np.testing.assert_allclose(stepper.step().loss, mean, rtol=1e-6)
     # Each batch holds another number of masked tokens: a sum would not be a mean.
     weights = [w.numpy().sum() for _, _, w in _masked_language_model()[0][0]]
     assert len(set(weights)) > 1
