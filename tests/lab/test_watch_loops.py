@@ -25,9 +25,10 @@ hand), each small, on the bundled digits:
   overflow and are skipped by Keras;
 - clipping by `tf.clip_by_global_norm` before the apply.
 
-A `tf.distribute.MirroredStrategy` loop is not here: virtual CPUs need a
-fresh process, and tests/lab/test_distributed.py already watches the
-tf.distribute guide's loop in one (`_scripts/mirrored_recorder.py`).
+- the tf.distribute guide's loop (`strategy.run` + `strategy.reduce` in a
+  `tf.function`, `tf.nn.compute_average_loss`) under a MirroredStrategy on
+  two virtual CPUs, in a fresh process (`_scripts/mirrored_watch_twins.py`:
+  TensorFlow fixes its devices at first use), Adam built in the scope.
 
 Each variant runs three times from the same seed: bare; watched with
 `gradients=True, weights=True` (then on bare for two more batches); and
@@ -44,6 +45,11 @@ that step, and the state is the bare loop's stopped before the NaN batch.
 """
 
 import collections
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -500,3 +506,21 @@ def test_nonfinite_keeps_the_update_with_the_nan_out_and_stops_where_the_bare_lo
     assert_same_state(state(loop), twin.states[BAD], "after the hit, against the bare loop stopped before it",
                       loop.exact)
     assert lab_traces(loop) == []
+
+
+def test_the_tf_distribute_guides_loop_on_two_replicas_trains_as_bare_and_its_rows_hold_the_applied_gradients():
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    env.pop("TF_CONFIG", None)
+    done = subprocess.run([sys.executable, str(Path(__file__).parent / "_scripts" / "mirrored_watch_twins.py")],
+                          capture_output=True, text=True, timeout=150, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert done.returncode == 0 and lines, f"script failed ({done.returncode}):\n{done.stderr[-3000:]}"
+    out = json.loads(lines[-1])
+    assert out["steps"] == list(range(WATCHED)) and out["updated"] == [1.0] * WATCHED
+    # The replicas' gradients summed, once: not each replica's write counted as an apply.
+    np.testing.assert_allclose(out["rows"], out["applied"], rtol=1e-5)
+    assert out["warnings"] == []
+    assert out["same_losses"] and out["same_after_block"], "the watched replicas trained otherwise than the bare"
+    assert out["same_later_losses"] and out["same_after_later_bare_phase"]
+    assert out["traces"] == []
+    assert out["hit"] == [BAD, True] and out["same_as_bare_stopped_before_the_nan"]
