@@ -12,8 +12,10 @@ hand), each small, on the bundled digits:
   gradients of a subset of the variables (the body is skipped by the user),
   given in another order than `model.trainable_variables`;
 - two `apply` calls per step on disjoint subsets with one optimizer (built
-  first on all the variables, as Keras asks), and a GAN's two optimizers in
-  one `tf.function`;
+  first on all the variables, as Keras asks), `apply(grads)` with no
+  variables (those the optimizer was built on, reordered), and a GAN's two
+  optimizers in one `tf.function`;
+- an Embedding, whose gradients are IndexedSlices with repeated rows;
 - `tf.function(jit_compile=True)`, `tf.function(reduce_retracing=True)` on
   batches of three sizes, and a fully eager step;
 - a persistent tape with two losses, a gradient penalty through
@@ -164,6 +166,49 @@ class TwoAppliesOneOptimizer(Loop):
         self.optimizer.apply(grads[2:], head.trainable_variables)
         self.optimizer.apply(grads[:2], body.trainable_variables)
         return loss, applied(body.trainable_variables + head.trainable_variables, grads)
+
+
+class ApplyToTheBuiltVariables(Loop):
+    # `optimizer.apply(grads)` with no variables: those it was built on, here
+    # in another order than the model's.
+    def setup(self):
+        self.variables = self.model.trainable_variables[::-1]
+        self.optimizer.build(self.variables)
+        super().setup()
+
+    def body(self, x, y):
+        with tf.GradientTape() as tape:
+            loss = LOSS(y, self.model(x, training=True))
+        grads = tape.gradient(loss, self.variables)
+        self.optimizer.apply(grads)
+        return loss, applied(self.variables, grads)
+
+
+class Embedding(Loop):
+    # An Embedding's gradient is an IndexedSlices whose rows repeat (a token
+    # seen twice in a batch): the applied gradient sums them. The digits'
+    # pixels are its tokens (0 to 16), beside the float pixels in a Dense.
+    def __init__(self):
+        keras.utils.set_random_seed(SEED)
+        tokens, pixels = keras.Input((64,), dtype="int32"), keras.Input((64,))
+        seen = layers.GlobalAveragePooling1D()(layers.Embedding(17, 4, name="embed")(tokens))
+        joined = layers.Concatenate()([seen, layers.Dense(8, activation="tanh", name="body")(pixels)])
+        self.model = keras.Model([tokens, pixels], layers.Dense(10, name="head")(joined), name="net")
+        self.optimizer = keras.optimizers.Adam(1e-2)
+        self.optimizers = [self.optimizer]
+        self.setup()
+
+    def body(self, tokens, x, y):
+        variables = self.model.trainable_variables
+        with tf.GradientTape() as tape:
+            loss = LOSS(y, self.model([tokens, x], training=True))
+        grads = tape.gradient(loss, variables)
+        assert isinstance(grads[0], tf.IndexedSlices)
+        self.optimizer.apply_gradients(zip(grads, variables))
+        return loss, applied(variables, [tf.convert_to_tensor(g) for g in grads])
+
+    def step(self, i, x, y):
+        return self.train_step(np.nan_to_num(x * 16).astype("int32"), x, y)
 
 
 class GAN(Loop):
@@ -363,6 +408,8 @@ LOOPS = {
     "apply_gradients a subset, reordered": SubsetApplyGradients,
     "apply a subset, reordered": SubsetApply,
     "two applies, one optimizer": TwoAppliesOneOptimizer,
+    "apply(grads) to the built variables": ApplyToTheBuiltVariables,
+    "embedding: IndexedSlices gradients": Embedding,
     "gan: two optimizers in one tf.function": GAN,
     "tf.function(jit_compile=True)": Jit,
     "tf.function(reduce_retracing=True)": ReduceRetracing,
@@ -439,24 +486,37 @@ def bare(name, batches):
     return _BARE[name]
 
 
-def check_rows(run, model, grads):
+def norm(array):
+    return np.linalg.norm(np.asarray(array, np.float64))
+
+
+def check_rows(run, model, grads, states):
+    """One row per step; each `grad_norm/<path>` the norm of the gradient the
+    step applied to that variable (NaN where it applied none), `grad_norm`
+    theirs together; `weight_norm/<path>` and `update_ratio/<path>` those of
+    the weights after the step (`states`: after each count of steps)."""
     frame = run.batches()
     assert list(frame["step"]) == list(range(len(grads)))
     assert list(frame["updated"] > 0) == [bool(g) for g in grads]
     keys = [v.path for v in model.trainable_variables]
     assert len(set(keys)) == len(keys)
-    for (_, row), step in zip(frame.iterrows(), grads):
+    paths = [v.path for v in model.variables]
+    for (_, row), step, before, after in zip(frame.iterrows(), grads, states, states[1:]):
+        before, after = dict(zip(paths, before[0])), dict(zip(paths, after[0]))
+        at = f"step {row['step']}"
         for key in keys:
             got = row[f"grad_norm/{key}"]
-            if key in step:
-                np.testing.assert_allclose(got, np.linalg.norm(step[key].astype(np.float64)), rtol=1e-5,
-                                           err_msg=f"step {row['step']}: grad_norm/{key}")
-            else:
-                assert np.isnan(got), f"step {row['step']}: grad_norm/{key} is {got}, its variable was not updated"
+            if key not in step:
+                assert np.isnan(got), f"{at}: grad_norm/{key} is {got}, its variable was not updated"
+                continue
+            np.testing.assert_allclose(got, norm(step[key]), rtol=1e-5, err_msg=f"{at}: grad_norm/{key}")
+            np.testing.assert_allclose(row[f"weight_norm/{key}"], norm(after[key]), rtol=1e-5,
+                                       err_msg=f"{at}: weight_norm/{key}")
+            np.testing.assert_allclose(row[f"update_ratio/{key}"], norm(after[key] - before[key]) / norm(after[key]),
+                                       rtol=1e-4, err_msg=f"{at}: update_ratio/{key}")
         if step:
-            total = np.sqrt(sum(np.sum(g.astype(np.float64) ** 2) for g in step.values()))
-            np.testing.assert_allclose(row["grad_norm"], total, rtol=1e-5, err_msg=f"step {row['step']}: grad_norm")
-            assert all(np.isfinite(row[f"weight_norm/{key}"]) for key in step)
+            total = np.sqrt(sum(norm(g) ** 2 for g in step.values()))
+            np.testing.assert_allclose(row["grad_norm"], total, rtol=1e-5, err_msg=f"{at}: grad_norm")
     return frame
 
 
@@ -472,7 +532,7 @@ def test_a_watched_loop_trains_as_the_bare_one_and_its_rows_hold_the_applied_gra
     compare = np.testing.assert_array_equal if loop.exact else np.testing.assert_allclose
     compare(losses, twin.losses[:WATCHED])
     assert_same_state(state(loop), twin.states[WATCHED], "after the block", loop.exact)
-    frame = check_rows(run, loop.watched, twin.grads[:WATCHED] if loop.exact else grads)
+    frame = check_rows(run, loop.watched, twin.grads[:WATCHED] if loop.exact else grads, twin.states)
     assert len(frame) == WATCHED and run.status == "finished"
     assert lab_traces(loop) == []
     later, _ = train(loop, data[WATCHED:], first=WATCHED)
