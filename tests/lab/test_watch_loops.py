@@ -15,7 +15,8 @@ hand), each small, on the bundled digits:
   first on all the variables, as Keras asks), `apply(grads)` with no
   variables (those the optimizer was built on, reordered), and a GAN's two
   optimizers in one `tf.function`;
-- an Embedding, whose gradients are IndexedSlices with repeated rows;
+- an Embedding, whose gradients are IndexedSlices with repeated rows; a
+  learnable temperature no model holds, applied with the model's variables;
 - `tf.function(jit_compile=True)`, `tf.function(reduce_retracing=True)` on
   batches of three sizes, and a fully eager step;
 - a persistent tape with two losses, a gradient penalty through
@@ -108,6 +109,7 @@ class Loop:
     warnings = ()
     hit = BAD
     exact = True  # weights bit for bit (False: the run must say why not)
+    extra = ()  # variables the loop trains that no model holds
 
     def __init__(self):
         self.model = mlp()
@@ -182,6 +184,23 @@ class ApplyToTheBuiltVariables(Loop):
         grads = tape.gradient(loss, self.variables)
         self.optimizer.apply(grads)
         return loss, applied(self.variables, grads)
+
+
+class OutsideVariable(Loop):
+    # A learnable temperature the loop holds, applied with the model's
+    # variables: its column is `grad_norm/<its path>`.
+    def setup(self):
+        self.temperature = keras.Variable(1.0, name="temperature")
+        self.extra = [self.temperature]
+        super().setup()
+
+    def body(self, x, y):
+        variables = self.model.trainable_variables + [self.temperature]
+        with tf.GradientTape() as tape:
+            loss = LOSS(y, self.model(x, training=True) / self.temperature)
+        grads = tape.gradient(loss, variables)
+        self.optimizer.apply_gradients(zip(grads, variables))
+        return loss, applied(variables, grads)
 
 
 class Embedding(Loop):
@@ -410,6 +429,7 @@ LOOPS = {
     "two applies, one optimizer": TwoAppliesOneOptimizer,
     "apply(grads) to the built variables": ApplyToTheBuiltVariables,
     "embedding: IndexedSlices gradients": Embedding,
+    "a variable outside the model": OutsideVariable,
     "gan: two optimizers in one tf.function": GAN,
     "tf.function(jit_compile=True)": Jit,
     "tf.function(reduce_retracing=True)": ReduceRetracing,
@@ -428,7 +448,7 @@ LOOPS = {
 
 def state(loop):
     """Every weight of the watched model and every optimizer variable, as numpy arrays."""
-    return ([np.array(v.numpy()) for v in loop.watched.variables],
+    return ([np.array(v.numpy()) for v in [*loop.watched.variables, *loop.extra]],
             [np.array(v.numpy()) for o in loop.optimizers for v in o.variables])
 
 
@@ -490,7 +510,7 @@ def norm(array):
     return np.linalg.norm(np.asarray(array, np.float64))
 
 
-def check_rows(run, model, grads, states):
+def check_rows(run, loop, grads, states):
     """One row per step; each `grad_norm/<path>` the norm of the gradient the
     step applied to that variable (NaN where it applied none), `grad_norm`
     theirs together; `weight_norm/<path>` and `update_ratio/<path>` those of
@@ -498,9 +518,9 @@ def check_rows(run, model, grads, states):
     frame = run.batches()
     assert list(frame["step"]) == list(range(len(grads)))
     assert list(frame["updated"] > 0) == [bool(g) for g in grads]
-    keys = [v.path for v in model.trainable_variables]
+    keys = [v.path for v in [*loop.watched.trainable_variables, *loop.extra]]
     assert len(set(keys)) == len(keys)
-    paths = [v.path for v in model.variables]
+    paths = [v.path for v in [*loop.watched.variables, *loop.extra]]
     for (_, row), step, before, after in zip(frame.iterrows(), grads, states, states[1:]):
         before, after = dict(zip(paths, before[0])), dict(zip(paths, after[0]))
         at = f"step {row['step']}"
@@ -532,7 +552,7 @@ def test_a_watched_loop_trains_as_the_bare_one_and_its_rows_hold_the_applied_gra
     compare = np.testing.assert_array_equal if loop.exact else np.testing.assert_allclose
     compare(losses, twin.losses[:WATCHED])
     assert_same_state(state(loop), twin.states[WATCHED], "after the block", loop.exact)
-    frame = check_rows(run, loop.watched, twin.grads[:WATCHED] if loop.exact else grads, twin.states)
+    frame = check_rows(run, loop, twin.grads[:WATCHED] if loop.exact else grads, twin.states)
     assert len(frame) == WATCHED and run.status == "finished"
     assert lab_traces(loop) == []
     later, _ = train(loop, data[WATCHED:], first=WATCHED)
