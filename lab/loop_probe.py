@@ -70,6 +70,17 @@ SOME_NONE_MESSAGE = (
 )
 
 
+def _reaches(graph):
+    """Whether a tensor of `graph` (None: an eager one) can be read here:
+    eagerly from eager code, else from its own graph or one nested in it."""
+    if graph is None:
+        return tf.executing_eagerly()
+    now = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+    while now is not None and now is not graph:
+        now = getattr(now, "outer_graph", None)
+    return now is graph
+
+
 def _concat(values):
     """Scalars and 1-D tensors as one 1-D tensor, in order (runs of scalars stacked)."""
     pieces, run = [], []
@@ -100,6 +111,9 @@ class _ThreadState(threading.local):
     def __init__(self):
         super().__init__()
         self.state = _LoopState()
+        # (graph or None eagerly, loss): what a LossScaleOptimizer's
+        # `scale_loss` got last, for the next gate (`LoopProbe._gate`).
+        self.scaled_loss = None
 
 
 class _LoopSlots:
@@ -322,6 +336,8 @@ class LoopProbe(Probe):
                 return self._wrap_checks(name, optimizer, apply)
 
             self._patch(optimizer, "apply", checked_apply)
+            if self.breakpoints and isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+                self._patch(optimizer, "scale_loss", self._wrap_scale_loss)
             for part_name, inner in compat.updating_optimizers(name, optimizer):
                 self._patch_update(part_name, inner)
         self._slots.active.assign(1.0)
@@ -583,9 +599,28 @@ class LoopProbe(Probe):
     def _gate(self, state, grads, keys=()):
         # A watched loop raises at the hit's step, naming what it read there:
         # no per-gradient flags (`keys` unused).
-        skip = super()._gate(state, grads)
+        scaled, self._local.scaled_loss = self._local.scaled_loss, None
+        state.loss = scaled[1] if scaled is not None and _reaches(scaled[0]) else None
+        try:
+            skip = super()._gate(state, grads)
+        finally:
+            state.loss = None
         self._emit(state, "_gated", 1.0, reset=0.0, accumulate=True)
         return skip
+
+    def _wrap_scale_loss(self, original):
+        """A LossScaleOptimizer's gate checks no gradient (an overflow of the
+        scaled ones is its own business: it skips the update and lowers its
+        scale) but the loss, which a loop hands the lab only at `run.step`,
+        after the update: the loss the loop scales is kept for the gate of
+        the next apply in the same graph (as fit()'s gate checks the step's)."""
+        local = self._local
+
+        def scale_loss(loss):
+            local.scaled_loss = (None if tf.executing_eagerly() else tf.compat.v1.get_default_graph(), loss)
+            return original(loss)
+
+        return scale_loss
 
     def _gate_open(self):
         # A graph traced while watching keeps this gate; it acts only inside a

@@ -698,8 +698,10 @@ def watch(model, *optimizers, gradients=True, weights=False, breakpoints=(), flu
         gradients: bool, record the norms of the applied gradients.
         weights: bool, record weight norms and update/weight ratios.
         breakpoints: sequence; `lab.breakpoints.nonfinite()` is checked on the
-            device before each update and keeps a bad update out of the weights;
-            a `lab.Breakpoint(condition)` sees each row after its update. A hit
+            device before each update and keeps a bad update out of the weights
+            (under a LossScaleOptimizer: the loss the step hands its
+            `scale_loss`, in the graph of the update); a
+            `lab.Breakpoint(condition)` sees each row after its update. A hit
             raises `lab.BreakpointHit` from that step's `run.step`.
         flush_every: float, seconds between reads of the steps' values.
         capacity: int, steps kept on the device between reads.
