@@ -1291,12 +1291,14 @@ class Probe:
             tracker_loss = self._metric_delta(tracker, totals[id(tracker)], state)
         logged = dict(_flat_logs(logs))
         state.local_batch_size = batch_size
-        if ("loss" in logged and tracker_loss is not None and not is_keras_loss_tracker(self.model, tracker)
+        if (state.loss is not None and "loss" in logged and tracker_loss is not None
+                and not is_keras_loss_tracker(self.model, tracker)
                 and self._logged_metric(state, "loss", logged["loss"], by_name) is tracker):
-            # The model logs a tracker of its own as its loss (keras-io's
-            # masked language model: compute_loss returns the sum of the
-            # tokens' losses and feeds their mean to its tracker): the
-            # column holds that tracker's batch value, as Keras logs it.
+            # compute_loss ran, and the model logs a tracker of its own as
+            # its loss (keras-io's masked language model: compute_loss
+            # returns the sum of the tokens' losses and feeds their mean to
+            # that tracker): the column holds the tracker's batch value, as
+            # Keras logs it.
             values["loss"] = tracker_loss
         elif state.loss is not None:
             values["loss"] = _batch_loss(state.loss, batch_size)
