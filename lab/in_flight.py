@@ -163,7 +163,10 @@ class BatchInFlight(keras.callbacks.Callback):
         data, spec = self.data, self.spec
         if spec is not None:
             try:
-                return tf.data.Dataset.from_generator(lambda: iter([data]), output_signature=spec)
+                # Its one batch declared (assert_cardinality): a dataset of
+                # unknown length is one fit() would end with an empty call.
+                return tf.data.Dataset.from_generator(lambda: iter([data]), output_signature=spec).apply(
+                    tf.data.experimental.assert_cardinality(1))
             except (TypeError, ValueError):  # elements from_generator cannot declare
                 pass
         return tf.data.Dataset.from_tensors(data)
