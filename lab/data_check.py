@@ -118,7 +118,9 @@ def inspect_data(x, y=None, sample_weight=None, batch_size=None, model=None, val
     """Describes the batches fit() would hand train_step, and checks them against a model.
 
     Takes the arguments as `fit()` takes them. A generator is read once: the
-    report takes its first batch, so give fit() a fresh generator.
+    report takes its first batch, so give fit() a fresh generator. A dataset
+    of known length that caches (`.cache()`) is read through once, filling
+    its cache as fit()'s first epoch would.
 
     Args:
         x: arrays (or a list/dict of arrays), a `tf.data.Dataset`, a
@@ -166,6 +168,8 @@ def inspect_data(x, y=None, sample_weight=None, batch_size=None, model=None, val
             return report
         if class_weight is not None:
             _note_class_weights(report, data, class_weight)
+    if report.form == "tf.data.Dataset" and not _fill_caches(report, x):
+        return report
     try:
         first = Feed(data, batch_size=batch_size, shuffle=False, class_weight=class_weight).next()
     except ClassWeightError as error:
@@ -188,6 +192,46 @@ def inspect_data(x, y=None, sample_weight=None, batch_size=None, model=None, val
     if not any(problem.kind in ("structure", "unbatched") for problem in report.problems):
         _count_batches(report, x, data, batch_size, steps_per_epoch)
     return report
+
+
+def _caches(dataset):
+    """The `cache()` steps in a dataset's pipeline (CacheDataset, TensorFlow 2.16 to 2.21)."""
+    found, stack = [], [dataset]
+    while stack:
+        node = stack.pop()
+        if type(node).__name__ == "CacheDataset":
+            found.append(node)
+        try:
+            stack.extend(node._inputs())
+        except (AttributeError, NotImplementedError, TypeError):
+            continue
+    return found
+
+
+def _fill_caches(report, dataset):
+    """Reads a dataset that holds a cache through once, as fit()'s first epoch does.
+
+    Reading only its first batch leaves a cache half written when the
+    iterator goes: TensorFlow then drops it with a warning (a file cache),
+    or, where a prefetch or a parallel map ran ahead (checked with
+    text_dataset_from_directory(...).cache().prefetch() on TensorFlow 2.16
+    and 2.21, about one time in thirty), keeps it as if whole, and every
+    later pass, the user's fit() included, sees only the batches read so
+    far. A dataset of unknown or infinite length is not read through.
+    False where reading it failed (a problem in the report).
+    """
+    if not _caches(dataset) or int(dataset.cardinality()) < 0:
+        return True
+    try:
+        for _ in dataset:
+            pass
+    except tf.errors.OpError as error:
+        report.problems.append(Problem("data", f"reading the dataset through failed: {error_line(error)}",
+                                       "fix the pipeline: fit() stops with the same error in its first epoch."))
+        return False
+    report.notes.append("the dataset caches its elements: inspect_data read it through once, filling the cache "
+                        "as fit()'s first epoch would (a first batch alone would leave it half written).")
+    return True
 
 
 def _check_replicas(report, model):
@@ -357,8 +401,9 @@ def _count_batches(report, x, data, batch_size, steps_per_epoch):
                 "pass steps_per_epoch=... to fit(), or drop the .repeat()."))
         elif cardinality >= 0:
             report.batches_per_epoch = cardinality
-            last = next(iter(x.skip(cardinality - 1).take(1)))
-            report.last_batch_size = _size(last)
+            last = next(iter(x.skip(cardinality - 1).take(1)), None)
+            if last is not None:  # None: a cardinality asserted wrong, which fit() finds out
+                report.last_batch_size = _size(last)
         elif cardinality == tf.data.UNKNOWN_CARDINALITY and steps_per_epoch is None:
             report.notes.append("the dataset's length is unknown to TensorFlow (from_generator, filter, ...): "
                                 "fit() ends each epoch with a call that finds no batch, yet counts an optimizer "
