@@ -20,12 +20,11 @@ import keras
 import numpy as np
 import pandas as pd
 import tensorflow as tf
-from tensorflow.core.framework import graph_pb2
 
 from lab import compat
 from lab.arguments import check_class_weight, check_number
 from lab.devices import uneven_first_batch
-from lab.feed import ClassWeightError, Feed, row_slice, sample_count
+from lab.feed import ClassWeightError, Feed, read_through, reading_copy, row_slice, sample_count
 
 
 
@@ -199,128 +198,20 @@ def inspect_data(x, y=None, sample_weight=None, batch_size=None, model=None, val
     return report
 
 
-# Dataset ops whose state is a resource input (its index): a copy of the
-# pipeline gets fresh ones, so that reading it leaves the user's untouched.
-_OWN_STATE = {"ShuffleDatasetV3": (4, "DummySeedGenerator"), "ShuffleAndRepeatDatasetV2": (5, "DummySeedGenerator"),
-              "CacheDatasetV2": (2, "DummyMemoryCache")}
-# The copy serializes the arrays a pipeline holds (from_tensor_slices): several
-# copies of them at once (400 MB took 4 GB and 4 s); above this it reads the dataset itself.
-_COPY_LIMIT = 256 * 2**20
-# Ops that change variables as a pipeline runs (Keras' random preprocessing layers, tf.random.Generator).
-_CHANGES_VARIABLES = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp", "RngReadAndSkip", "RngSkip",
-                      "StatefulUniform", "StatefulUniformInt", "StatefulUniformFullInt", "StatefulStandardNormalV2",
-                      "StatefulTruncatedNormal")
-
-
 def _reading_copy(report, dataset):
-    """The dataset inspect_data reads: where `dataset`'s pipeline shuffles
-    or caches, a copy of it with its own shuffle seeds and in-memory
-    caches, so that reading it changes nothing fit() then reads. Reading
-    `dataset` itself did:
-
-    - a `shuffle(seed=...)` that reshuffles each iteration draws its next
-      order for every iterator made, so fit() trained on another order than
-      without inspect_data (TensorFlow 2.16 and 2.21);
-    - a cache read for one batch is left half written when the iterator
-      goes: TensorFlow drops it, or, where a prefetch or a parallel map ran
-      ahead (text_dataset_from_directory(...).cache().prefetch(), about one
-      time in thirty), keeps it as if whole, and fit() saw only the batches
-      read so far.
-
-    A file cache is shared through its file: the copy is read through once
-    where its length is known, writing the file as fit()'s first epoch
-    would (a half-written one is dropped, with a warning). Where the
-    pipeline holds more than `_COPY_LIMIT` of arrays, or TensorFlow refuses
-    to serialize it, the dataset itself is read, its caches filled first,
-    and the report says what that moved on. None where reading it through
-    failed (a problem in the report)."""
-    steps = _steps(dataset)
-    _note_variable_changes(report, steps)
-    kinds = {type(step).__name__ for step in steps}
-    if not kinds & {"_ShuffleDataset", "CacheDataset"}:
-        return dataset
-    caches = [step for step in steps if type(step).__name__ == "CacheDataset"]
-    held = sum(_nbytes(tensor) for step in steps for tensor in tf.nest.flatten(getattr(step, "_tensors", ())))
+    """`feed.reading_copy(dataset)`, its notes in the report, a file cache
+    written through. None where reading it through failed (a problem in the report)."""
+    copy, notes, caches = reading_copy(dataset)
+    report.notes.extend(notes)
     try:
-        if held > _COPY_LIMIT:
-            raise ValueError(f"it holds {held / 2**20:.0f} MB of arrays")
-        copy = _copy_with_own_state(dataset)
-    except (tf.errors.OpError, ValueError, TypeError) as error:
-        if "_ShuffleDataset" in kinds:
-            report.notes.append(f"inspect_data did not copy the pipeline ({error_line(error)}) and read the "
-                                "dataset itself: a shuffle(seed=...) now gives fit() its next order, not its first.")
-        return dataset if _read_through(report, dataset, caches) else None
-    files = [cache for cache in caches if cache._filename.numpy()]
-    return copy if _read_through(report, copy, files) else None
-
-
-def _copy_with_own_state(dataset):
-    graph = graph_pb2.GraphDef.FromString(tf.raw_ops.DatasetToGraphV2(
-        input_dataset=dataset._variant_tensor, external_state_policy=1).numpy())  # 1: IGNORE, shared as handles
-    for node in list(graph.node):
-        if node.op in _OWN_STATE:
-            index, op = _OWN_STATE[node.op]
-            fresh = graph.node.add(name=f"{node.name}/own_state", op=op)
-            node.input[index] = fresh.name
-    variant = tf.raw_ops.DatasetFromGraph(graph_def=graph.SerializeToString())
-    return tf.data.experimental.from_variant(variant, dataset.element_spec)
-
-
-def _steps(dataset):
-    """The datasets a pipeline is made of, `dataset` first (not those made inside its functions)."""
-    found, stack = [], [dataset]
-    while stack:
-        node = stack.pop()
-        found.append(node)
-        try:
-            stack.extend(node._inputs())
-        except (AttributeError, NotImplementedError, TypeError):
-            continue
-    return found
-
-
-def _nbytes(tensor):
-    try:
-        return tensor.shape.num_elements() * tensor.dtype.size
-    except (AttributeError, TypeError):  # strings: no fixed size
-        return 0
-
-
-def _note_variable_changes(report, steps):
-    """Says where the pipeline's functions change variables as they run:
-    reading them, inspect_data moves those draws on."""
-    ops = set()
-    for step in steps:
-        for attribute in ("_map_func", "_predicate", "_func"):
-            function = getattr(getattr(step, attribute, None), "function", None)
-            if function is None:
-                continue
-            graph = function.graph.as_graph_def()
-            ops.update(node.op for node in graph.node)
-            ops.update(node.op for library in graph.library.function for node in library.node_def)
-    changes = sorted(ops.intersection(_CHANGES_VARIABLES))
-    if changes:
-        report.notes.append(f"the pipeline changes variables as it runs ({', '.join(changes)}: random "
-                            "preprocessing layers, a tf.random.Generator): inspect_data's read moved them on, "
-                            "so fit()'s draws are not those it would have made without it.")
-
-
-def _read_through(report, dataset, caches):
-    """Reads `dataset` through once where it holds `caches` and its length
-    is known, filling them as fit()'s first epoch does. False where reading
-    failed (a problem in the report)."""
-    if not caches or int(dataset.cardinality()) < 0:
-        return True
-    try:
-        for _ in dataset:
-            pass
+        if read_through(copy, caches):
+            report.notes.append("the dataset caches its elements: inspect_data read it through once, filling the "
+                                "cache as fit()'s first epoch would (a first batch alone would leave it half written).")
     except tf.errors.OpError as error:
         report.problems.append(Problem("data", f"reading the dataset through failed: {error_line(error)}",
                                        "fix the pipeline: fit() stops with the same error in its first epoch."))
-        return False
-    report.notes.append("the dataset caches its elements: inspect_data read it through once, filling the cache "
-                        "as fit()'s first epoch would (a first batch alone would leave it half written).")
-    return True
+        return None
+    return copy
 
 
 def _check_replicas(report, model):

@@ -19,6 +19,7 @@ import random
 import keras
 import numpy as np
 import tensorflow as tf
+from tensorflow.core.framework import graph_pb2
 
 from lab import compat
 
@@ -520,3 +521,122 @@ class _OneShot(_Source):
 
     def empty_error(self, epoch):
         return ValueError("The generator yields no batches.")
+
+
+# ---- a copy of a pipeline to read -------------------------------------------
+
+# Dataset ops whose state is a resource input (its index): a copy of the
+# pipeline gets fresh ones, so that reading it leaves the user's untouched.
+_OWN_STATE = {"ShuffleDatasetV3": (4, "DummySeedGenerator"), "ShuffleAndRepeatDatasetV2": (5, "DummySeedGenerator"),
+              "CacheDatasetV2": (2, "DummyMemoryCache")}
+# The copy serializes the arrays a pipeline holds (from_tensor_slices): several
+# copies of them at once (400 MB took 4 GB and 4 s); above this the dataset itself is read.
+COPY_LIMIT = 256 * 2**20
+# Ops that change variables as a pipeline runs (Keras' random preprocessing layers, tf.random.Generator).
+_CHANGES_VARIABLES = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp", "RngReadAndSkip", "RngSkip",
+                      "StatefulUniform", "StatefulUniformInt", "StatefulUniformFullInt", "StatefulStandardNormalV2",
+                      "StatefulTruncatedNormal")
+
+
+def reading_copy(dataset):
+    """What the lab reads of a user's `tf.data.Dataset` outside training
+    (inspect_data, compare_modes): `(dataset to read, notes, caches)`.
+
+    Where the pipeline shuffles or caches, the dataset to read is a copy of
+    it with its own shuffle seeds and in-memory caches, so that reading it
+    changes nothing fit() then reads. Reading the dataset itself did:
+
+    - a `shuffle(seed=...)` that reshuffles each iteration draws its next
+      order for every iterator made, so fit() trained on another order than
+      without the lab's read (TensorFlow 2.16 and 2.21);
+    - a cache read in part is left half written when the iterator goes:
+      TensorFlow drops it, or, where a prefetch or a parallel map ran ahead
+      (text_dataset_from_directory(...).cache().prefetch(), about one time
+      in thirty), keeps it as if whole, and fit() saw only the batches read
+      so far.
+
+    `caches` are those to fill before reading in part (`read_through`): a
+    file cache, shared through its file. Where the pipeline holds more than
+    `COPY_LIMIT` of arrays, or TensorFlow refuses to serialize it, the
+    dataset itself is read, its caches are all to fill, and a note says the
+    shuffle moved on. A note also names the variables a pipeline's
+    functions change as they run (their draws move on either way)."""
+    steps = _steps(dataset)
+    notes = _variable_change_notes(steps)
+    kinds = {type(step).__name__ for step in steps}
+    if not kinds & {"_ShuffleDataset", "CacheDataset"}:
+        return dataset, notes, []
+    caches = [step for step in steps if type(step).__name__ == "CacheDataset"]
+    held = sum(_nbytes(tensor) for step in steps for tensor in tf.nest.flatten(getattr(step, "_tensors", ())))
+    try:
+        if held > COPY_LIMIT:
+            raise ValueError(f"it holds {held / 2**20:.0f} MB of arrays")
+        copy = _copy_with_own_state(dataset)
+    except (tf.errors.OpError, ValueError, TypeError) as error:
+        if "_ShuffleDataset" in kinds:
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            notes.append(f"the lab did not copy the pipeline ({reason}) and read the dataset itself: "
+                         "a shuffle(seed=...) now gives fit() its next order, not its first.")
+        return dataset, notes, caches
+    return copy, notes, [cache for cache in caches if cache._filename.numpy()]
+
+
+def read_through(dataset, caches):
+    """Reads `dataset` through once where it holds `caches` and its length
+    is known, filling them as fit()'s first epoch does; True if it did.
+    A pipeline's own error (tf.errors.OpError) is raised."""
+    if not caches or int(dataset.cardinality()) < 0:
+        return False
+    for _ in dataset:
+        pass
+    return True
+
+
+def _copy_with_own_state(dataset):
+    graph = graph_pb2.GraphDef.FromString(tf.raw_ops.DatasetToGraphV2(
+        input_dataset=dataset._variant_tensor, external_state_policy=1).numpy())  # 1: IGNORE, shared as handles
+    for node in list(graph.node):
+        if node.op in _OWN_STATE:
+            index, op = _OWN_STATE[node.op]
+            fresh = graph.node.add(name=f"{node.name}/own_state", op=op)
+            node.input[index] = fresh.name
+    variant = tf.raw_ops.DatasetFromGraph(graph_def=graph.SerializeToString())
+    return tf.data.experimental.from_variant(variant, dataset.element_spec)
+
+
+def _steps(dataset):
+    """The datasets a pipeline is made of, `dataset` first (not those made inside its functions)."""
+    found, stack = [], [dataset]
+    while stack:
+        node = stack.pop()
+        found.append(node)
+        try:
+            stack.extend(node._inputs())
+        except (AttributeError, NotImplementedError, TypeError):
+            continue
+    return found
+
+
+def _nbytes(tensor):
+    try:
+        return tensor.shape.num_elements() * tensor.dtype.size
+    except (AttributeError, TypeError):  # strings: no fixed size
+        return 0
+
+
+def _variable_change_notes(steps):
+    ops = set()
+    for step in steps:
+        for attribute in ("_map_func", "_predicate", "_func"):
+            function = getattr(getattr(step, attribute, None), "function", None)
+            if function is None:
+                continue
+            graph = function.graph.as_graph_def()
+            ops.update(node.op for node in graph.node)
+            ops.update(node.op for library in graph.library.function for node in library.node_def)
+    changes = sorted(ops.intersection(_CHANGES_VARIABLES))
+    if not changes:
+        return []
+    return [f"the pipeline changes variables as it runs ({', '.join(changes)}: random preprocessing layers, "
+            "a tf.random.Generator): the lab's read moved them on, so fit()'s draws are not those it would "
+            "have made without it."]

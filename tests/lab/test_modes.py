@@ -709,3 +709,23 @@ def test_compare_modes_feeds_x_alone_as_fit_x_does(data, as_given):
     assert list(frame["error"]) == [None, None]
     assert (frame["max_loss_diff"] < 1e-4).all()
     model.fit(x, batch_size=8, verbose=0)  # what compare_modes fed it, fit(x) feeds it too
+
+
+def test_the_fit_after_compare_modes_on_a_shuffled_cached_dataset_trains_on_the_batches_it_would_have(data):
+    # compare_modes timed the user's dataset in part and over again: a seeded
+    # shuffle moved on to a later order, and fit() trained on other batches.
+    x, y = data
+
+    def next_fit(compare):
+        keras.utils.set_random_seed(0)
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).cache().shuffle(64, seed=1).batch(8).prefetch(2)
+        inputs = keras.Input((64,))
+        model = keras.Model(inputs, keras.layers.Dense(10)(inputs))
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        if compare:
+            lab.compare_modes(model, dataset, steps=2, modes=("graph",), steps_per_execution=(1,))
+        model.fit(dataset, epochs=2, verbose=0)
+        return model.get_weights()
+
+    for got, want in zip(next_fit(compare=True), next_fit(compare=False)):
+        np.testing.assert_array_equal(got, want)
