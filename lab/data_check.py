@@ -120,9 +120,10 @@ def inspect_data(x, y=None, sample_weight=None, batch_size=None, model=None, val
     Takes the arguments as `fit()` takes them. A generator is read once: the
     report takes its first batch, so give fit() a fresh generator. A
     `tf.data.Dataset` that shuffles or caches is read through a copy of its
-    pipeline with its own shuffle seeds and caches: fit() then trains on the order and the
-    batches it would have without inspect_data (a file cache is written
-    once, as fit()'s first epoch would write it).
+    pipeline with its own shuffle seeds and caches (`feed.reading_copy`):
+    fit() then trains on the order and the batches it would have without
+    inspect_data (a file cache is written once, as fit()'s first epoch
+    would write it).
 
     Args:
         x: arrays (or a list/dict of arrays), a `tf.data.Dataset`, a
