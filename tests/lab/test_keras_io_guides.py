@@ -76,6 +76,7 @@ bug as the reason (see the constants below `Guide`).
 import collections
 import contextlib
 import dataclasses
+import functools
 import warnings
 
 import keras
@@ -199,6 +200,43 @@ class Three:
         return self.rec.run.batches()
 
 
+def name_counters():
+    """Keras' live counters of auto-generated layer names (`dense`, `dense_1`, ...)."""
+    from keras.src.backend.common import global_state
+
+    return global_state.get_global_attribute("object_name_uids", default=collections.defaultdict(int),
+                                             set_to_default=True)
+
+
+def named_alike(make):
+    """`make`, each of whose calls names its model's layers alike (Keras'
+    name counters set back to where they were for the first). The first
+    call makes a model to throw away before it: a `make` that trains a part
+    once and keeps it (a teacher, a pretrained encoder) takes more names at
+    its first call than after.
+
+    The runs compared must be named alike: Grappler orders the inputs of a
+    sum of several gradients (an `AddN`) by their nodes' names, which hold
+    the layers' names, so a model whose first Dense layers are `dense_95`
+    and `dense_100` sums its input gradient in another order than one whose
+    are `dense_75` and `dense_80` ("dense_100" sorts first), and trains an
+    ulp apart from it: Real NVP did, once the examples before it had taken
+    the names up to there. A user's model keeps its names under the lab."""
+    first = []
+
+    @functools.wraps(make)
+    def made():
+        live = name_counters()
+        if not first:
+            make()
+            first.append(dict(live))
+        live.clear()
+        live.update(first[0])
+        return make()
+
+    return made
+
+
 def fit_one(make, args, kwargs, callbacks):
     model = make()
     initial = weights(model)
@@ -220,6 +258,7 @@ def fit_three(make, *args, oracle=True, recorder=None, **kwargs):
         logs_own, oracle_model = None, None
     rec = recorder or lab.Recorder(gradients=True)
     labbed = make()
+    assert [v.path for v in labbed.weights] == [v.path for v in bare.weights], "the runs' models are named otherwise"
     count = len(labbed.weights)
     initial_l = weights(labbed)
     assert_same_arrays(initial_l, initial, "initial weights (lab)")
@@ -1688,6 +1727,9 @@ class Guide:
     later_fit: bool = True  # check a later plain fit() too (one more trace)
     stepped: bool = True  # check the Stepper (one more trace)
     racy: dict = dataclasses.field(default_factory=dict)  # log -> ulps bare fit() itself may vary by (RACY_ADDN)
+
+    def __post_init__(self):
+        self.make = named_alike(self.make)
 
 
 def _regression():
