@@ -65,10 +65,12 @@ def compare_modes(model, data, steps=32, batch_size=None, modes=MODES, steps_per
     are the random streams a step draws from (Python's and NumPy's global
     ones, Keras' for unseeded `keras.random` draws, TensorFlow's global
     generator and its op seeds for eager random ops): the next `fit()`
-    trains exactly as it would have. (A Dataset that reshuffles on every
-    pass is read like one more pass, so its next order is not the one it
-    would have had: TensorFlow keeps that order's seed where it cannot be
-    put back. Pass a copy made the same way to keep the original's.)
+    trains exactly as it would have. A Dataset is read through a copy of
+    its pipeline with shuffle seeds and caches of its own
+    (`lab.feed.reading_copy`), so the `fit()` after reads the batches, and
+    the order, it would have; where no copy is made (arrays over
+    `lab.feed.COPY_LIMIT`, a pipeline TensorFlow cannot serialize) or a map
+    function changes variables as it runs, a RuntimeWarning says what moved on.
 
     Args:
         model: keras.Model, compiled.
