@@ -28,7 +28,7 @@ from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGra
 from lab import compat
 from lab.compat import in_xla_trace
 from lab.norms import half_sum_of_squares, infinite_norms_message, newly_infinite, total_grad_norm
-from lab.probes import Probe, StepState, _replica_context, variable_keys
+from lab.probes import Probe, StepState, _replica_context, overwritten, variable_keys
 
 # Slots kept free for variables the model did not list when watching began
 # (a subclassed model is often built by its first step).
@@ -704,6 +704,9 @@ class LoopProbe(Probe):
             variables += compat.optimizer_variables_for(optimizer)
         keys = self._keys(variables)
         self._seen.update(f"{kind}{key}" for kind in (_GRAD_HALF, _WEIGHT_HALF, _UPDATE_HALF) for key in keys)
+        # Not those Keras overwrites with what it is handed as their gradient (float8's scales).
+        self._seen -= {f"{kind}{key}" for kind in (_GRAD_HALF, _WEIGHT_HALF, _UPDATE_HALF)
+                       for variable, key in zip(variables, keys) if overwritten(variable)}
         several = len(self._rate_names) > 1
         # Per optimizer and kind asked for: the slots an update by a graph traced with that kind writes.
         self._kind_slots = {}

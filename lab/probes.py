@@ -107,10 +107,16 @@ NO_UPDATE_NOTE = (
     "compiled with no loss; or the step hands them to no optimizer). They are not trained, and have "
     "no gradient, weight-norm or update-ratio values. Training is not affected.")
 
+OVERWRITTEN_NOTE = (
+    "{variables}: set at each step to a value the step computes and hands the optimizer in "
+    "place of a gradient (Keras' overwrite_with_gradient: float8 training's scales and amax "
+    "histories), not updated from a gradient. They have no gradient, weight-norm or "
+    "update-ratio columns, and no part in grad_norm. Training is not affected.")
+
 # The run's warning for each kind of `Probe.trace_notes`.
 TRACE_NOTES = {"regrouped": REGROUPED_NOTE, "changed_after": CHANGED_AFTER_NOTE, "random": RANDOM_NOTE,
                "update_step": UPDATE_STEP_NOTE, "no_loss": NO_LOSS_NOTE, "uncalled": UNCALLED_NOTE,
-               "no_update": NO_UPDATE_NOTE}
+               "no_update": NO_UPDATE_NOTE, "overwritten": OVERWRITTEN_NOTE}
 
 ALREADY_WATCHED = (
     "This model is already watched by another lab Recorder or Dashboard. "
@@ -125,6 +131,13 @@ def defined_outside_keras(obj, name):
         if name in vars(cls):
             return None if cls.__module__.split(".")[0] in ("keras", "tf_keras") else cls
     return None
+
+
+def overwritten(variable):
+    """Whether Keras' optimizers set `variable` to the value handed to them
+    as its gradient, rather than update it from one (`overwrite_with_gradient`:
+    float8 training's scales and amax histories; Keras 3.4 on)."""
+    return bool(getattr(variable, "overwrite_with_gradient", False))
 
 
 def read_value(variable):
@@ -607,9 +620,10 @@ class Probe:
         the trainable variables no optimizer's update step took."""
         if not (self.gradients or self.weights):
             return
-        for key in self._keys(self.model.trainable_variables):
+        variables = self.model.trainable_variables
+        for variable, key in zip(variables, self._keys(variables)):
             if key not in state.updated:
-                self.trace_notes["no_update"].setdefault(key, "")
+                self.trace_notes["overwritten" if overwritten(variable) else "no_update"].setdefault(key, "")
 
     def _note_regrouped(self, variables, grads):
         """Notes (at trace time, the update built) the variables whose update
@@ -791,15 +805,17 @@ class Probe:
                 if not optimizer.built:
                     # Variables cannot be created inside the gate's branch.
                     optimizer.build(trainable_variables)
+            variables = trainable_variables if trainable_variables is not None else \
+                compat.optimizer_variables_for(optimizer)
             # Here, not in the gated update: a nested graph's slots keep replica 0's value only.
-            probe._emit_local_square(state, grads)
+            # Of the gradients only: not of the values Keras overwrites variables with.
+            probe._emit_local_square(state, [g for i, g in enumerate(grads)
+                                             if i >= len(variables) or not overwritten(variables[i])])
             # A LossScaleOptimizer skips an update whose scaled gradients
             # overflow and lowers its scale: its own business, as in bare
             # training. The gate checks the loss; the update's result is
             # still checked after it.
             gated = [] if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) else grads
-            variables = trainable_variables if trainable_variables is not None else \
-                compat.optimizer_variables_for(optimizer)
             skip = probe._gate(state, gated, probe._keys(variables[:len(gated)]) if gated else ())
 
             ctx = _replica_context()
@@ -1437,8 +1453,11 @@ class Probe:
             # Encoded like the step's own where the step encodes any (the host
             # finishes a missing one as NaN either way).
             prefix = ENCODED if any(name.startswith(ENCODED) for name in values) else ""
+            variables = self.model.trainable_variables
+            set_apart = {key for variable, key in zip(variables, self._keys(variables)) if overwritten(variable)}
             columns += [f"{prefix}grad_norm/{k}" for k in self._variable_keys.values()
-                        if f"grad_norm/{k}" not in values and f"{ENCODED}grad_norm/{k}" not in values]
+                        if f"grad_norm/{k}" not in values and f"{ENCODED}grad_norm/{k}" not in values
+                        and k not in set_apart]
         return _row_order(list(dict.fromkeys(columns)), values)
 
     def _write(self, values):

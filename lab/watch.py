@@ -36,7 +36,7 @@ from lab import compat, schema
 from lab.arguments import GRADIENTS_EXAMPLE, WEIGHTS_EXAMPLE, check_flag, check_number, check_seconds
 from lab.loop_probe import LoopProbe
 from lab.norms import shown_names
-from lab.probes import find_optimizers
+from lab.probes import OVERWRITTEN_NOTE, find_optimizers, overwritten
 from lab.run import Run
 from lab.status import StatusReporter
 
@@ -445,11 +445,15 @@ class WatchedRun(StatusReporter, Run):
         updated = np.asarray(super().column("updated")) > 0
         if not updated.any():
             return  # no update at all: `_check_applied` has said so
-        never = []
+        never, set_apart = [], []
         for variable in self.probe.model.trainable_variables:
             column = f"grad_norm/{self.probe._key(variable)}"
-            if column not in self.columns or np.isnan(np.asarray(super().column(column))[updated]).all():
+            if overwritten(variable):
+                set_apart.append(self.probe._key(variable))
+            elif column not in self.columns or np.isnan(np.asarray(super().column(column))[updated]).all():
                 never.append(self.probe._key(variable))
+        if set_apart:
+            self.add_event("warning", OVERWRITTEN_NOTE.format(variables=shown_names(set_apart)), step=len(self) - 1)
         if never:
             self.add_event("warning", NEVER_UPDATED_MESSAGE.format(variables=shown_names(never)),
                            step=len(self) - 1)

@@ -242,6 +242,15 @@ def test_mirrored_records_each_replica(mirrored):
     np.testing.assert_allclose(columns["loss"], losses.mean(axis=0), rtol=1e-4)
 
 
+def test_float8_training_on_the_replicas_records_each_replicas_gradient_norm_and_no_scale_columns(mirrored):
+    assert "float8_error" not in mirrored, mirrored["float8_error"]
+    found = mirrored["float8"]
+    # The scales and amax histories the step sets have no gradient column,
+    # and each replica's norm is its kernels' and biases' alone.
+    assert found["set_apart"] == []
+    np.testing.assert_allclose(found["recorded"], found["tape"], rtol=1e-4)
+
+
 def test_a_batch_split_unevenly_over_the_replicas_records_its_samples_loss(mirrored):
     assert "fit_error" not in mirrored, mirrored["fit_error"]
     uneven = mirrored["uneven"]

@@ -385,6 +385,81 @@ def test_a_variable_the_loss_does_not_reach_trains_as_bare_and_the_run_says_it_i
     assert len(warned) == 1 and warned[0].startswith("before_bins/kernel, before_bins/bias: trainable, but no optimizer")
 
 
+def float8_model():
+    """Dense layers quantized for float8 training: each holds scales and
+    amax histories (trainable, `overwrite_with_gradient`) that its custom
+    gradient computes anew at every step and the optimizer assigns."""
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((8,))
+    h = L.Dense(16, activation="relu")(inputs)
+    model, data = classifier(inputs, h, normal(8))
+    model.quantize("float8")
+    return model, data
+
+
+def overwritten_paths(model):
+    return [v.path for v in model.trainable_variables if getattr(v, "overwrite_with_gradient", False)]
+
+
+def test_float8_training_trains_as_bare_and_its_scales_are_said_to_be_set_each_step():
+    # The lab gave each scale and amax history a grad_norm column of NaN and
+    # told the run they were "not trained", though they change at every step.
+    bare_model, (x, y) = float8_model()
+    bare_history = bare_model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0).history
+    recorder = lab.Recorder(gradients=True, weights=True)
+    model, _ = float8_model()
+    set_each_step = overwritten_paths(model)
+    assert len(set_each_step) == 12  # 6 in each of the 2 Dense layers
+    history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[recorder]).history
+    assert history == bare_history and not differing(model, state(bare_model))
+    rows = recorder.run.batches()
+    trained = [v.path for v in model.trainable_variables if v.path not in set_each_step]
+    assert len(trained) == 4
+    for path in trained:
+        for prefix in ("grad_norm/", "weight_norm/", "update_ratio/"):
+            assert rows[prefix + path].notna().all()
+    assert not [c for c in rows if c.split("/", 1)[-1] in set_each_step]
+    # grad_norm is the gradients' norm, of the kernels and biases alone.
+    parts = rows[[f"grad_norm/{path}" for path in trained]].to_numpy("float64")
+    np.testing.assert_allclose(rows["grad_norm"], np.sqrt((parts ** 2).sum(axis=1)), rtol=1e-6)
+    warned = recorder.run.events().query("kind == 'warning'")["detail"].tolist()
+    assert len(warned) == 1 and "overwrite_with_gradient" in warned[0] and "not trained" not in warned[0]
+    assert warned[0].startswith(", ".join(set_each_step[:4]))
+    # A graph Stepper steps as fit() does and a rewind puts the scales back too.
+    stepped, data = float8_model()
+    initial = state(stepped, optimizer=False)
+    stepper = lab.Stepper(stepped, data, batch_size=BATCH, shuffle=False, mode="graph")
+    stepper.step(2 * BATCHES)
+    assert stepper.last_trace.error is None
+    updated = {v.path for v in stepped.trainable_variables} - set(overwritten_paths(stepped))
+    assert set(stepper.last_trace.gradients) == updated
+    assert not differing(stepped, state(bare_model))
+    stepper.rewind(2 * BATCHES)
+    assert not differing(stepped, initial, optimizer=False)
+
+
+def test_float8_training_watched_by_hand_has_no_columns_for_its_scales():
+    model, (x, y) = float8_model()
+    optimizer, loss = keras.optimizers.Adam(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def train_step(xb, yb):
+        with tf.GradientTape() as tape:
+            value = loss(yb, model(xb, training=True))
+        optimizer.apply(tape.gradient(value, model.trainable_variables), model.trainable_variables)
+        return value
+
+    with lab.watch(model, optimizer) as run:
+        for i in range(BATCHES):
+            run.step(loss=train_step(x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH]))
+    rows = run.batches()
+    set_each_step = overwritten_paths(model)
+    assert len(rows) == BATCHES and not [c for c in rows if c.split("/", 1)[-1] in set_each_step]
+    assert sum(c.startswith("grad_norm/") for c in rows) == 4 and rows["grad_norm"].notna().all()
+    warned = run.events().query("kind == 'warning'")["detail"].tolist()
+    assert len(warned) == 1 and "overwrite_with_gradient" in warned[0]
+
+
 @pytest.mark.parametrize("name", ASSIGNING)
 def test_a_nonfinite_hit_keeps_out_what_the_bad_batchs_forward_pass_assigned(name):
     good, (x, y) = make(name)

@@ -626,6 +626,38 @@ def tf_split(strategy, n):
     return [int(v.shape[0]) for v in strategy.experimental_local_results(next(iter(batches)))]
 
 
+def float8_replicas(strategy, x, y):
+    """Float8 training on the replicas: each replica's gradient norm at step
+    0, recorded and by a tape on its half of the batch, of the kernels and
+    biases alone (the scales and amax histories the step sets are handed to
+    the optimizer as gradients too)."""
+    import tensorflow as tf
+
+    def made():
+        model = make_model()
+        model.quantize("float8")
+        return model
+
+    with strategy.scope():
+        model = made()
+    recorder = lab.Recorder(gradients=True)
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[recorder])
+    frame = recorder.run.batches()
+    fresh = made()
+    trained = [v for v in fresh.trainable_variables if not getattr(v, "overwrite_with_gradient", False)]
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function  # Keras' float8 gradient fails eagerly
+    def norm(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, fresh(xb, training=True))
+        return tf.linalg.global_norm(tape.gradient(loss, trained))
+
+    return {"recorded": [float(frame[f"grad_norm/replica_{i}"].iloc[0]) for i in range(2)],
+            "tape": [float(norm(x[part], y[part])) for part in (slice(0, 8), slice(8, 16))],
+            "set_apart": [c for c in frame.columns if c.endswith(("_scale", "_amax_history"))]}
+
+
 def main():
     out = {}
     frame = lab.devices()
@@ -674,7 +706,8 @@ def main():
                            ("stepper_gan", stepper_gan_as_fit),
                            ("stepper_interrupted", stepper_interrupted), ("predicted", predicted_on_replicas),
                            ("stepper_rewind", stepper_rewind_replicas), ("compare_modes", compare_modes_replicas),
-                           ("uneven_first", uneven_first_batch_told), ("metrics", metrics_on_replicas)):
+                           ("uneven_first", uneven_first_batch_told), ("metrics", metrics_on_replicas),
+                           ("float8", float8_replicas)):
             try:
                 out[key] = check(mirrored, x, y)
             except Exception as error:  # noqa: BLE001 - reported, so the other checks still run
