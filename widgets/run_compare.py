@@ -58,6 +58,8 @@ class RunCompare(ipywidgets.VBox):
         self.batches = lab.compare(named)
         self.epochs = lab.compare(named, table="epochs")
         self.names = list(named)
+        self.note = ipywidgets.HTML(_matched_note(self.batches.attrs["matched_layers"],
+                                                  self.batches.attrs["layers_named_as"]))
         if not len(self.batches):
             raise ValueError("RunCompare needs runs with at least one recorded batch; these have none.")
         self.max_points = max_points
@@ -79,7 +81,7 @@ class RunCompare(ipywidgets.VBox):
             self.live_view = HtmlView(widget=self.chart_html, update_every=0, render=_compare_page)
             self._show(column)
             self.column.observe(lambda change: self._show(change["new"]), names="value")
-            super().__init__([self.column, self.chart_html])
+            super().__init__([self.column, self.chart_html] + ([self.note] if self.note.value else []))
             return
         import plotly.graph_objects as go
 
@@ -99,7 +101,7 @@ class RunCompare(ipywidgets.VBox):
                                     showlegend=False)
         self._show(column)
         self.column.observe(lambda change: self._show(change["new"]), names="value")
-        super().__init__([self.column, self.figure])
+        super().__init__([self.column, self.figure] + ([self.note] if self.note.value else []))
 
     def lines(self):
         """The per-batch traces, one per run, in the order the runs were given."""
@@ -144,6 +146,16 @@ class RunCompare(ipywidgets.VBox):
                 trace.name = series.name
             self.figure.layout.yaxis.title = column
             self.figure.layout.yaxis.type = "log" if column.startswith(_LOG_SCALE) else "linear"
+
+
+def _matched_note(matched, reference):
+    """A line saying which runs' layers are shown under the `reference` run's names ("" for none)."""
+    if not matched:
+        return ""
+    shown = ", ".join(f"<b>{html.escape(name)}</b>" for name in matched)
+    return (f"<small>The layers of {shown} are shown under <b>{html.escape(reference)}</b>'s names, matched in "
+            "the order they were made: the same model built again, which Keras numbered otherwise "
+            "(<code>lab.compare(..., match_layers=False)</code> keeps each run's own).</small>")
 
 
 def _first_value_column(batches, options):

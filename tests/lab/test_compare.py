@@ -1,5 +1,7 @@
 """lab.compare and the CSV / TensorBoard exports."""
 
+import collections
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -88,7 +90,70 @@ def test_compare_epochs_and_chosen_columns():
         lab.compare([a, b], columns=["accuracy"])
 
 
+def recorded(make, x, y):
+    import keras
+
+    model = make()
+    recorder = lab.Recorder(gradients=True, weights=True)
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[recorder])
+    return model, recorder.run
+
+
+def test_the_same_model_built_again_is_compared_layer_by_layer_under_the_first_runs_names():
+    # Keras numbers a model built again otherwise (dense_2 and dense_3 for
+    # dense and dense_1): its gradient columns never met the first run's.
+    import keras
+
+    def make(width=8):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(width, activation="relu"),
+                                  keras.layers.Dense(3)])
+        model.compile(keras.optimizers.Adam(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    from keras.src.backend.common import global_state
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 4)).astype("float32"), rng.integers(0, 3, 64)
+    counters = global_state.get_global_attribute("object_name_uids", collections.defaultdict(int), set_to_default=True)
+    counters.pop("dense", None)
+    first, run_a = recorded(make, x, y)  # dense and dense_1
+    counters["dense"] = 9  # as if other layers were made between: dense_9 and dense_10 ("dense_10" sorts first)
+    again, run_b = recorded(make, x, y)
+    paths_a = [v.path for v in first.trainable_variables]
+    paths_b = [v.path for v in again.trainable_variables]
+    assert [p.split("/")[1] for p in paths_a] == ["dense", "dense", "dense_1", "dense_1"]
+    assert [p.split("/")[1] for p in paths_b] == ["dense_9", "dense_9", "dense_10", "dense_10"]
+    long = lab.compare({"a": run_a, "b": run_b})
+    assert long.attrs["matched_layers"] == {"b": dict(zip(paths_b, paths_a))}
+    assert long.attrs["layers_named_as"] == "a"
+    for prefix in ("grad_norm/", "weight_norm/", "update_ratio/"):
+        for path_a, path_b in zip(paths_a, paths_b):
+            assert prefix + path_b not in long
+            for name, run, path in (("a", run_a, path_a), ("b", run_b, path_b)):
+                np.testing.assert_array_equal(long.loc[long["run"] == name, prefix + path_a],
+                                              run.batches()[prefix + path])
+    assert long.pivot(index="step", columns="run", values=f"grad_norm/{paths_a[0]}").notna().all().all()
+    # Each run's own paths on request, and an unknown column names the switch.
+    own = lab.compare({"a": run_a, "b": run_b}, match_layers=False)
+    assert f"grad_norm/{paths_b[0]}" in own and own.attrs["matched_layers"] == {}
+    with pytest.raises(KeyError, match="match_layers=False"):
+        lab.compare({"a": run_a, "b": run_b}, columns=[f"grad_norm/{paths_b[0]}"])
+    # Another model (a third layer) keeps its own paths.
+    def deeper():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(8),
+                                  keras.layers.Dense(3)])
+        model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    other, run_c = recorded(deeper, x, y)
+    mixed = lab.compare({"a": run_a, "c": run_c})
+    assert mixed.attrs["matched_layers"] == {}
+    assert all(f"grad_norm/{v.path}" in mixed for v in other.trainable_variables)
+
+
 def test_compare_rejects_bad_input_with_the_fix():
+    with pytest.raises(TypeError, match="match_layers"):
+        lab.compare([made_run("a", [1.0])], match_layers="yes")
     run = made_run("a", [1.0])
     with pytest.raises(TypeError, match="list"):
         lab.compare(run)

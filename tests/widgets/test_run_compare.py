@@ -122,3 +122,23 @@ def test_max_points_is_checked_when_the_comparison_is_made():
     for bad in (3, 0, 2.5, True):
         with pytest.raises((TypeError, ValueError), match=r"RunCompare\(max_points=\.\.\.\).*8 or more"):
             RunCompare([made_run("a", [1.0] * 20)], max_points=bad)
+
+
+def test_the_same_model_built_again_shares_its_per_layer_columns_and_the_view_says_so():
+    def run_of(name, layers, scale):
+        run = lab.Run(name)
+        columns = {"epoch": [0, 0], "batch": [0, 1], "mode": ["graph"] * 2, "loss": np.array([1.0, 0.5], np.float32)}
+        for i, layer in enumerate(layers):
+            columns[f"grad_norm/{layer}/kernel"] = np.array([scale * (i + 1)] * 2, np.float32)
+        run.append_batches(columns)
+        return run
+
+    first = run_of("first", ["sequential/dense", "sequential/dense_1"], 1.0)
+    again = run_of("again", ["sequential_1/dense_9", "sequential_1/dense_10"], 10.0)  # "dense_10" sorts first
+    view = RunCompare([first, again])
+    grads = [c for c in view.column.options if c.startswith("grad_norm/")]
+    assert grads == ["grad_norm/sequential/dense/kernel", "grad_norm/sequential/dense_1/kernel"]
+    view.column.value = "grad_norm/sequential/dense_1/kernel"
+    assert [list(line.y) for line in view.lines()] == [[2.0, 2.0], [20.0, 20.0]]
+    assert "<b>again</b> are shown under <b>first</b>'s names" in view.note.value and view.note in view.children
+    assert RunCompare([first, run_of("other", ["sequential_1/conv2d"], 1.0)]).note.value == ""
