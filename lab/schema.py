@@ -68,7 +68,8 @@ XLA_TRACED = "traced_in_xla"  # run.metadata key: XLA compiled the lab's reads w
 TOLD_PREFIX = "told_"  # run.metadata keys: variables named in a probe's trace-time warning, one a line
 RECORD_ERRORS = "record_errors"  # run.metadata key: why steps could not be recorded, one message an item
 # probes.TRACE_NOTES' kinds
-TRACE_NOTE_KINDS = ("regrouped", "changed_after", "random", "update_step", "no_loss", "uncalled", "no_update")
+TRACE_NOTE_KINDS = ("regrouped", "changed_after", "random", "update_step", "no_loss", "uncalled", "no_update",
+                    "overwritten")
 
 # The run.metadata keys the lab reads back (a continued run's recorder adds
 # to them), and what each holds: a run file's metadata is checked against
