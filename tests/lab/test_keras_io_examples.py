@@ -1726,11 +1726,12 @@ def test_real_nvp_named_where_names_sort_out_of_order_trains_under_the_lab_as_ba
     # Grappler sums the parts of a gradient (an AddN) in the order of their
     # nodes' names. A coupling whose first Dense layers are dense_95 and
     # dense_100 sums its input's gradient with dense_100's part first
-    # ("dense_100" sorts before "dense_95"), one named from dense_115 in
-    # name order. The harness named the lab's model after the bare one's, so
-    # once the examples before Real NVP in this file had taken the names up
-    # to there, its lab run ended an ulp away in 8 biases, with nothing the
-    # lab did: the runs compared are now named alike (named_alike).
+    # ("dense_100" sorts before "dense_95"), where one named from dense_115
+    # sums them in the order the layers were made. The harness named the
+    # lab's model after the bare one's, so once the examples before Real NVP
+    # in this file had taken the names up to there, its lab run ended an ulp
+    # away in 8 biases, with nothing the lab did: the runs compared are now
+    # named alike (named_alike).
     name_counters()["dense"] = 75  # named_alike first makes a model of 20 to throw away
     args, kwargs, _, _, _ = _real_nvp()
     t = fit_three(named_alike(make_real_nvp), *args, oracle=False, **kwargs)
