@@ -44,8 +44,8 @@ test: test-current test-oldest
 # the same way, make test took 21 minutes instead of 30 on two cores (26 since the
 # layer, loss and loop sweeps of 2026-12-05; 31 since the data, optimizer-argument,
 # example and hand-written-loop sweeps of 2026-12-06; 27 since tests/conftest.py freezes
-# each file's leftovers out of the garbage collector's walks; 30 in the clean-clone run
-# of 2026-12-06 06:24).
+# each file's leftovers out of the garbage collector's walks; 28 in the clean-clone run
+# of 2026-12-06 06:58).
 # The end-to-end tests (a JupyterLab with Chromium, real kernels) and the
 # notebooks follow in one process: each starts servers and kernels of its
 # own, which must not compete for the cores with other tests.
