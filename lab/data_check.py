@@ -14,7 +14,6 @@ import collections
 import difflib
 import math
 import numbers
-import re
 
 import keras
 import numpy as np
@@ -22,10 +21,10 @@ import pandas as pd
 import tensorflow as tf
 
 from lab import compat
+from lab.compat import error_line, missing_key
 from lab.arguments import check_class_weight, check_number
 from lab.devices import uneven_first_batch
 from lab.feed import ClassWeightError, Feed, read_through, reading_copy, row_slice, sample_count
-
 
 
 class Problem(collections.namedtuple("Problem", ["kind", "message", "fix"])):
@@ -482,7 +481,7 @@ def _check_against_model(report, model):
 
 
 def _call_problem(error, x):
-    found, key = _missing_key(error)
+    found, key = missing_key(error)
     if found and isinstance(x, dict) and key not in x:
         keys = sorted(x, key=str)
         close = difflib.get_close_matches(str(key), [str(k) for k in keys], n=1)
@@ -584,7 +583,7 @@ def _check_loss(report, model, x, y, y_pred, sample_weight):
         error = None
     except Exception as caught:  # the loss's own message, whatever its type
         error = caught
-    if single is None or (error is not None and _missing_key(error)[0]):
+    if single is None or (error is not None and missing_key(error)[0]):
         if error is not None:
             report.problems.append(_loss_problem(error, model, y, y_pred, sample_weight))
         return
@@ -611,7 +610,7 @@ def _check_loss(report, model, x, y, y_pred, sample_weight):
 
 
 def _loss_problem(error, model, y, y_pred, sample_weight):
-    found, key = _missing_key(error)
+    found, key = missing_key(error)
     for part, value in (("sample_weight", sample_weight), ("y", y)):
         if found and _lacks(value, key):
             return _key_problem(part, value, key, model, y, y_pred)
@@ -658,49 +657,3 @@ def _loss_name(loss):
     return str(name)
 
 
-def error_line(error):
-    """The informative line of a Keras or TensorFlow error, without tracebacks or markup.
-
-    Args:
-        error: Exception.
-
-    Returns:
-        str, at most 300 characters.
-    """
-    found, key = _missing_key(error)
-    if found:
-        # str() of a KeyError is the repr of its key (or of Keras' whole wrapped message).
-        return f"KeyError: {key!r}"[:300]
-    lines = [_strip_ansi(line).strip() for line in str(error).splitlines()]
-    lines = [line for line in lines if line]
-    if lines and lines[0].startswith("Graph execution error"):
-        # A graph error lists the traceback of the failing op first; its message follows.
-        after = [i for i, line in enumerate(lines) if line.startswith("File ")]
-        lines = lines[after[-1] + 1:] if after else lines[1:]
-    for line in lines:
-        # Keras wraps a layer's error in "Exception encountered when calling ...".
-        if not line.startswith(("Exception encountered", "[[")):
-            return line[:300]
-    return type(error).__name__
-
-
-def _strip_ansi(text):
-    # TensorFlow prefixes op errors with "{{function_node ...}}"; Keras bolds with ANSI codes.
-    return re.sub(r"\{\{[^}]*\}\}\s*|\x1b\[[0-9;]*m|\s*\[Op:[^\]]*\]( name:\s*\S*)?", "", text)
-
-
-def _missing_key(error):
-    """(True, key) when error is a KeyError, else (False, None).
-
-    Keras re-raises a layer's error as the same type with the call's arguments
-    added to the message; the original, with the key itself, is its context.
-    """
-    while isinstance(error, KeyError):
-        wrapped = bool(error.args) and str(error.args[0]).startswith("Exception encountered")
-        if not wrapped:
-            return True, error.args[0] if error.args else None
-        if not isinstance(error.__context__, KeyError):
-            bold = re.search(r"\x1b\[1m(.*?)\x1b\[0m", error.args[0], re.DOTALL)
-            return True, bold.group(1) if bold else None
-        error = error.__context__
-    return False, None

@@ -574,8 +574,7 @@ def reading_copy(dataset):
         copy = _copy_with_own_state(dataset)
     except (tf.errors.OpError, ValueError, TypeError) as error:
         if "_ShuffleDataset" in kinds:
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            notes.append(f"the lab did not copy the pipeline ({reason}) and read the dataset itself: "
+            notes.append(f"the lab did not copy the pipeline ({compat.error_line(error)}) and read the dataset itself: "
                          "a shuffle(seed=...) now gives fit() its next order, not its first.")
         return dataset, notes, caches
     return copy, notes, [cache for cache in caches if cache._filename.numpy()]

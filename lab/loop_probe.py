@@ -703,10 +703,13 @@ class LoopProbe(Probe):
         for optimizer in self.optimizers.values():
             variables += compat.optimizer_variables_for(optimizer)
         keys = self._keys(variables)
-        self._seen.update(f"{kind}{key}" for kind in (_GRAD_HALF, _WEIGHT_HALF, _UPDATE_HALF) for key in keys)
         # Not those Keras overwrites with what it is handed as their gradient (float8's scales).
-        self._seen -= {f"{kind}{key}" for kind in (_GRAD_HALF, _WEIGHT_HALF, _UPDATE_HALF)
-                       for variable, key in zip(variables, keys) if overwritten(variable)}
+        for variable, key in zip(variables, keys):
+            names = {f"{kind}{key}" for kind in (_GRAD_HALF, _WEIGHT_HALF, _UPDATE_HALF)}
+            if overwritten(variable):
+                self._seen -= names
+            else:
+                self._seen |= names
         several = len(self._rate_names) > 1
         # Per optimizer and kind asked for: the slots an update by a graph traced with that kind writes.
         self._kind_slots = {}

@@ -808,9 +808,7 @@ class Probe:
             variables = trainable_variables if trainable_variables is not None else \
                 compat.optimizer_variables_for(optimizer)
             # Here, not in the gated update: a nested graph's slots keep replica 0's value only.
-            # Of the gradients only: not of the values Keras overwrites variables with.
-            probe._emit_local_square(state, [g for i, g in enumerate(grads)
-                                             if i >= len(variables) or not overwritten(variables[i])])
+            probe._emit_local_square(state, grads, variables)
             # A LossScaleOptimizer skips an update whose scaled gradients
             # overflow and lowers its scale: its own business, as in bare
             # training. The gate checks the loss; the update's result is
@@ -952,11 +950,14 @@ class Probe:
         self._emit(state, "_overflow", tf.cast(overflowed, tf.float32), reset=0.0, accumulate=True)
         hold.assign(tf.where(overflowed, 1.0, hold.read_value()))
 
-    def _emit_local_square(self, state, grads):
-        """This replica's own squared gradient norm, before the cross-replica sum."""
+    def _emit_local_square(self, state, grads, variables=()):
+        """This replica's own squared gradient norm, before the cross-replica sum:
+        of the gradients alone, not of the values Keras overwrites `variables`
+        with (those handed in `grads` where a variable is `overwritten`)."""
         if not self.gradients or _replica_context() is None:
             return
-        local = [summed_rows(g) for g in grads if g is not None]
+        local = [summed_rows(g) for i, g in enumerate(grads)
+                 if g is not None and not (i < len(variables) and overwritten(variables[i]))]
         if local:
             self._emit(state, "_local_grad_norm", global_norm(norms_of(isolated(local))), combine=hypot)
 
