@@ -60,7 +60,15 @@ def encoded_norms_of(tensors):
     reads every tensor it cost more than the norms themselves: on the
     50-variable MLP's step (3.4 ms) +250 us with gradients and +340 us with
     weights, 7-10% of the step (same model, bare and watched train
-    functions taking turns, 2026-12-03)."""
+    functions taking turns, 2026-12-03).
+
+    Each tensor has a kernel of its own, whose only input is that tensor.
+    Keras hands the gradients to the optimizer through one `IdentityN` of
+    all of them, which Grappler removes while each reader takes one output;
+    a node that reads several (small gradients stacked and summed together,
+    which saves kernels) keeps it, and then every variable's update waits
+    for the whole backward pass: slower, not faster, on the 50-variable MLP
+    (`benchmarks/README.md`, 2026-12-06)."""
     return tf.stack([half_sum_of_squares(t) for t in tensors])
 
 
