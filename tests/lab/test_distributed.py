@@ -346,3 +346,31 @@ def test_metrics_that_are_not_means_and_vector_metrics_on_the_replicas(mirrored)
     np.testing.assert_allclose(got["rmse"], got["keras_rmse"], rtol=1e-6)
     assert got["running"] == ["f1/0", "f1/1", "f1/2", "rmse"]
     assert len(got["told"]) == 4 and all("On 2 replicas" in told for told in got["told"])
+
+
+def test_the_distributed_training_guide_trains_watched_as_bare():
+    # keras-io's "Multi-GPU distributed training with TensorFlow", its data
+    # generated: the model made and compiled in MirroredStrategy's scope and
+    # fit on Datasets with validation, then evaluated; then its fault
+    # tolerance (a ModelCheckpoint each epoch, `make_or_restore_model`, a
+    # second fit resumed from the checkpoint). Bare and with
+    # Recorder(gradients=True, weights=True), each in a process of its own.
+    runs = {}
+    started = {kind: subprocess.Popen([sys.executable, str(SCRIPTS / "mirrored_guide.py"), kind], env=_env(),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for kind in ("bare", "lab")}
+    for kind, process in started.items():
+        stdout, stderr = process.communicate(timeout=240)
+        runs[kind] = _result(stdout, stderr, process.returncode)
+    bare, watched = runs["bare"], runs["lab"]
+    assert bare["replicas"] == 2
+    recorded = watched.pop("recorded")
+    assert watched == bare  # weights, optimizer state, History, evaluate(), the checkpoint and its restore
+    assert [r["rows"] for r in recorded] == [24, 12, 12] and all(r["status"] == "finished" for r in recorded)
+    assert all(r["finite"] and r["events"] == [] for r in recorded)
+    columns = recorded[0]["columns"]
+    assert [c for c in columns if "replica" in c] == ["grad_norm/replica_0", "grad_norm/replica_1"]
+    assert len(columns) == 3 * 6 + 2  # each variable's gradient norm, weight norm and update ratio
+    # The first row is the first batch's loss over both replicas' halves, as one device computes it.
+    assert recorded[0]["loss"][0] == pytest.approx(bare["first_batch_loss"], rel=1e-5)
+    assert recorded[1]["loss"][0] == pytest.approx(bare["first_batch_loss"], rel=1e-5)  # the guide's fresh model
