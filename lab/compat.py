@@ -791,6 +791,32 @@ def reduce_per_replica(values, strategy, reduction):
     return keras_reduce(values, strategy, reduction=reduction)
 
 
+# What TensorFlow says when a collective op meets one of another shape under
+# the same keys (TF 2.16 and 2.21 word it alike).
+_COLLECTIVE_SHAPE_MISMATCH = "Shape mismatch in the collective instance"
+COLLECTIVE_KEYS_HINT = (
+    "TensorFlow keys a MirroredStrategy's all-reduces by the order the strategy makes them, and every "
+    "MirroredStrategy made in a process starts from the same keys: a step whose all-reduces differ from those "
+    "of a step run under a strategy made earlier (another model, or the same model watched by the lab where "
+    "it was not, or the other way round) collides with them. Restart the kernel (TensorFlow's collectives stay "
+    "aborted after this error), then make one strategy and reuse it: `lab.strategy(\"mirrored\")` returns "
+    "the same one each time.")
+
+
+def collective_keys_reused(error):
+    """Whether `error` is TensorFlow's collective shape mismatch, which a step
+    meets when a MirroredStrategy made earlier in the process ran other
+    all-reduces under the same keys (`COLLECTIVE_KEYS_HINT`).
+
+    Args:
+        error: Exception.
+
+    Returns:
+        bool.
+    """
+    return isinstance(error, tf.errors.OpError) and _COLLECTIVE_SHAPE_MISMATCH in str(error)
+
+
 def error_line(error):
     """The informative line of a Keras or TensorFlow error, without tracebacks or markup.
 

@@ -374,3 +374,21 @@ def test_the_distributed_training_guide_trains_watched_as_bare():
     # The first row is the first batch's loss over both replicas' halves, as one device computes it.
     assert recorded[0]["loss"][0] == pytest.approx(bare["first_batch_loss"], rel=1e-5)
     assert recorded[1]["loss"][0] == pytest.approx(bare["first_batch_loss"], rel=1e-5)  # the guide's fresh model
+
+
+def test_a_watched_step_that_meets_an_earlier_strategys_collective_keys_says_why_and_what_to_do():
+    # Every MirroredStrategy made in a process starts its collective keys where
+    # the first did (TensorFlow sets them apart in its own tests only), so the
+    # guide's example run bare and then, on a new strategy, watched (whose step
+    # has all-reduces of its own) fails with TensorFlow's "Shape mismatch in the
+    # collective instance", which names neither cause nor fix. Bare fits of two
+    # different models on two strategies fail the same way without the lab.
+    done = subprocess.run([sys.executable, str(SCRIPTS / "mirrored_guide.py"), "made again"],
+                          capture_output=True, text=True, timeout=150, env=_env())
+    told = _result(done.stdout, done.stderr, done.returncode)
+    assert "Shape mismatch in the collective instance" in told["error"]  # the user's error, raised as it was
+    assert told["status"] == "failed"
+    kind, detail = told["events"][-1]
+    assert kind == "error" and detail.endswith(lab.compat.COLLECTIVE_KEYS_HINT)
+    assert told["warnings"] == [lab.compat.COLLECTIVE_KEYS_HINT]
+    assert "Restart the kernel" in told["warnings"][0] and 'lab.strategy(\"mirrored\")' in told["warnings"][0]
