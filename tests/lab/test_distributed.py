@@ -392,3 +392,17 @@ def test_a_watched_step_that_meets_an_earlier_strategys_collective_keys_says_why
     assert kind == "error" and detail.endswith(lab.compat.COLLECTIVE_KEYS_HINT)
     assert told["warnings"] == [lab.compat.COLLECTIVE_KEYS_HINT]
     assert "Restart the kernel" in told["warnings"][0] and 'lab.strategy(\"mirrored\")' in told["warnings"][0]
+
+
+def test_a_watched_loop_that_meets_an_earlier_strategys_collective_keys_says_why_and_what_to_do():
+    # The same in a `lab.watch` block: the guide's example bare, then a wider
+    # model trained by the tf.distribute custom loop on a new strategy. The
+    # error comes out of the user's own step; the block records and tells.
+    done = subprocess.run([sys.executable, str(SCRIPTS / "mirrored_guide.py"), "loop made again"],
+                          capture_output=True, text=True, timeout=150, env=_env())
+    told = _result(done.stdout, done.stderr, done.returncode)
+    assert "Shape mismatch in the collective instance" in told["error"]
+    assert told["status"] == "failed"
+    kind, detail = told["events"][-1]
+    assert kind == "error" and lab.compat.COLLECTIVE_KEYS_HINT in detail
+    assert told["warnings"] == [lab.compat.COLLECTIVE_KEYS_HINT]

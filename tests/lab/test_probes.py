@@ -597,11 +597,10 @@ def _dense_stack(layers):
     return model
 
 
-def _step_ops(model, probe_args):
-    """Nodes of `train_step` traced with a probe (None: without), by op
-    type, branch functions included (a graph runs a branch not taken as
-    dead nodes), and a cond's Switches. The optimizer is built first, as
-    fit() builds it: a trace that creates its variables is traced again."""
+def _traced_step(model, probe_args):
+    """`train_step` of `_dense_stack`'s model traced with a probe (None:
+    without), as a concrete function. The optimizer is built first, as fit()
+    builds it: a trace that creates its variables is traced again."""
     if not model.optimizer.built:
         model.optimizer.build(model.trainable_variables)
     probe = lab.probes.Probe(model, **probe_args) if probe_args is not None else None
@@ -609,12 +608,17 @@ def _step_ops(model, probe_args):
         probe.install()
     try:
         specs = (tf.TensorSpec([4, 8], tf.float32), tf.TensorSpec([4], tf.int32))
-        step = tf.function(lambda data: model.train_step(data), autograph=False)
-        graph = step.get_concrete_function(specs).graph
-        return lab.compat.graph_nodes(graph)
+        return tf.function(lambda data: model.train_step(data), autograph=False).get_concrete_function(specs)
     finally:
         if probe is not None:
             probe.uninstall()
+
+
+def _step_ops(model, probe_args):
+    """Nodes of `train_step` traced with a probe (None: without), by op
+    type, branch functions included (a graph runs a branch not taken as
+    dead nodes), and a cond's Switches."""
+    return lab.compat.graph_nodes(_traced_step(model, probe_args).graph)
 
 
 def _stack_ops(layers, probe_args):
@@ -677,23 +681,13 @@ def test_the_step_leaves_square_roots_and_update_ratios_to_the_host():
 
 
 def _optimized_ops(model, probe_args):
-    """Nodes of `train_step` (traced as `_step_ops` traces it) by op type,
-    after Grappler has optimized the graph as a step's run would, with the
-    step's outputs and its variable writes as what it must keep."""
+    """Nodes of `train_step` (`_traced_step`) by op type, after Grappler has
+    optimized the graph as a step's run would, with the step's outputs and
+    its variable writes as what it must keep."""
     from tensorflow.core.protobuf import config_pb2
     from tensorflow.python.grappler import tf_optimizer
 
-    if not model.optimizer.built:
-        model.optimizer.build(model.trainable_variables)
-    probe = lab.probes.Probe(model, **probe_args) if probe_args is not None else None
-    if probe is not None:
-        probe.install()
-    try:
-        specs = (tf.TensorSpec([4, 8], tf.float32), tf.TensorSpec([4], tf.int32))
-        traced = tf.function(lambda data: model.train_step(data), autograph=False).get_concrete_function(specs)
-    finally:
-        if probe is not None:
-            probe.uninstall()
+    traced = _traced_step(model, probe_args)
     graph = traced.graph
     meta = tf.compat.v1.train.export_meta_graph(graph_def=graph.as_graph_def(add_shapes=True), graph=graph)
     kept = meta.collection_def["train_op"].node_list.value
