@@ -12,6 +12,7 @@ import inspect
 import re
 import sys
 import threading
+import warnings
 
 import keras
 import tensorflow as tf
@@ -815,6 +816,21 @@ def collective_keys_reused(error):
         bool.
     """
     return isinstance(error, tf.errors.OpError) and _COLLECTIVE_SHAPE_MISMATCH in str(error)
+
+
+def failure_message(error):
+    """What a run records of the error that ended a watched step: `Type:
+    message`, and `COLLECTIVE_KEYS_HINT` after it where that is the cause."""
+    message = f"{type(error).__name__}: {error}".strip()
+    return message + "\n" + COLLECTIVE_KEYS_HINT if collective_keys_reused(error) else message
+
+
+def warn_of_cause(error):
+    """Warns `COLLECTIVE_KEYS_HINT` where it is the cause of `error`; never
+    raises (with warnings made errors, the user's error is the one raised)."""
+    if collective_keys_reused(error):
+        with contextlib.suppress(Warning):
+            warnings.warn(COLLECTIVE_KEYS_HINT, RuntimeWarning, stacklevel=3)
 
 
 def error_line(error):

@@ -861,14 +861,10 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
                 self.run.add_event("interrupt", "KeyboardInterrupt" + (f" in {where}" if where else ""))
                 self._finish("interrupted")
             else:
-                message = f"{type(error).__name__}: {error}".strip()
-                hint = compat.collective_keys_reused(error)
-                if hint:
-                    message += "\n" + compat.COLLECTIVE_KEYS_HINT
+                message = compat.failure_message(error)
                 self.run.add_event("error", message)
                 self._finish("failed", message)
-                if hint:  # last: a warning made an error is swallowed below, not raised for the user's
-                    warnings.warn(compat.COLLECTIVE_KEYS_HINT, RuntimeWarning, stacklevel=2)
+                compat.warn_of_cause(error)
         except BaseException:  # noqa: BLE001 - cleanup below must run, the user's error propagates
             pass
         finally:

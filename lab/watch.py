@@ -25,7 +25,6 @@ import numbers
 import threading
 import time
 import types
-import warnings
 
 import keras
 import numpy as np
@@ -523,15 +522,10 @@ class WatchedRun(StatusReporter, Run):
         elif isinstance(error, BreakpointHit):
             self._set_status("stopped", error.detail)
         elif error is not None:
-            message = f"{type(error).__name__}: {error}".strip()
-            hint = compat.collective_keys_reused(error)
-            if hint:
-                message += "\n" + compat.COLLECTIVE_KEYS_HINT
+            message = compat.failure_message(error)
             self.add_event("error", message + (f"; {unclosed}" if unclosed else ""))
             self._set_status("failed", message)
-            if hint:
-                with contextlib.suppress(Warning):  # the user's error is the one raised
-                    warnings.warn(compat.COLLECTIVE_KEYS_HINT, RuntimeWarning, stacklevel=3)
+            compat.warn_of_cause(error)
         else:
             self._set_status("finished")
 
