@@ -1,15 +1,21 @@
-"""The TensorFlow / Keras versions the lab supports, checked at import.
+"""The Keras backends and versions the lab supports, checked at import.
 
 The lab leans on Keras internals (the train function cache, the optimizer's
 update step, metric variables) that move between releases, so the supported
-range is explicit and the test suite runs at both of its ends.
+ranges are explicit and the test suite runs at their ends. Versions are read
+from the installed distributions, so checking one backend imports no other.
 """
 
-import os
+import importlib.metadata
 
-# Keep in step with the bounds in pyproject.toml (tests/test_packaging.py checks).
-TENSORFLOW_RANGE = ((2, 16), (2, 22))  # lower inclusive, upper exclusive
-KERAS_RANGE = ((3, 5), (3, 16))
+# Keep in step with the bounds in pyproject.toml (tests/lab/test_versions.py checks).
+KERAS_RANGE = ((3, 5), (3, 16))  # lower inclusive, upper exclusive
+BACKEND_RANGES = {
+    "tensorflow": ("tensorflow", ((2, 16), (2, 22))),
+    "jax": ("jax", ((0, 5), (0, 13))),
+}
+TENSORFLOW_RANGE = BACKEND_RANGES["tensorflow"][1]
+JAX_RANGE = BACKEND_RANGES["jax"][1]
 
 
 def _major_minor(version):
@@ -22,24 +28,23 @@ def _describe(bounds):
     return f">={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}"
 
 
-def check_backend(environ=None):
-    """Raises if Keras is set to a backend other than TensorFlow."""
-    environ = os.environ if environ is None else environ
-    backend = environ.get("KERAS_BACKEND", "tensorflow")
-    if backend != "tensorflow":
+def check_backend(backend):
+    """Raises ImportError naming the backends the lab runs on when `backend` is another."""
+    if backend not in BACKEND_RANGES:
         raise ImportError(
-            f"The training lab needs Keras' TensorFlow backend, but "
-            f"KERAS_BACKEND={backend!r}. Unset KERAS_BACKEND or set it to "
-            "'tensorflow' before importing keras (restart the kernel if keras "
-            "is already imported)."
+            f"The training lab runs on Keras' TensorFlow or JAX backend, but Keras' backend is "
+            f"{backend!r}. Set KERAS_BACKEND='jax' or 'tensorflow' before importing keras (restart "
+            "the kernel if keras is already imported) and install that backend, e.g. "
+            "`pip install 'training-lab[jax]'`."
         )
 
 
-def check_versions(tf_version, keras_version):
+def check_versions(backend_version, keras_version, backend="tensorflow"):
     """Raises ImportError naming installed and supported versions when out of range."""
+    package, backend_bounds = BACKEND_RANGES[backend]
     problems = []
     for name, version, bounds in (
-        ("tensorflow", tf_version, TENSORFLOW_RANGE),
+        (package, backend_version, backend_bounds),
         ("keras", keras_version, KERAS_RANGE),
     ):
         try:
@@ -52,18 +57,32 @@ def check_versions(tf_version, keras_version):
             problems.append(f"{name} {version} is installed; supported: {name}{_describe(bounds)}")
     if problems:
         raise ImportError(
-            "The training lab does not support this TensorFlow/Keras: "
+            f"The training lab does not support this {package}/Keras: "
             + "; ".join(problems)
-            + ". Install a supported pair, e.g. `pip install 'training-lab[test]'` "
+            + f". Install a supported pair, e.g. `pip install 'training-lab[{backend}]'` "
             "in a fresh virtual environment."
         )
 
 
-def check():
-    check_backend()
-    import keras
-    import tensorflow as tf
+def _installed(package):
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
-    if keras.backend.backend() != "tensorflow":
-        check_backend({"KERAS_BACKEND": keras.backend.backend()})
-    check_versions(tf.__version__, keras.__version__)
+
+def check():
+    """Checks Keras' backend and the installed versions; returns the backend's name."""
+    import keras
+
+    backend = keras.config.backend()
+    check_backend(backend)
+    package = BACKEND_RANGES[backend][0]
+    version = _installed(package)
+    if version is None:
+        raise ImportError(
+            f"Keras' backend is {backend!r}, but {package} is not installed: "
+            f"`pip install 'training-lab[{backend}]'`."
+        )
+    check_versions(version, keras.__version__, backend)
+    return backend

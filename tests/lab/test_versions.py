@@ -22,9 +22,15 @@ def test_versions_outside_the_range_name_installed_and_supported(tf_version, ker
 
 
 def test_another_backend_is_refused_with_the_fix():
-    with pytest.raises(ImportError, match="KERAS_BACKEND='jax'.*tensorflow"):
-        _versions.check_backend({"KERAS_BACKEND": "jax"})
-    _versions.check_backend({})
+    with pytest.raises(ImportError, match="TensorFlow or JAX backend.*'torch'.*KERAS_BACKEND='jax'"):
+        _versions.check_backend("torch")
+    _versions.check_backend("tensorflow")
+    _versions.check_backend("jax")
+
+
+def test_a_jax_out_of_range_names_jax_and_its_extra():
+    with pytest.raises(ImportError, match=r"jax 0\.4\.1 is installed.*training-lab\[jax\]"):
+        _versions.check_versions("0.4.1", "3.15.1", backend="jax")
 
 
 def test_pyproject_declares_the_same_range():
@@ -33,7 +39,9 @@ def test_pyproject_declares_the_same_range():
 
     project = tomllib.loads((pathlib.Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
     deps = {d.split(">")[0].split("=")[0].strip(): d for d in project["dependencies"]}
-    lo, hi = _versions.TENSORFLOW_RANGE
-    assert deps["tensorflow"] == f"tensorflow>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}"
+    assert not {"tensorflow", "jax", "torch"} & set(deps), "the core install pulls no backend"
+    extras = project["optional-dependencies"]
+    for backend, (package, (lo, hi)) in _versions.BACKEND_RANGES.items():
+        assert f"{package}>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}" in extras[backend]
     lo, hi = _versions.KERAS_RANGE
     assert deps["keras"] == f"keras>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}"
