@@ -1,0 +1,39 @@
+"""The lab on Keras' JAX backend: `jax.jit` steps, rows written into a
+ring carried in the optimizer's state, read in blocks.
+
+What records here: `lab.Recorder` and `widgets.Dashboard` in `fit()`, with
+gradients, weights and device breakpoints. The steering features (mode
+switches, the Stepper, `lab.watch`, strategies) are placeholders that say
+so when used.
+"""
+
+from lab.backend.jax import compat, modes  # noqa: E402
+from lab.backend.jax.devices import devices  # noqa: E402
+from lab.backend.jax.recorder import Recorder  # noqa: E402
+from lab.backend.unavailable import placeholder as _placeholder  # noqa: E402
+from lab.breakpoints import BreakpointHit  # noqa: E402
+
+NAME = "jax"
+MODES = modes.MODES
+STATE_OUTSIDE_VARIABLES_DURING_FIT = True
+HAS_REPLICA_CONTEXT = False
+CALLBACKS_MAY_RUN_OFF_THREAD = True
+
+in_flight = _placeholder("in_flight", "JAX")
+DataReport = _placeholder("DataReport", "JAX")
+inspect_data = _placeholder("inspect_data", "JAX")
+strategy = _placeholder("strategy", "JAX")
+virtual_cpus = _placeholder("virtual_cpus", "JAX")
+compare_modes = _placeholder("compare_modes", "JAX")
+ModeError = _placeholder("ModeError", "JAX")
+ModeSwitcher = _placeholder("ModeSwitcher", "JAX")
+set_mode = _placeholder("set_mode", "JAX")
+predict_stream = _placeholder("predict_stream", "JAX")
+Stepper = _placeholder("Stepper", "JAX")
+StepTrace = _placeholder("StepTrace", "JAX")
+watch = _placeholder("watch", "JAX")
+
+__all__ = ["NAME", "MODES", "STATE_OUTSIDE_VARIABLES_DURING_FIT", "HAS_REPLICA_CONTEXT",
+           "CALLBACKS_MAY_RUN_OFF_THREAD", "compat", "in_flight", "modes", "DataReport", "inspect_data",
+           "devices", "strategy", "virtual_cpus", "compare_modes", "ModeError", "ModeSwitcher", "set_mode",
+           "predict_stream", "Recorder", "Stepper", "StepTrace", "BreakpointHit", "watch"]

@@ -1,0 +1,72 @@
+"""Keras' JAX trainer internals the lab reads, fenced in one place.
+
+Each private attribute is read here only, with the fallback and the reason
+beside it (as Keras' own `callbacks/tensorboard.py` fences the one it
+needs). Checked on Keras 3.5 to 3.15 (`keras/src/backend/jax/trainer.py`).
+"""
+
+import sys
+
+
+def live_state(model):
+    """The arrays `fit()` trains on between batches, or None outside fit().
+
+    During `fit()` the JAX trainer keeps the state outside the Keras
+    variables (`_jax_state`, synced back at epoch end). Reading
+    `callback.model` would sync it into the variables on every batch (1.1 to
+    1.4x slower), so the lab reads this dict instead and never syncs.
+    """
+    state = getattr(model, "_jax_state", None)
+    if not state or getattr(model, "_jax_state_synced", True):
+        return None
+    return state
+
+
+def optimizer_values(model):
+    """The current values of `model.optimizer.variables`: the arrays fit()
+    holds while it runs, the variables' own values otherwise."""
+    state = live_state(model)
+    if state is not None and state.get("optimizer_variables") is not None:
+        return state["optimizer_variables"]
+    return [variable.value for variable in model.optimizer.variables]
+
+
+def update_step_owner(optimizer):
+    """The optimizer object whose `_backend_update_step` runs the update:
+    a LossScaleOptimizer's inner optimizer, which sees unscaled gradients."""
+    return getattr(optimizer, "inner_optimizer", None) or optimizer
+
+
+# The method every Keras optimizer runs its update through, with the
+# gradients it applies (after unscaling, clipping and accumulation).
+UPDATE_STEP = "_backend_update_step"
+
+
+def calling_model_call(depth=3):
+    """Which of `fit` / `evaluate` / `predict` of a Keras trainer called
+    `set_model` (Keras makes the CallbackList inside them), or None."""
+    frame = sys._getframe(depth)
+    for _ in range(8):
+        if frame is None:
+            return None
+        name = frame.f_code.co_name
+        if name in ("fit", "evaluate", "predict") and "keras" in frame.f_code.co_filename:
+            return name
+        frame = frame.f_back
+    return None
+
+
+def untrack(optimizer, variables):
+    """Takes variables the lab added with `add_variable` out of the
+    optimizer again: out of its tracker's store (which is its `_variables`
+    list) and its `variables`."""
+    tracker = optimizer._tracker
+    for variable in variables:
+        tracker.untrack(variable)
+
+
+def track(optimizer, variable):
+    """Adds a variable made outside the optimizer to its `variables` (what
+    `add_variable` does after making one), so fit() carries it in the
+    optimizer's part of the state."""
+    optimizer._track_variable(variable)

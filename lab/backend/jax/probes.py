@@ -1,0 +1,269 @@
+"""The fit probe on JAX: each step writes its own row into a ring buffer.
+
+Keras' JAX trainer runs `train_step(state, data) -> (logs, state)` under
+`jax.jit`, with the state outside the Keras variables; values leave the
+compiled step only as outputs or as state it returns. So the probe wraps the
+model's `train_step` (through `lab.hooks`, role "probe") and, in the same
+trace, after the step it wraps:
+
+- reads the batch's own value of every mean metric (the loss tracker
+  included) from the change of its total and count (`state` before and
+  after), as the TensorFlow probe does;
+- takes the gradients each optimizer applied where Keras' update runs
+  (`_backend_update_step`: after loss-scale unscaling, clipping and
+  accumulation) with the learning rate that step used;
+- measures weights and updates from the trainable state before and after;
+- evaluates device breakpoints (`nonfinite`, `loss_spike`) and, on a hit,
+  returns the state as it was before the step (weights, optimizer state,
+  `iterations`), holding every later step until the host releases it;
+- writes the row into a ring buffer (`lab.backend.jax.buffer.Ring`) carried
+  in the optimizer's part of the state, which the recorder reads in blocks.
+
+Nothing is read on the host per step.
+"""
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lab import schema
+from lab.backend.jax import compat
+from lab.backend.jax.buffer import Ring
+from lab.breakpoints import DeviceBreakpoint
+from lab.hooks import hooks_for
+from lab.metric_names import leaf_metrics, mean_parts
+from lab.variables import find_optimizers, variable_keys
+
+UPDATE_NORM = "_update_norm/"  # a variable's update norm, turned into `update_ratio/` on the host
+_capture = threading.local()  # the applies of the step being traced on this thread
+
+ALREADY_WATCHED = (
+    "The model {model!r} is already recorded by another lab Recorder or Dashboard (one probe per "
+    "model): pass the same Recorder to each fit(), or detach the other one first (`recorder.detach()`)."
+)
+
+
+class Probe:
+    """Hooks that make each training step of `model` write its own row.
+
+    Args:
+        model: keras.Model, compiled and built.
+        gradients: bool, per-variable norms of the applied gradients.
+        weights: bool, per-variable weight norms and update norms.
+        breakpoints: sequence of `lab.Breakpoint`; the device ones
+            (`nonfinite`, `loss_spike`) are evaluated inside the step.
+        capacity: int, rows the ring holds between reads.
+    """
+
+    def __init__(self, model, gradients=False, weights=False, breakpoints=(), capacity=1024):
+        self.model = model
+        self.gradients = gradients
+        self.weights = weights
+        self.device_points = [p for p in breakpoints if isinstance(p, DeviceBreakpoint)]
+        for point in self.device_points:
+            if point.name != "nonfinite" and not point.name.startswith("loss_spike"):
+                raise TypeError(f"{point!r} is a device breakpoint the lab cannot evaluate on JAX.")
+        self.optimizers = find_optimizers(model)
+        self.several = len(self.optimizers) > 1
+        self.keys = variable_keys(model.trainable_variables)
+        self.metric_parts = self._metric_parts()
+        self.columns = self._columns()
+        self.ring = Ring(len(self.columns), capacity, spike=any(p.name != "nonfinite" for p in self.device_points))
+        self.installed = False
+        self.traced = False
+
+    # ---- what a row holds ------------------------------------------------------
+
+    def _metric_parts(self):
+        """Each mean metric's name -> (index of its total, of its count) in
+        `model.metrics_variables`, the order of the state's metric part."""
+        index = {id(v): i for i, v in enumerate(self.model.metrics_variables)}
+        parts = {}
+        for name, metric in leaf_metrics(self.model).items():
+            found = mean_parts(metric)
+            if found is not None and id(found[0]) in index and id(found[1]) in index:
+                parts[name] = (index[id(found[0])], index[id(found[1])])
+        return parts
+
+    def _columns(self):
+        columns = [schema.UPDATED, *self.metric_parts]
+        columns += [schema.learning_rate_column(name, self.several) for name in self.optimizers]
+        if self.several:
+            columns += [schema.per_optimizer_column(schema.UPDATED_PREFIX, name) for name in self.optimizers]
+        keys = list(self.keys.values())
+        if self.gradients:
+            columns += [schema.variable_column(schema.GRAD_NORM_PREFIX, key) for key in keys]
+        if self.weights:
+            columns += [schema.variable_column(schema.WEIGHT_NORM_PREFIX, key) for key in keys]
+            columns += [UPDATE_NORM + key for key in keys]
+        return columns
+
+    # ---- installing ------------------------------------------------------------
+
+    def install(self):
+        """Puts the ring into the optimizer and the wrappers on; the train
+        function is made again through them by the next fit()."""
+        if self.installed:
+            return
+        hooks = hooks_for(self.model)
+        hooks.claim("probe", self, ALREADY_WATCHED.format(model=self.model.name))
+        try:
+            optimizer = self.model.optimizer
+            if not optimizer.built:
+                optimizer.build(self.model.trainable_variables)
+            self.ring.attach(optimizer)
+            hooks.wrap(self, self.model, "train_step", self._wrap_train_step, role="probe")
+            for name, optimizer in self.optimizers.items():
+                hooks.wrap(self, compat.update_step_owner(optimizer), compat.UPDATE_STEP,
+                           self._wrap_update_step(name), role="probe")
+            for optimizer in {id(o): o for o in self.optimizers.values()}.values():
+                hooks.wrap(self, optimizer, "save_own_variables", self._wrap_save(optimizer), role="probe")
+        except BaseException:
+            self.release()
+            raise
+        self.installed = True
+        self.model.train_function = None  # traced again, through the wrappers
+
+    def release(self):
+        """Takes every wrapper off and the ring out of the optimizer; never raises but a Ctrl-C."""
+        try:
+            self.ring.detach()
+        finally:
+            self.installed = False
+            self.traced = False
+            hooks_for(self.model).release(self)
+
+    # ---- the wrappers ----------------------------------------------------------
+
+    def _wrap_save(self, optimizer):
+        ring = self.ring
+
+        def wrap(inner):
+            def save_own_variables(store):
+                # A checkpoint written during fit() (ModelCheckpoint) holds
+                # the optimizer as it is without the lab.
+                with ring.hidden_from(optimizer):
+                    return inner(store)
+            return save_own_variables
+        return wrap
+
+    def _wrap_update_step(self, name):
+        keys = self.keys
+
+        def wrap(inner):
+            def update_step(grads, trainable_variables, learning_rate):
+                applies = getattr(_capture, "applies", None)
+                if applies is not None:
+                    # Read inside Keras' stateless scope: a schedule's or a
+                    # variable's value as this step uses it.
+                    rate = jnp.asarray(getattr(learning_rate, "value", learning_rate), jnp.float32)
+                    applies.append((name, [(keys.get(id(v)), g) for g, v in zip(grads, trainable_variables)],
+                                    rate))
+                return inner(grads, trainable_variables, learning_rate)
+            return update_step
+        return wrap
+
+    def _wrap_train_step(self, inner):
+        probe = self
+
+        def train_step(state, data):
+            outer = getattr(_capture, "applies", None)
+            _capture.applies = []
+            try:
+                logs, new_state = inner(state, data)
+                applies = _capture.applies
+            finally:
+                _capture.applies = outer
+            probe.traced = True
+            return logs, probe._written(state, new_state, applies)
+        return train_step
+
+    # ---- the row, in the step --------------------------------------------------
+
+    def _written(self, state, new_state, applies):
+        trainable, non_trainable, optimizer_vars, metric_vars = state
+        new_trainable, new_non_trainable, new_optimizer_vars, new_metric_vars = new_state
+        values = {}
+        for name, (total, count) in self.metric_parts.items():
+            d_total = (new_metric_vars[total] - metric_vars[total]).astype(jnp.float32)
+            d_count = (new_metric_vars[count] - metric_vars[count]).astype(jnp.float32)
+            values[name] = jnp.where(d_count > 0, d_total / jnp.where(d_count > 0, d_count, 1.0), jnp.nan)
+        grads = {}
+        for name, pairs, learning_rate in applies:
+            values[schema.learning_rate_column(name, self.several)] = jnp.asarray(learning_rate, jnp.float32)
+            if self.several:
+                values[schema.per_optimizer_column(schema.UPDATED_PREFIX, name)] = jnp.float32(1.0)
+            for key, grad in pairs:
+                if key is not None and grad is not None:
+                    grads.setdefault(key, []).append(grad)
+        ring = self.ring
+        flags = ring.flags_in(optimizer_vars)
+        hit = jnp.asarray(False)
+        if self.device_points:
+            loss = values.get(schema.LOSS)
+            hit, flags = self._check(loss, grads, flags)
+        held = jnp.logical_or(hit, ring.held(flags))
+        values[schema.UPDATED] = jnp.where(held, jnp.float32(0.0), jnp.float32(1.0))
+        if self.gradients:
+            for key, parts in grads.items():
+                squares = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in parts)
+                values[schema.variable_column(schema.GRAD_NORM_PREFIX, key)] = jnp.sqrt(squares)
+        if self.device_points:
+            new_trainable = _kept(held, trainable, new_trainable)
+            new_non_trainable = _kept(held, non_trainable, new_non_trainable)
+            new_optimizer_vars = _kept(held, optimizer_vars, new_optimizer_vars)
+        if self.weights:
+            for key, before, after in zip(self.keys.values(), trainable, new_trainable):
+                after32 = after.astype(jnp.float32)
+                values[schema.variable_column(schema.WEIGHT_NORM_PREFIX, key)] = jnp.sqrt(jnp.sum(jnp.square(after32)))
+                change = after32 - before.astype(jnp.float32)
+                values[UPDATE_NORM + key] = jnp.sqrt(jnp.sum(jnp.square(change)))
+        row = jnp.stack([jnp.asarray(values.get(c, jnp.nan), jnp.float32).reshape(()) for c in self.columns])
+        new_optimizer_vars = ring.written(new_optimizer_vars, row, ring.set_held(flags, held))
+        return (new_trainable, new_non_trainable, new_optimizer_vars, new_metric_vars)
+
+    def _check(self, loss, grads, flags):
+        hit = jnp.asarray(False)
+        for point in self.device_points:
+            if point.name == "nonfinite":
+                bad = [~jnp.all(jnp.isfinite(g)) for parts in grads.values() for g in parts]
+                if loss is not None:
+                    bad.append(~jnp.isfinite(loss))
+                if bad:
+                    hit = jnp.logical_or(hit, jnp.any(jnp.stack(bad)))
+            elif loss is not None:
+                average, seen = self.ring.spike_state(flags)
+                spike = jnp.logical_and(seen >= point.warmup, loss > point.factor * average)
+                spike = jnp.logical_or(spike, ~jnp.isfinite(loss))
+                updated = jnp.where(seen == 0, loss, point.decay * average + (1 - point.decay) * loss)
+                flags = self.ring.set_spike_state(flags, jnp.where(spike, average, updated),
+                                                  jnp.where(spike, seen, seen + 1.0))
+                hit = jnp.logical_or(hit, spike)
+        return hit, flags
+
+    # ---- reading, on the host --------------------------------------------------
+
+    def read(self):
+        """The rows written since the last read, as columns (numpy arrays),
+        and how many rows were lost to an overfull ring."""
+        block, lost = self.ring.read(compat.optimizer_values(self.model))
+        rows = {name: block[:, i] for i, name in enumerate(self.columns)}
+        for name in [n for n in rows if n.startswith(UPDATE_NORM)]:
+            key = name[len(UPDATE_NORM):]
+            update, weight = rows.pop(name), rows[schema.variable_column(schema.WEIGHT_NORM_PREFIX, key)]
+            with np.errstate(divide="ignore", invalid="ignore"):
+                rows[schema.variable_column(schema.UPDATE_RATIO_PREFIX, key)] = np.where(
+                    weight == 0, np.float32(0.0), update / weight).astype(np.float32)
+        if self.gradients and len(block):
+            norms = np.asarray([rows[n] for n in rows if n.startswith(schema.GRAD_NORM_PREFIX)], np.float64)
+            total = np.sqrt(np.nansum(norms ** 2, axis=0)) if len(norms) else np.full(len(block), np.nan)
+            present = ~np.isnan(norms).all(axis=0) if len(norms) else np.zeros(len(block), bool)
+            rows[schema.GRAD_NORM] = np.where(present & (rows[schema.UPDATED] > 0), total, np.nan).astype(np.float32)
+        return rows, lost
+
+
+def _kept(held, before, after):
+    """`before` where the step is held, `after` otherwise, leaf by leaf."""
+    return [jnp.where(held, b, a) for b, a in zip(before, after)]

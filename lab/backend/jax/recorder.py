@@ -1,0 +1,372 @@
+"""Recorder on JAX: a Keras callback that turns fit()'s lifecycle into Run rows.
+
+The rows come from the probe's ring (`lab.backend.jax.probes`), read in
+blocks every `flush_every` seconds, when the ring is half full, at epoch
+ends and at the end; host-side facts (epoch, batch, timing, mode) are kept
+per step until their rows are read. The recorder never reads
+`callback.model` during `fit()` (on JAX that syncs the whole training state
+into the model's variables): it keeps the model it was given.
+"""
+
+import os
+import threading
+import time
+
+import keras
+import numpy as np
+
+from lab import schema
+from lab.arguments import GRADIENTS_EXAMPLE, WEIGHTS_EXAMPLE, check_flag, check_seconds
+from lab.backend.jax import compat, modes
+from lab.backend.jax.probes import Probe
+from lab.breakpoints import as_breakpoints
+from lab.hooks import CompiledState, hooks_for
+from lab.observers import Observers
+from lab.run import Run
+from lab.status import StatusReporter
+
+RECORDING_THIS_FIT = (
+    "This Recorder is recording the fit() of {model!r} that runs this callback: a fit() "
+    "inside it cannot be recorded by the same Recorder. Leave the Recorder out of the inner "
+    "fit()'s callbacks, or give it a Recorder of its own after the outer fit() ends."
+)
+LOST_ROWS = (
+    "{lost} step(s) before step {step} were not recorded: more steps ran between two reads than the "
+    "ring holds ({capacity} rows). Read more often (`flush_every`) or keep more rows (`capacity`)."
+)
+
+
+class Recorder(StatusReporter, keras.callbacks.Callback):
+    """Records one row per training batch into `recorder.run` (Keras on JAX).
+
+    The row holds the batch's own loss and mean-type metric values (not
+    Keras' running epoch mean), also at `steps_per_execution > 1`: values
+    are written inside the jitted step and read in blocks.
+
+    Args:
+        gradients: bool, add `grad_norm` and `grad_norm/<variable.path>`:
+            norms of the gradients the optimizer applied (after loss-scale
+            unscaling and clipping).
+        weights: bool, add `weight_norm/<path>` and `update_ratio/<path>`.
+        breakpoints: sequence of `lab.Breakpoint`, checked per batch;
+            `nonfinite()` and `loss_spike()` inside the step, before its
+            update. A hit stops `fit()` and adds an event.
+        path: str or None; when set, the run is saved there (HDF5) every
+            epoch, every `save_every` seconds and at the end.
+        run: `lab.Run` or None, to continue an existing record.
+        flush_every: float, seconds between reads of the device buffer.
+        save_every: float, seconds between incremental saves when `path` is set.
+        capacity: int, rows the device buffer holds between reads.
+
+    Example:
+
+    ```python
+    rec = lab.Recorder(gradients=True)
+    model.fit(x, y, epochs=2, callbacks=[rec])
+    rec.run.batches()
+    ```
+    """
+
+    def __init__(self, gradients=False, weights=False, breakpoints=(), path=None,
+                 run=None, flush_every=0.25, save_every=30.0, capacity=1024):
+        super().__init__()
+        check_flag("lab.Recorder", "gradients", gradients, GRADIENTS_EXAMPLE)
+        check_flag("lab.Recorder", "weights", weights, WEIGHTS_EXAMPLE)
+        check_seconds("lab.Recorder", "flush_every", flush_every, "flush_every=0.25: read the device four times a second")
+        check_seconds("lab.Recorder", "save_every", save_every, "save_every=30.0: save twice a minute")
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"lab.Recorder(path=...) must be a file path (str or pathlib.Path) or None; got "
+                            f"{type(path).__name__} {path!r} (e.g. path='runs/first.h5').")
+        if run is not None and not isinstance(run, Run):
+            raise TypeError(f"lab.Recorder(run=...) must be a lab.Run to continue (e.g. run=lab.Run.load('runs/first.h5')) "
+                            f"or None; got {type(run).__name__}.")
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 2:
+            raise ValueError(f"lab.Recorder(capacity=...) must be a whole number of rows, 2 or more; got {capacity!r} "
+                             "(e.g. capacity=1024).")
+        self.gradients = gradients
+        self.weights = weights
+        self.breakpoints = as_breakpoints(breakpoints)
+        self.path = path
+        self.run = run if run is not None else Run()
+        self.flush_every = flush_every
+        self.save_every = save_every
+        self.capacity = capacity
+        self._init_status()
+        self._breakpoint_listeners = Observers("a recorder's breakpoints")
+        self._python_points = [p for p in self.breakpoints if not getattr(p, "on_device", False)]
+        self._probe = None
+        self._probe_state = None
+        self._hooks = None
+        self._pending = []  # (epoch, batch, seconds, mode) of steps whose rows are unread
+        self._running_logs = {}  # non-mean metrics' logged (running) values, by step
+        self._epoch = 0
+        self._begin_step = 0
+        self._t0 = None
+        self._last_flush = 0.0
+        self._last_save = 0.0
+        self._active = False
+        self._mode = None
+        self._fit_thread = None
+        self.last_batch_ended = -1
+
+    # ---- the model's lifecycle --------------------------------------------
+
+    def set_model(self, model):
+        called = compat.calling_model_call()
+        if called == "fit" and self.is_training():
+            raise RuntimeError(RECORDING_THIS_FIT.format(model=model.name))
+        self.run.claim_model(model)
+        super().set_model(model)
+        if called in ("evaluate", "predict"):
+            return
+        try:
+            self._attach(model)
+        except BaseException:
+            self._release()
+            raise
+
+    def _attach(self, model):
+        state = CompiledState(model)
+        if self._probe is not None and (self._probe.model is not model or self._probe_state != state):
+            self._release()
+            if self._probe.model is model:
+                self.run.add_event("recompile", "the model was compiled again; recording goes on with the new compile",
+                                   step=self.run.next_step)
+            self._probe = None
+        self._hooks = hooks_for(model)
+        if self._probe is None:
+            self._probe = Probe(model, gradients=self.gradients, weights=self.weights,
+                                breakpoints=self.breakpoints, capacity=self.capacity)
+            self._probe_state = state
+        self._probe.install()
+
+    def is_training(self):
+        """Whether this recorder is inside a running fit()."""
+        return self._active
+
+    def on_train_begin(self, logs=None):
+        self._active = True
+        self._fit_thread = threading.get_ident()
+        self._pending = []
+        self._running_logs = {}
+        self._mode = modes.running_mode(self._model)
+        self._fill_metadata()
+        self._hooks.wrap_train_function(self, self._guard_factory, role="guard")
+        self._hooks.sync_train_function()
+        self._set_status("running")
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._hooks.sync_train_function()
+        self._begin_step = batch
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        elapsed = time.perf_counter() - self._t0 if self._t0 is not None else float("nan")
+        steps = max(1, int(batch) - self._begin_step + 1)
+        self.last_batch_ended = int(batch)
+        share = elapsed / steps
+        first = self.run.next_step + len(self._pending)
+        self._pending.extend((self._epoch, self._begin_step + i, share, self._mode) for i in range(steps))
+        self._keep_running_values(first + steps - 1, logs)
+        now = time.monotonic()
+        if (self.breakpoints or len(self._pending) * 2 >= self.capacity
+                or now - self._last_flush >= self.flush_every):
+            self.flush()
+        self._maybe_save(now)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.flush()
+        self._pending = []
+        self.run.append_epoch(epoch, logs)
+        if self.path:
+            self._save()
+
+    def on_train_end(self, logs=None):
+        self.flush()
+        self._pending = []
+        self._finish("stopped" if self.status == "breakpoint" else "finished")
+
+    def on_test_end(self, logs=None):
+        if not self._active:
+            self._release()
+
+    def on_predict_end(self, logs=None):
+        if not self._active:
+            self._release()
+
+    # ---- reading the device buffer ----------------------------------------
+
+    def flush(self):
+        """Moves the rows recorded on the device into `run`; returns how many."""
+        if self._probe is None:
+            return 0
+        self._last_flush = time.monotonic()
+        rows, lost = self._probe.read()
+        count = len(rows[schema.UPDATED]) if rows else 0
+        if lost:
+            self.run.add_event("record_error", LOST_ROWS.format(lost=lost, step=self.run.next_step + lost,
+                                                                capacity=self._probe.ring.capacity),
+                               step=self.run.next_step)
+            del self._pending[:lost]
+            self.run.next_step = self.run.next_step + lost
+        if count == 0:
+            return 0
+        meta = self._pending[:count]
+        del self._pending[:count]
+        while len(meta) < count:  # steps that ran but never reached on_train_batch_end
+            last = meta[-1][1] if meta else self._begin_step - 1
+            meta.append((self._epoch, last + 1, float("nan"), self._mode))
+        first = self.run.next_step
+        columns = {"epoch": [m[0] for m in meta], "batch": [m[1] for m in meta],
+                   "seconds": [m[2] for m in meta], "mode": [m[3] for m in meta]}
+        columns.update(rows)
+        for name in {n for values in self._running_logs.values() for n in values}:
+            columns[name] = np.array([self._running_logs.get(first + i, {}).get(name, np.nan) for i in range(count)],
+                                     np.float32)
+        self._running_logs = {s: v for s, v in self._running_logs.items() if s >= first + count}
+        self.run.append_batches(columns)
+        self._check_breakpoints(first, rows)
+        return count
+
+    def _keep_running_values(self, step, logs):
+        """Non-mean metrics' logged values: Keras' running values, kept for
+        the last step of each execution (the only one Keras logs)."""
+        if not logs or self._probe is None:
+            return
+        means = self._probe.metric_parts
+        values = {}
+        for name, value in logs.items():
+            if name in means:
+                continue
+            for column, number in schema.number_columns(name, value):
+                values[column] = number
+        if values:
+            self._running_logs[step] = values
+            fresh = [c for c in values if c not in self.run.metadata.get(schema.RUNNING_VALUES, ())]
+            if fresh:
+                self.run.note_running_values(fresh, step)
+
+    def _check_breakpoints(self, first, rows):
+        held = np.flatnonzero(rows[schema.UPDATED] == 0)
+        if len(held) and self.status != "breakpoint":
+            step = first + int(held[0])
+            names = ", ".join(p.name for p in self.breakpoints if getattr(p, "on_device", False))
+            detail = (f"{names} at step {step}: its update was kept out (weights, optimizer state and iterations "
+                      "as before the step); fit() stopped")
+            self._hit(step, "breakpoint", detail)
+            return
+        if not self._python_points or self.status == "breakpoint":
+            return
+        table = self.run.batches()
+        for index in range(first, first + len(rows[schema.UPDATED])):
+            row = table.loc[table["step"] == index].iloc[0]
+            for point in self._python_points:
+                if point.hit(row):
+                    self._hit(index, "breakpoint", point.describe(row) + "; fit() stopped after its update")
+                    return
+
+    def _hit(self, step, kind, detail):
+        self.run.add_event(kind, detail, step=step)
+        self._model.stop_training = True
+        self._set_status("breakpoint", detail)
+        self._breakpoint_listeners.notify(step)
+
+    # ---- failures and the end ---------------------------------------------
+
+    def _guard_factory(self, function):
+        recorder = self
+
+        def guarded(state, iterator):
+            try:
+                return function(state, iterator)
+            except BaseException as error:
+                recorder._on_failure(error)
+                raise
+        return guarded
+
+    def _on_failure(self, error):
+        """Records what the failed fit() left (the rows of the steps that
+        ran) and takes every hook off, before fit() syncs its state back."""
+        if not self._active:
+            return
+        try:
+            self.flush()
+        except Exception:  # noqa: BLE001 - the state may be gone with the step that failed
+            pass
+        kind = "interrupt" if isinstance(error, KeyboardInterrupt) else "error"
+        self.run.add_event(kind, f"{type(error).__name__}: {error}".strip(), step=self.run.next_step)
+        self._pending = []
+        self._finish("interrupted" if kind == "interrupt" else "failed", f"{type(error).__name__}: {error}")
+
+    def _finish(self, status, detail=""):
+        self._active = False
+        try:
+            self._release()
+        finally:
+            if self.path:
+                self._save()
+            self._set_status(status, detail)
+
+    def _release(self):
+        if self._probe is not None:
+            self._probe.release()
+        if self._hooks is not None:
+            self._hooks.release(self)
+
+    def release_hooks(self):
+        self._release()
+
+    def detach(self):
+        """Takes the recorder's hooks off the model (a later fit() without it
+        runs as without the lab)."""
+        self._release()
+
+    def add_breakpoint_listener(self, fn):
+        self._breakpoint_listeners.add(fn)
+
+    def remove_breakpoint_listener(self, fn):
+        self._breakpoint_listeners.remove(fn)
+
+    def _fill_metadata(self):
+        meta = self.run.metadata
+        model = self._model
+        if "model" in meta:
+            return  # filled by an earlier fit(): the first fit describes the run
+        import jax
+
+        meta.setdefault("model", model.name)
+        meta.setdefault("model_class", type(model).__name__)
+        try:
+            meta.setdefault("parameters", int(model.count_params()))
+        except ValueError:
+            pass
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None:
+            meta.setdefault("optimizer", type(optimizer).__name__)
+            try:
+                meta.setdefault("optimizer_config", optimizer.get_config())
+            except (NotImplementedError, TypeError, ValueError):
+                pass
+        meta.setdefault("started", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+        meta.setdefault("mode", self._mode)
+        meta.setdefault("summary", "\n".join(
+            f"{layer.name} ({type(layer).__name__}): {layer.count_params() if layer.built else '?'} parameters"
+            for layer in model.layers))
+        meta.setdefault("devices", [str(d) for d in jax.devices()])
+        meta.setdefault("numpy", np.__version__)
+        meta.setdefault("steps_per_execution", int(model.steps_per_execution))
+        meta.setdefault("backend", "jax")
+        meta.setdefault("jax", jax.__version__)
+        meta.setdefault("keras", keras.__version__)
+
+    def _maybe_save(self, now):
+        if self.path and now - self._last_save >= self.save_every:
+            self._save()
+
+    def _save(self):
+        self._last_save = time.monotonic()
+        self.run.save(self.path)
+
