@@ -28,7 +28,7 @@ without the lab traces a clean one and runs it in the mode it would have.
 
 The hooks on the optimizer's `apply` and on methods are backend-neutral
 Python; what a wrapper computes on the device (the TensorFlow part) lives in
-`lab.probes` and `lab.buffer`.
+`lab.backend.tensorflow.probes` and `lab.backend.tensorflow.buffer`.
 """
 
 import threading
@@ -353,7 +353,7 @@ class Hooks:
         return owners
 
     def _drop_traced_function(self):
-        from lab import modes  # modes builds on this module
+        from lab.backend import modes  # the backend's modes builds on this module
 
         model = self._model()
         if model is None:
@@ -406,14 +406,14 @@ class CompiledState:
     """
 
     def __init__(self, model, mode=None):
-        from lab.probes import find_optimizers  # probes builds on this module
+        from lab.variables import find_optimizers  # imports Keras, which this module does not
 
         self._objects = (
             tuple(find_optimizers(model).values()),
             getattr(model, "_compile_loss", None),
             getattr(model, "_compile_metrics", None),
             getattr(model, "loss", None),
-            model.distribute_strategy,
+            getattr(model, "distribute_strategy", None),  # tf.distribute only
         )
         # `mode`: the mode of the function that runs, where it differs from
         # the attributes' (Keras keeps a function when they are set by hand).

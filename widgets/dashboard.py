@@ -35,7 +35,7 @@ import numpy as np
 import lab
 
 from lab.arguments import GRADIENTS_EXAMPLE, WEIGHTS_EXAMPLE, check_flag, check_number, check_seconds
-from lab.recorder import Recorder
+from lab.backend import Recorder
 from widgets import static
 from widgets.charts import LiveFigure
 from widgets.display import show, view_bundle

@@ -70,3 +70,16 @@ def track(optimizer, variable):
     `add_variable` does after making one), so fit() carries it in the
     optimizer's part of the state."""
     optimizer._track_variable(variable)
+
+
+# Keras' JAX fit() calls this in its `finally`, after syncing the state back
+# into the variables, whether training ended or raised (Keras 3.5 to 3.15).
+FIT_END = "finalize_variable_values"
+
+
+def fit_end_hook_owner(model):
+    """The object whose `FIT_END` method fit() calls as it ends, or None."""
+    import keras
+
+    optimizer = getattr(model, "optimizer", None)
+    return optimizer if isinstance(optimizer, keras.optimizers.Optimizer) else None

@@ -9,6 +9,7 @@ into the model's variables): it keeps the model it was given.
 """
 
 import os
+import sys
 import threading
 import time
 
@@ -139,6 +140,9 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
                                 breakpoints=self.breakpoints, capacity=self.capacity)
             self._probe_state = state
         self._probe.install()
+        optimizer = compat.fit_end_hook_owner(model)
+        if optimizer is not None:
+            self._hooks.wrap(self, optimizer, compat.FIT_END, self._guard_factory, role="guard")
 
     def is_training(self):
         """Whether this recorder is inside a running fit()."""
@@ -151,15 +155,12 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self._running_logs = {}
         self._mode = modes.running_mode(self._model)
         self._fill_metadata()
-        self._hooks.wrap_train_function(self, self._guard_factory, role="guard")
-        self._hooks.sync_train_function()
         self._set_status("running")
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
 
     def on_train_batch_begin(self, batch, logs=None):
-        self._hooks.sync_train_function()
         self._begin_step = batch
         self._t0 = time.perf_counter()
 
@@ -276,16 +277,21 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
 
     # ---- failures and the end ---------------------------------------------
 
-    def _guard_factory(self, function):
+    def _guard_factory(self, finalize):
         recorder = self
 
-        def guarded(state, iterator):
+        def finalize_variable_values(*args, **kwargs):
+            # fit()'s `finally`: the state is back in the variables. Raised
+            # through (an error or Ctrl-C anywhere in fit()), no callback
+            # hears of it: record what the steps left and take every hook
+            # off now, before anything else uses the model.
             try:
-                return function(state, iterator)
-            except BaseException as error:
-                recorder._on_failure(error)
-                raise
-        return guarded
+                return finalize(*args, **kwargs)
+            finally:
+                error = sys.exc_info()[1]
+                if error is not None:
+                    recorder._on_failure(error)
+        return finalize_variable_values
 
     def _on_failure(self, error):
         """Records what the failed fit() left (the rows of the steps that
