@@ -1,21 +1,23 @@
 # The two commands a newcomer needs:
 #   make lab    set up a virtual environment and open the quickstart in JupyterLab
 #   make test   set up and run the whole test suite (unit, notebooks, browser),
-#               then the engine's tests again on the oldest supported TF/Keras
+#               then the engine's tests again on the oldest supported TF/Keras,
+#               then the JAX half in an environment without TensorFlow
 
 PYTHON ?= python3
 VENV ?= .venv
 OLDEST_VENV ?= .venv-oldest
+JAX_VENV ?= .venv-jax
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: lab screenshot test test-current test-oldest unit notebooks browser-deps demo bench clean
+.PHONY: lab screenshot test test-current test-oldest test-jax unit notebooks browser-deps demo bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
-	$(BIN)/pip install -e ".[notebook,test]"
+	$(BIN)/pip install -e ".[tensorflow,notebook,test]"
 	touch $@
 
 # scripts/lab.sh adds --allow-root as root and --no-browser without a display;
@@ -36,7 +38,7 @@ browser-deps:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -y -q chromium; \
 	  else sudo apt-get update -q && sudo apt-get install -y -q chromium; fi; }
 
-test: test-current test-oldest
+test: test-current test-oldest test-jax
 
 # The engine's and the widgets' tests run in two processes (pytest-xdist;
 # --dist loadfile keeps each test file in one process, so a file's shared
@@ -51,17 +53,18 @@ test: test-current test-oldest
 # own, which must not compete for the cores with other tests.
 PARALLEL ?= -n 2 --dist loadfile
 END_TO_END := tests/browser tests/kernel
+JAX_ONLY := tests/jax
 
 # Both parts run whatever the first gives; the target fails if either does.
 test-current: $(BIN)/.installed browser-deps
 	status=0; \
-	$(BIN)/python -m pytest tests $(END_TO_END:%=--ignore=%) $(PARALLEL) $(PYTEST_ARGS) || status=$$?; \
+	$(BIN)/python -m pytest tests $(END_TO_END:%=--ignore=%) --ignore=$(JAX_ONLY) $(PARALLEL) $(PYTEST_ARGS) || status=$$?; \
 	JUPYTER_PATH=tests/notebooks/jupyter $(BIN)/python -m pytest $(END_TO_END) notebooks --nbval \
 	  --nbval-sanitize-with notebooks/sanitize.cfg --nbval-cell-timeout=600 $(PYTEST_ARGS) || status=$$?; \
 	exit $$status
 
 unit: $(BIN)/.installed
-	$(BIN)/python -m pytest tests -m "not browser" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests --ignore=$(JAX_ONLY) -m "not browser" $(PYTEST_ARGS)
 
 notebooks: $(BIN)/.installed
 	JUPYTER_PATH=tests/notebooks/jupyter $(BIN)/python -m pytest notebooks --nbval --nbval-sanitize-with notebooks/sanitize.cfg --nbval-cell-timeout=600
@@ -71,11 +74,26 @@ notebooks: $(BIN)/.installed
 $(OLDEST_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(OLDEST_VENV)
 	$(OLDEST_VENV)/bin/pip install --upgrade pip
-	$(OLDEST_VENV)/bin/pip install -e . pytest pytest-xdist "tensorflow==2.16.2" "keras==3.5.0" "numpy<2"
+	$(OLDEST_VENV)/bin/pip install -e ".[tensorflow]" pytest pytest-xdist "tensorflow==2.16.2" "keras==3.5.0" "numpy<2"
 	touch $@
 
 test-oldest: $(OLDEST_VENV)/.installed
 	$(OLDEST_VENV)/bin/python -m pytest tests/lab $(PARALLEL) $(PYTEST_ARGS)
+
+# Keras on JAX, in an environment where TensorFlow is not installed, so that
+# nothing on the JAX path can lean on it: the JAX tests and the engine's
+# backend-neutral tests (run files, versions, weights files, compare, layer norms).
+JAX_NEUTRAL := tests/lab/test_runfile.py tests/lab/test_run_file_fuzz.py tests/lab/test_versions.py \
+  tests/lab/test_weights_formats.py tests/lab/test_compare.py tests/lab/test_layer_norms.py
+$(JAX_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(JAX_VENV)
+	$(JAX_VENV)/bin/pip install --upgrade pip
+	$(JAX_VENV)/bin/pip install -e ".[jax]" pytest pytest-xdist
+	@! $(JAX_VENV)/bin/python -c "import tensorflow" 2>/dev/null || { echo "TensorFlow is installed in $(JAX_VENV)"; exit 1; }
+	touch $@
+
+test-jax: $(JAX_VENV)/.installed
+	KERAS_BACKEND=jax $(JAX_VENV)/bin/python -m pytest $(JAX_ONLY) $(JAX_NEUTRAL) $(PARALLEL) $(PYTEST_ARGS)
 
 demo: $(BIN)/.installed
 	$(BIN)/training-lab demo
@@ -84,4 +102,4 @@ bench: $(BIN)/.installed
 	$(BIN)/python benchmarks/overhead.py
 
 clean:
-	rm -rf $(VENV) $(OLDEST_VENV) artifacts training-lab-demo
+	rm -rf $(VENV) $(OLDEST_VENV) $(JAX_VENV) artifacts training-lab-demo

@@ -97,6 +97,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self._python_points = [p for p in self.breakpoints if not getattr(p, "on_device", False)]
         self._probe = None
         self._probe_state = None
+        self._cached = None  # (CompiledState, train function) jitted through the probe's wrappers
         self._hooks = None
         self._pending = []  # (epoch, batch, seconds, mode) of steps whose rows are unread
         self._running_logs = {}  # non-mean metrics' logged (running) values, by step
@@ -134,12 +135,19 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
                 self.run.add_event("recompile", "the model was compiled again; recording goes on with the new compile",
                                    step=self.run.next_step)
             self._probe = None
+            self._cached = None
         self._hooks = hooks_for(model)
         if self._probe is None:
             self._probe = Probe(model, gradients=self.gradients, weights=self.weights,
                                 breakpoints=self.breakpoints, capacity=self.capacity)
             self._probe_state = state
         self._probe.install()
+        cached = self._cached
+        if cached is not None and cached[0] == state:
+            # The function jitted through the probe in an earlier fit(): its
+            # trace reads the ring by position, which attaching keeps, so
+            # the next fit() runs it without compiling again.
+            model.train_function = cached[1]
         optimizer = compat.fit_end_hook_owner(model)
         if optimizer is not None:
             self._hooks.wrap(self, optimizer, compat.FIT_END, self._guard_factory, role="guard")
@@ -154,6 +162,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self._pending = []
         self._running_logs = {}
         self._mode = modes.running_mode(self._model)
+        self._cached = (self._probe_state, self._model.train_function)
         self._fill_metadata()
         self._set_status("running")
 
