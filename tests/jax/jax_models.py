@@ -42,3 +42,13 @@ def batch_losses(make, x, y, batch_size):
         losses.append(logs["loss"])
         accuracies.append(logs.get("accuracy", np.nan))
     return np.asarray(losses, np.float32), np.asarray(accuracies, np.float32), twin
+
+
+def named_mlp(seed=0):
+    """The MLP with names of its own, so its variables have the same paths on every backend."""
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu", name="hidden"),
+                              keras.layers.Dense(3, name="out")], name="mlp")
+    model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    return model

@@ -11,16 +11,17 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from lab import compat, modes, schema
+from lab import schema
 from lab.arguments import GRADIENTS_EXAMPLE, WEIGHTS_EXAMPLE, check_flag, check_seconds
+from lab.backend.tensorflow import compat, modes
+from lab.backend.tensorflow.norms import infinite_norms_message, newly_infinite, shown_names
+from lab.backend.tensorflow.probes import LOSS_OBJECT, NONFINITE_GRADIENT, Probe, _keras_defines, leaf_metrics
+from lab.backend.tensorflow.state import raw_variable
+from lab.breakpoints import as_breakpoints
 from lab.hooks import CompiledState, hooks_for, release_all
 from lab.observers import Observers
-from lab.norms import infinite_norms_message, newly_infinite, shown_names
-from lab.probes import LOSS_OBJECT, NONFINITE_GRADIENT, Probe, _keras_defines, leaf_metrics
-from lab.state import raw_variable
 from lab.run import Run
 from lab.status import StatusReporter
-from lab.breakpoints import as_breakpoints
 
 _WARNED_OLD_STYLE = weakref.WeakSet()
 _HELD_AFTER = "_held_after"  # in a device hit's row: how many later rows of its read ran held
@@ -948,6 +949,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         meta.setdefault("numpy", np.__version__)
         meta.setdefault("steps_per_execution", int(model.steps_per_execution))
         meta.setdefault("strategy", type(model.distribute_strategy).__name__)
+        meta.setdefault("backend", "tensorflow")
         meta.setdefault("tensorflow", tf.__version__)
         meta.setdefault("keras", keras.__version__)
 
@@ -962,7 +964,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         except Exception as error:  # noqa: BLE001 - saving must not stop training
             warnings.warn(f"Could not save the run to {self.path}: {error}", RuntimeWarning, stacklevel=2)
 
-    # ---- pausing at a breakpoint (lab.pause) -------------------------------
+    # ---- pausing at a breakpoint (lab.backend.tensorflow.pause) ------------
 
     def remove_breakpoint_listener(self, fn):
         """Stops calling `fn` on breakpoint hits (nothing happens if it was not added)."""
