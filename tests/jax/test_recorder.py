@@ -241,3 +241,58 @@ def test_what_jax_does_not_have_yet_says_so_when_used():
     assert not isinstance(object(), lab.StepTrace)
     assert list(lab.devices().columns) == ["name", "type", "kind", "memory_bytes"]
     assert (lab.devices()["type"] == "CPU").any()
+
+
+def test_with_gradient_accumulation_every_batch_keeps_its_row_and_training_is_as_bare():
+    # Keras rolls the optimizer's variables back on the steps that only
+    # accumulate; the rows are written after that, so none is lost.
+    x, y = classification_data()
+    make = lambda: make_mlp(optimizer=keras.optimizers.Adam(1e-2, gradient_accumulation_steps=2))  # noqa: E731
+    bare, model = make(), make()
+    bare.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    recorder = lab.Recorder(gradients=True)
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[recorder])
+    assert_same(model.weights, bare.weights)
+    assert_same(model.optimizer.variables, bare.optimizer.variables)
+    rows = recorder.run.batches()
+    assert list(rows["step"]) == list(range(6)) and np.isfinite(rows["grad_norm"]).all()
+
+
+def test_gradient_norms_under_loss_scaling_are_the_unscaled_ones():
+    x, y = classification_data()
+    plain, scaled = lab.Recorder(gradients=True), lab.Recorder(gradients=True)
+    make_mlp(optimizer=keras.optimizers.SGD(0.1)).fit(
+        x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[plain])
+    make_mlp(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=2.0**10)).fit(
+        x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[scaled])
+    np.testing.assert_allclose(scaled.run.batches()["grad_norm"], plain.run.batches()["grad_norm"], rtol=1e-4)
+
+
+def test_eager_steps_are_recorded_as_compiled_ones():
+    x, y = classification_data()
+    compiled, eager = make_mlp(), make_mlp()
+    eager.run_eagerly = True
+    ours, theirs = lab.Recorder(gradients=True), lab.Recorder(gradients=True)
+    compiled.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[ours])
+    eager.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[theirs])
+    rows = theirs.run.batches()
+    assert (rows["mode"] == "eager").all()
+    np.testing.assert_allclose(rows["loss"], ours.run.batches()["loss"], rtol=1e-5)
+    np.testing.assert_allclose(rows["grad_norm"], ours.run.batches()["grad_norm"], rtol=1e-5)
+    assert "train_step" not in vars(eager)
+
+
+def test_nonfinite_with_loss_scaling_stops_at_a_nan_batch():
+    # A LossScaleOptimizer applies inside a `lax.cond` (only finite steps):
+    # its gradients reach the row through its own state.
+    x, y = classification_data()
+    x[100, 0] = np.nan
+    model = make_mlp(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)))
+    recorder = lab.Recorder(gradients=True, breakpoints=[lab.breakpoints.nonfinite()])
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[recorder])
+    rows = recorder.run.batches()
+    events = recorder.run.events()
+    assert list(events[events["kind"] == "breakpoint"]["step"]) == [3]
+    assert rows["updated"].tolist() == [1.0, 1.0, 1.0, 0.0]
+    assert np.isfinite(rows["grad_norm"][:3]).all() and np.isnan(rows["grad_norm"][3])
+    assert int(model.optimizer.inner_optimizer.iterations) == 3

@@ -130,3 +130,51 @@ class Ring:
         block = np.asarray(optimizer_values[rows_at])[places, :self.width]
         self.read_count = count
         return block, lost
+
+
+class Tally:
+    """What one optimizer applied in a step, kept in its own state: for an
+    optimizer whose update runs inside a `lax.cond` branch, out of which
+    traced values leave only as the state it returns.
+
+    One float32 vector: the learning rate, the number of applies, and per
+    variable the sum of squares of its applied gradients (NaN where none
+    was applied). The step starts from `reset`; each apply adds to it.
+    """
+
+    def __init__(self, keys):
+        self.index = {key: 2 + i for i, key in enumerate(keys)}
+        self.width = 2 + len(keys)
+        self.variable = None
+        self.optimizer = None
+
+    def attach(self, optimizer):
+        self.detach()
+        self.variable = keras.Variable(np.zeros((self.width,), np.float32), trainable=False, name="lab_tally")
+        compat.track(optimizer, self.variable)
+        self.optimizer = optimizer
+
+    def detach(self):
+        if self.optimizer is not None and self.variable is not None:
+            compat.untrack(self.optimizer, [self.variable])
+        self.optimizer = None
+
+    def position(self, optimizer):
+        """The tally's place in `optimizer.variables` (the state's order)."""
+        ids = [id(v) for v in optimizer.variables]
+        return ids.index(id(self.variable))
+
+    def reset(self):
+        return jnp.full((self.width,), jnp.nan, jnp.float32).at[1].set(0.0)
+
+    def add(self, rate, pairs):
+        """Inside the optimizer's stateless scope: adds one apply."""
+        tally = self.variable.value.at[0].set(rate).at[1].add(1.0)
+        for key, grad in pairs:
+            place = self.index.get(key)
+            if place is None or grad is None:
+                continue
+            square = jnp.sum(jnp.square(grad.astype(jnp.float32)))
+            current = tally[place]
+            tally = tally.at[place].set(jnp.where(jnp.isnan(current), square, current + square))
+        self.variable.assign(tally)

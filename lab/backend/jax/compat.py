@@ -83,3 +83,12 @@ def fit_end_hook_owner(model):
 
     optimizer = getattr(model, "optimizer", None)
     return optimizer if isinstance(optimizer, keras.optimizers.Optimizer) else None
+
+
+def applies_inside_cond(optimizer):
+    """Whether `optimizer` runs its update inside a `lax.cond` branch, whose
+    values cannot leave it but as returned state: a LossScaleOptimizer
+    applies only on finite steps (`ops.cond(finite, ...)`)."""
+    import keras
+
+    return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)

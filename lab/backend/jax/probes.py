@@ -30,7 +30,7 @@ import numpy as np
 
 from lab import schema
 from lab.backend.jax import compat
-from lab.backend.jax.buffer import Ring
+from lab.backend.jax.buffer import Ring, Tally
 from lab.breakpoints import DeviceBreakpoint
 from lab.hooks import hooks_for
 from lab.metric_names import leaf_metrics, mean_parts
@@ -71,6 +71,9 @@ class Probe:
         self.metric_parts = self._metric_parts()
         self.columns = self._columns()
         self.ring = Ring(len(self.columns), capacity, spike=any(p.name != "nonfinite" for p in self.device_points))
+        keys = list(self.keys.values())
+        self.tallies = {name: Tally(keys) for name, optimizer in self.optimizers.items()
+                        if compat.applies_inside_cond(optimizer)}
         self.installed = False
         self.traced = False
 
@@ -114,6 +117,8 @@ class Probe:
             if not optimizer.built:
                 optimizer.build(self.model.trainable_variables)
             self.ring.attach(optimizer)
+            for name, tally in self.tallies.items():
+                tally.attach(compat.update_step_owner(self.optimizers[name]))
             hooks.wrap(self, self.model, "train_step", self._wrap_train_step, role="probe")
             for name, optimizer in self.optimizers.items():
                 hooks.wrap(self, compat.update_step_owner(optimizer), compat.UPDATE_STEP,
@@ -129,6 +134,8 @@ class Probe:
     def release(self):
         """Takes every wrapper off and the ring out of the optimizer; never raises but a Ctrl-C."""
         try:
+            for tally in self.tallies.values():
+                tally.detach()
             self.ring.detach()
         finally:
             self.installed = False
@@ -151,6 +158,7 @@ class Probe:
 
     def _wrap_update_step(self, name):
         keys = self.keys
+        tally = self.tallies.get(name)
 
         def wrap(inner):
             def update_step(grads, trainable_variables, learning_rate):
@@ -159,8 +167,11 @@ class Probe:
                     # Read inside Keras' stateless scope: a schedule's or a
                     # variable's value as this step uses it.
                     rate = jnp.asarray(getattr(learning_rate, "value", learning_rate), jnp.float32)
-                    applies.append((name, [(keys.get(id(v)), g) for g, v in zip(grads, trainable_variables)],
-                                    rate))
+                    pairs = [(keys.get(id(v)), g) for g, v in zip(grads, trainable_variables)]
+                    if tally is not None:
+                        tally.add(rate, pairs)  # inside a cond branch: only returned state leaves it
+                    else:
+                        applies.append((name, pairs, rate))
                 return inner(grads, trainable_variables, learning_rate)
             return update_step
         return wrap
@@ -172,13 +183,34 @@ class Probe:
             outer = getattr(_capture, "applies", None)
             _capture.applies = []
             try:
+                state = probe._tallies_reset(state)
                 logs, new_state = inner(state, data)
                 applies = _capture.applies
             finally:
                 _capture.applies = outer
             probe.traced = True
-            return logs, probe._written(state, new_state, applies)
+            return logs, probe._written(state, new_state, applies + probe._tallied(new_state))
         return train_step
+
+    def _tallies_reset(self, state):
+        if not self.tallies:
+            return state
+        trainable, non_trainable, optimizer_vars, metric_vars = state
+        optimizer_vars = list(optimizer_vars)
+        for tally in self.tallies.values():
+            optimizer_vars[tally.position(self.model.optimizer)] = tally.reset()
+        return (trainable, non_trainable, optimizer_vars, metric_vars)
+
+    def _tallied(self, new_state):
+        """The applies of optimizers that tally in their state, read from it:
+        (name, [(key, sum of squares as a 1-element gradient)], rate), or
+        nothing for an optimizer that applied nothing this step."""
+        found = []
+        for name, tally in self.tallies.items():
+            values = new_state[2][tally.position(self.model.optimizer)]
+            pairs = [(key, jnp.sqrt(values[place]).reshape(1)) for key, place in tally.index.items()]
+            found.append((name, pairs, values[0], values[1] > 0))
+        return found
 
     # ---- the row, in the step --------------------------------------------------
 
@@ -191,19 +223,26 @@ class Probe:
             d_count = (new_metric_vars[count] - metric_vars[count]).astype(jnp.float32)
             values[name] = jnp.where(d_count > 0, d_total / jnp.where(d_count > 0, d_count, 1.0), jnp.nan)
         grads = {}
-        for name, pairs, learning_rate in applies:
-            values[schema.learning_rate_column(name, self.several)] = jnp.asarray(learning_rate, jnp.float32)
+        checked = {}  # the gradients a nonfinite() breakpoint looks at
+        for name, pairs, learning_rate, *applied in applies:
+            applied = applied[0] if applied else jnp.asarray(True)
+            values[schema.learning_rate_column(name, self.several)] = jnp.where(
+                applied, jnp.asarray(learning_rate, jnp.float32), jnp.nan)
             if self.several:
-                values[schema.per_optimizer_column(schema.UPDATED_PREFIX, name)] = jnp.float32(1.0)
+                values[schema.per_optimizer_column(schema.UPDATED_PREFIX, name)] = jnp.where(applied, 1.0, 0.0)
             for key, grad in pairs:
                 if key is not None and grad is not None:
                     grads.setdefault(key, []).append(grad)
+                    if name not in self.tallies:
+                        # A tallying optimizer (a LossScaleOptimizer) skips
+                        # non-finite steps itself: they are no hit.
+                        checked.setdefault(key, []).append(grad)
         ring = self.ring
         flags = ring.flags_in(optimizer_vars)
         hit = jnp.asarray(False)
         if self.device_points:
             loss = values.get(schema.LOSS)
-            hit, flags = self._check(loss, grads, flags)
+            hit, flags = self._check(loss, checked, flags)
         held = jnp.logical_or(hit, ring.held(flags))
         values[schema.UPDATED] = jnp.where(held, jnp.float32(0.0), jnp.float32(1.0))
         if self.gradients:
