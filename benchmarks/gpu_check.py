@@ -21,7 +21,7 @@ import pandas as pd  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import lab  # noqa: E402
-from lab.devices import describe  # noqa: E402
+from lab.backend.tensorflow.devices import describe  # noqa: E402
 
 
 def build_model():

@@ -18,10 +18,10 @@ the kernels each configuration adds to the traced `train_step` (Const and
 Placeholder nodes left out; the branch functions of conds counted, since a
 graph runs the nodes of a branch not taken as dead ones, and a cond's
 Switches, one per tensor its branches read; not the nodes of a function
-that is called as one node, `lab.compat.rarely`'s branch).
+that is called as one node, `lab.backend.tensorflow.compat.rarely`'s branch).
 
 `--overflow-check` measures one part of it instead: what the norms'
-overflow check costs per update, `lab.norms.norms_of` against the same
+overflow check costs per update, `lab.backend.tensorflow.norms.norms_of` against the same
 sums of squares with no check (the floor) and with the check as a plain
 `tf.cond` (a Switch per tensor), for 6, 18 and 150 tensors (a 6-variable
 update's gradients; with weights and updates; a 50-variable one's). Each
@@ -111,7 +111,7 @@ def train_function(model, iterator, batch, steps_per_execution, probe_args):
     `probe_args` is not None (then the probe is taken off the model again:
     the traced function keeps its ops and writes its rows), and the kernels
     its `train_step` has. Returns (function, probe, kernels)."""
-    from lab.probes import Probe
+    from lab.backend.tensorflow.probes import Probe
 
     probe = None
     if probe_args is not None:
@@ -135,7 +135,7 @@ def kernels(model, batch):
     """Nodes of `train_step` traced on one batch, by op type (branch functions included)."""
     import tensorflow as tf
 
-    from lab.compat import graph_nodes
+    from lab.backend.tensorflow.compat import graph_nodes
 
     x, y = batch
     traced = tf.function(lambda data: model.train_step(data)).get_concrete_function(
@@ -185,7 +185,7 @@ def _checked_by_cond(tensors):
     """`norms_of` with its overflow check as a plain `tf.cond` (what it was)."""
     import tensorflow as tf
 
-    from lab.norms import _scaled_norms
+    from lab.backend.tensorflow.norms import _scaled_norms
 
     squares = 2.0 * tf.stack([tf.nn.l2_loss(t) for t in tensors])
     return tf.cond(tf.reduce_all(tf.math.is_finite(squares)), lambda: tf.sqrt(squares),
@@ -208,7 +208,7 @@ def overflow_check(rounds, calls=20, elements=1000, counts=OVERFLOW_COUNTS):
     one, for each number of tensors in `counts`."""
     import tensorflow as tf
 
-    from lab.norms import norms_of
+    from lab.backend.tensorflow.norms import norms_of
 
     forms = {"`norms_of` (one Switch)": norms_of, "as a `tf.cond`": _checked_by_cond, "no check": _unchecked}
     results = {}

@@ -88,6 +88,37 @@ class BreakpointError(RuntimeError):
     """A breakpoint's condition failed; the message names the breakpoint and the column."""
 
 
+class BreakpointHit(Exception):
+    """Raised by `run.step(...)` of a watched loop when a breakpoint hits.
+
+    A device-side breakpoint (`nonfinite()`) kept this step's update out of
+    the weights: they are as before the step. Catch it to stop cleanly or to
+    go on (the next step starts from those weights). The run has the event.
+
+    Attributes:
+        step: int, the run's step at which it hit.
+        breakpoint: str, the breakpoint's name.
+        detail: str, what the run's event says.
+        skipped: bool, whether the step's update was kept out of the weights.
+    """
+
+    def __init__(self, step, breakpoint, detail, skipped, not_finite=()):
+        self.step, self.breakpoint, self.detail, self.skipped = step, breakpoint, detail, skipped
+        if not skipped:
+            then = "this step's update is in the weights"
+        elif not_finite:
+            # The step assigned them itself, outside the optimizer: the gate
+            # keeps out the optimizer's update, which the lab sees, not the
+            # step's own assignments, which it does not.
+            then = (f"the update was skipped, but the step itself made {', '.join(not_finite)} not finite "
+                    "outside the optimizer (as a sharpness-aware step's perturbation does on a NaN batch): "
+                    "restore them before going on")
+        else:
+            then = "the update was skipped, the weights are as before this step"
+        super().__init__(f"{breakpoint} at step {step}: {then}. Catch lab.BreakpointHit to stop "
+                         "or go on; run.events() has the event.")
+
+
 def _columns(row):
     try:
         return list(row.keys())

@@ -3,29 +3,49 @@
 TensorBoard files are written with TensorFlow's own summary op
 (`tf.summary.write`, tagged for TensorBoard's scalar plugin), so they need no
 `tensorboard` package to write; TensorBoard, `tf.data.TFRecordDataset` or
-`tf.compat.v1.train.summary_iterator` read them.
+`tf.compat.v1.train.summary_iterator` read them. TensorFlow is imported only
+when a TensorBoard file is written: CSV export needs no backend.
 """
 
+import functools
 import glob
 import os
 
 import numpy as np
 import pandas as pd
-import tensorflow as tf
-from tensorflow.core.framework import summary_pb2
 
 from lab.run import Run
 
 _TABLES = ("batches", "epochs", "events")
 _INDEX = ("step", "epoch", "batch")
-_SCALAR = summary_pb2.SummaryMetadata(
-    plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"),
-    data_class=summary_pb2.DATA_CLASS_SCALAR,
-).SerializeToString()
-_TEXT = summary_pb2.SummaryMetadata(
-    plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="text"),
-    data_class=summary_pb2.DATA_CLASS_TENSOR,
-).SerializeToString()
+
+
+def _tensorflow():
+    """TensorFlow, for writing TensorBoard files (imported here, not with the module)."""
+    try:
+        import tensorflow as tf
+    except ImportError as error:
+        raise ImportError(
+            "TensorBoard event files are written with TensorFlow's summary writer, and TensorFlow is not "
+            "installed: pip install tensorflow (CSV export, lab.export.to_csv, needs nothing)."
+        ) from error
+    return tf
+
+
+@functools.cache
+def _metadata():
+    """The serialized SummaryMetadata of TensorBoard's scalar and text plugins: (scalar, text)."""
+    from tensorflow.core.framework import summary_pb2  # TensorFlow's, imported when first written
+
+    scalar = summary_pb2.SummaryMetadata(
+        plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"),
+        data_class=summary_pb2.DATA_CLASS_SCALAR,
+    ).SerializeToString()
+    text = summary_pb2.SummaryMetadata(
+        plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="text"),
+        data_class=summary_pb2.DATA_CLASS_TENSOR,
+    ).SerializeToString()
+    return scalar, text
 
 
 def to_csv(run, path, table="batches"):
@@ -93,6 +113,10 @@ def to_tensorboard(run, logdir, overwrite=False):
     Returns:
         str, the path of the event file written.
 
+    Raises:
+        ImportError: TensorFlow is not installed (its summary writer writes
+            the files).
+
     Example:
 
     ```python
@@ -101,6 +125,7 @@ def to_tensorboard(run, logdir, overwrite=False):
     ```
     """
     _check_run(run)
+    tf = _tensorflow()
     logdir = os.fspath(logdir)
     existing = glob.glob(os.path.join(logdir, "events.out.tfevents.*"))
     if existing and not overwrite:
@@ -125,7 +150,7 @@ def to_tensorboard(run, logdir, overwrite=False):
                 lines = [f"{kind}: {detail}" if detail else kind
                          for kind, detail in zip(events["kind"], events["detail"])]
                 write_series(tf.constant("events"), tf.constant(lines),
-                             tf.constant(events["step"].to_numpy(np.int64)), tf.constant(_TEXT))
+                             tf.constant(events["step"].to_numpy(np.int64)), tf.constant(_metadata()[1]))
         writer.flush()
     finally:
         writer.close()
@@ -134,6 +159,8 @@ def to_tensorboard(run, logdir, overwrite=False):
 
 
 def _write_scalars(write_series, prefix, frame):
+    import tensorflow as tf  # to_tensorboard imported it (or said how to install it)
+
     if "step" not in frame or not len(frame):
         return
     steps = tf.constant(frame["step"].to_numpy(np.int64))
@@ -142,10 +169,12 @@ def _write_scalars(write_series, prefix, frame):
         if column in _INDEX or not pd.api.types.is_numeric_dtype(values.dtype):
             continue
         write_series(tf.constant(f"{prefix}/{column}"),
-                     tf.constant(values.to_numpy(np.float32)), steps, tf.constant(_SCALAR))
+                     tf.constant(values.to_numpy(np.float32)), steps, tf.constant(_metadata()[0]))
 
 
 def _write_series(tag, values, steps, metadata):
+    import tensorflow as tf  # to_tensorboard imported it (or said how to install it)
+
     # One graph loop per tag: an eager tf.summary call per value is several
     # times slower on long runs.
     def body(i):

@@ -3,7 +3,7 @@
 import numpy as np
 import pandas as pd
 
-from lab.probes import variable_keys
+from lab.variables import variable_keys
 
 
 def layer_norms(run, parts=None, column="grad_norm", model=None):

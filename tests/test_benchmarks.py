@@ -160,7 +160,7 @@ def test_the_watch_benchmark_takes_turns_in_blocks_and_counts_every_step_and_rea
         return counted
 
     monkeypatch.setattr(watch_overhead, "make_loop", counted_loop)
-    from lab.watch import WatchedRun
+    from lab.backend.tensorflow.watch import WatchedRun
 
     flush = WatchedRun.flush
     monkeypatch.setattr(WatchedRun, "flush", lambda run: reads.append((run, len(run._pending))) or flush(run))

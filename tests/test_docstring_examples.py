@@ -47,9 +47,9 @@ SAMPLES = 256
 # Examples that need two logical CPUs: they run in one fresh process that calls
 # lab.virtual_cpus(2) first (this one has initialised TensorFlow already).
 NEEDS_TWO_CPUS = {
-    "lab.devices.virtual_cpus",
-    "lab.devices.strategy",
-    "lab.devices.batch_split",
+    "lab.backend.tensorflow.devices.virtual_cpus",
+    "lab.backend.tensorflow.devices.strategy",
+    "lab.backend.tensorflow.devices.batch_split",
     "widgets.device_picker.DevicePicker",
 }
 
@@ -60,12 +60,23 @@ CANNOT_RUN = {}
 # ---- collecting the examples ------------------------------------------------------
 
 
+def _other_backend(module_name):
+    """Whether a module is in a backend part of the lab Keras does not run on (`lab/backend/jax/` here on
+    TensorFlow): such a part imports its own framework, which may not be installed."""
+    import lab.backend
+
+    parts = module_name.split(".")
+    return (len(parts) > 2 and parts[:2] == ["lab", "backend"] and parts[2] != lab.backend.NAME
+            and (ROOT / "lab" / "backend" / parts[2]).is_dir())
+
+
 def _modules():
     for package_name in PACKAGES:
         package = importlib.import_module(package_name)
         yield package
-        for info in pkgutil.walk_packages(package.__path__, package_name + "."):
-            yield importlib.import_module(info.name)
+        for info in pkgutil.walk_packages(package.__path__, package_name + ".", onerror=lambda name: None):
+            if not _other_backend(info.name):
+                yield importlib.import_module(info.name)
 
 
 def _own_doc(obj):
@@ -487,9 +498,11 @@ def test_every_example_block_is_collected():
     in_source = {}
     for package_name in PACKAGES:
         for path in sorted((ROOT / package_name).rglob("*.py")):
+            module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+            if _other_backend(module):
+                continue
             count = len(EXAMPLE_BLOCK.findall(path.read_text()))
             if count:
-                module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
                 in_source[module] = count
     collected = {}
     for _, module_name in EXAMPLES.values():

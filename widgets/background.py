@@ -3,10 +3,10 @@
 While a cell runs a blocking `fit()`, ipykernel handles widget clicks only
 after the cell ends. `BackgroundFit` runs `model.fit(...)` on a daemon thread
 and returns at once; Pause, Continue, Stop and Step act at the next batch
-boundary through `lab.pause.PauseController`, which also pauses at a
+boundary through `lab.backend.tensorflow.pause.PauseController`, which also pauses at a
 breakpoint's hit and opens the stepper on it, and so does a mode switch
 asked for with `lab.modes.request_mode` (the ModeSwitch widget). This module
-is the thread and the buttons; what a pause does is `lab.pause`'s.
+is the thread and the buttons; what a pause does is `lab.backend.tensorflow.pause`'s.
 
 Threading rules kept here: widget callbacks only set flags (never run model
 ops) while training runs; model ops from the panel happen only while the
@@ -18,7 +18,7 @@ every wait, so nothing here can hang a notebook run.
 import threading
 import time
 
-from lab.pause import PauseController, find_recorder
+from lab.backend.tensorflow.pause import PauseController, find_recorder
 
 STATES = ("idle", "running", "paused", "stopped", "finished", "failed")
 

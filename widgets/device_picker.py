@@ -11,7 +11,7 @@ import ipywidgets
 import keras
 
 import lab
-from lab.devices import batch_split, describe, strategy_choices, uneven_first_batch
+from lab.backend.tensorflow.devices import batch_split, describe, strategy_choices, uneven_first_batch
 
 
 class DevicePicker(ipywidgets.VBox):

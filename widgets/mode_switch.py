@@ -17,8 +17,8 @@ import keras
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from lab.mode_comparison import compare_modes
-from lab.modes import MODES, ModeError, add_mode_listener, pending_mode, request_mode, running_mode
+from lab.backend.tensorflow.mode_comparison import compare_modes
+from lab.backend.tensorflow.modes import MODES, ModeError, add_mode_listener, pending_mode, request_mode, running_mode
 
 _LABELS = {"eager": "eager", "graph": "graph", "xla": "XLA"}
 _TOOLTIPS = (

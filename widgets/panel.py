@@ -18,9 +18,9 @@ import keras
 import tensorflow as tf
 
 from lab.arguments import GRADIENTS_EXAMPLE, check_class_weight, check_flag
+from lab.backend.tensorflow.devices import devices
+from lab.backend.tensorflow.stepper import Stepper
 from lab.breakpoints import as_breakpoints, nonfinite
-from lab.devices import devices
-from lab.stepper import Stepper
 from widgets.background import BackgroundFit
 from widgets.dashboard import Dashboard
 from widgets.device_picker import DevicePicker

@@ -6,7 +6,7 @@ import ipywidgets
 import numpy as np
 import plotly.graph_objects as go
 
-from lab.stepper import Stepper, trace_condition
+from lab.backend.tensorflow.stepper import Stepper, trace_condition
 from widgets.png import png_bytes
 from widgets.series import metric_names
 

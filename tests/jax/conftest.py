@@ -2,18 +2,17 @@
 TensorFlow is not installed (`make test-jax`), so nothing on this path can
 lean on it."""
 
+import importlib.util
 import os
 import sys
 
-os.environ["KERAS_BACKEND"] = "jax"
-sys.path.insert(0, os.path.dirname(__file__))  # jax_models, shared by the test files
+import pytest
 
-import pytest  # noqa: E402
-
-try:
-    import jax  # noqa: F401
-except ImportError:  # the TensorFlow environment: these tests are the JAX one's
+if importlib.util.find_spec("jax") is None:  # the TensorFlow environment: these tests are the JAX one's
     collect_ignore_glob = ["test_*.py"]
+else:
+    os.environ["KERAS_BACKEND"] = "jax"
+    sys.path.insert(0, os.path.dirname(__file__))  # jax_models, shared by the test files
 
 
 @pytest.fixture(autouse=True)

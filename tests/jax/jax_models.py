@@ -34,10 +34,11 @@ def assert_same(a, b):
 
 def batch_losses(make, x, y, batch_size):
     """Each batch's own loss and accuracy: a twin trained by `train_on_batch`
-    (which resets the metrics every call) on the same batches in order."""
+    on the same batches in order, its metrics reset before each."""
     twin = make()
     losses, accuracies = [], []
     for start in range(0, len(x), batch_size):
+        twin.reset_metrics()
         logs = twin.train_on_batch(x[start:start + batch_size], y[start:start + batch_size], return_dict=True)
         losses.append(logs["loss"])
         accuracies.append(logs.get("accuracy", np.nan))

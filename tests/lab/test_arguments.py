@@ -6,8 +6,8 @@ import pandas as pd
 import pytest
 
 import lab
+from lab.backend.tensorflow.feed import Feed
 from lab.breakpoints import BreakpointError, as_breakpoints, loss_spike, nonfinite
-from lab.feed import Feed
 
 
 def tiny_model(inputs=4):

@@ -5,8 +5,6 @@ import collections
 import numpy as np
 import pandas as pd
 import pytest
-import tensorflow as tf
-from tensorflow.core.util import event_pb2
 
 import lab
 from lab import export
@@ -27,6 +25,9 @@ def made_run(name, losses, grad=False, epochs=()):
 
 def read_events(path):
     """(tag, step, value) for every summary in a TensorBoard event file."""
+    tf = pytest.importorskip("tensorflow", reason="TensorBoard files are written and read with TensorFlow")
+    from tensorflow.core.util import event_pb2
+
     found = []
     for record in tf.data.TFRecordDataset(path):
         event = event_pb2.Event.FromString(record.numpy())
@@ -180,6 +181,7 @@ def test_to_csv_writes_a_table_pandas_reads_back(tmp_path):
 
 
 def test_to_tensorboard_writes_scalars_per_step_that_read_back(tmp_path):
+    pytest.importorskip("tensorflow", reason="TensorBoard event files are written with TensorFlow")
     run = made_run("a", [1.0, 0.5, 0.25], grad=True, epochs=[(0, {"loss": 0.6, "val_loss": 0.7})])
     run.add_event("breakpoint", "loss > 0.9", step=0)
     path = export.to_tensorboard(run, tmp_path / "logs")
@@ -194,6 +196,7 @@ def test_to_tensorboard_writes_scalars_per_step_that_read_back(tmp_path):
 
 
 def test_to_tensorboard_refuses_to_mix_with_an_earlier_export(tmp_path):
+    pytest.importorskip("tensorflow", reason="TensorBoard event files are written with TensorFlow")
     logdir = tmp_path / "logs"
     export.to_tensorboard(made_run("a", [1.0]), logdir)
     with pytest.raises(FileExistsError, match="overwrite=True"):

@@ -12,7 +12,7 @@ import keras
 import numpy as np
 import pytest
 
-from lab import compat
+from lab.backend.tensorflow import compat
 
 
 def tiny(steps_per_execution=1):

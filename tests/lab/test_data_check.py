@@ -415,7 +415,7 @@ def test_error_line_finds_the_message_of_a_graph_error_below_its_traceback(array
     with pytest.raises(Exception) as caught:
         # A short last batch makes the batch dimension dynamic: the error comes at run time.
         model.fit(*arrays, batch_size=32, epochs=1, verbose=0)
-    line = lab.data_check.error_line(caught.value)
+    line = lab.backend.tensorflow.data_check.error_line(caught.value)
     assert line.startswith("Incompatible shapes") and "[Op:" not in line and "File" not in line
 
 
@@ -500,7 +500,7 @@ def test_a_dataset_whose_asserted_length_is_wrong_is_a_problem_not_a_crash():
 
 
 def test_a_shuffled_pipeline_too_big_to_copy_is_read_itself_and_said_to_have_moved_on(monkeypatch):
-    monkeypatch.setattr(lab.feed, "COPY_LIMIT", 1000)  # the pipeline holds 1,408 bytes of arrays
+    monkeypatch.setattr(lab.backend.tensorflow.feed, "COPY_LIMIT", 1000)  # the pipeline holds 1,408 bytes of arrays
     report = lab.inspect_data(shuffled_pipeline("shuffled", None), model=classifier())
     assert report.ok and report.batches_per_epoch == 4, report
     assert any("next order, not its first" in note for note in report.notes), report.notes

@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import lab
-from lab.devices import batch_split, describe, strategy_choices
+from lab.backend.tensorflow.devices import batch_split, describe, strategy_choices
 
 
 def test_devices_lists_what_tensorflow_sees():

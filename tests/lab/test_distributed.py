@@ -83,7 +83,7 @@ def test_virtual_cpus_after_initialisation(mirrored):
 
 def test_mirrored_recording_equals_one_device(mirrored):
     assert "fit_error" not in mirrored, mirrored["fit_error"]
-    from lab.probes import KERAS_SCALES_LOSS
+    from lab.backend.tensorflow.probes import KERAS_SCALES_LOSS
 
     if not KERAS_SCALES_LOSS:
         # The lab records what happens; what happens differs before Keras 3.7.

@@ -14,7 +14,9 @@ import tensorflow as tf
 
 import lab
 from lab import hooks
+from lab.backend.tensorflow import buffer, norms, probes
 from lab.hooks import hooks_for
+from lab.variables import find_optimizers
 
 
 def data(n=64, seed=0, features=4):
@@ -42,7 +44,7 @@ def no_lab_left(model):
     for name in ("train_step", "compute_loss", "call"):
         assert name not in vars(model), name
     assert not any(k.startswith("_lab") for k in vars(model))
-    for optimizer in lab.probes.find_optimizers(model).values():
+    for optimizer in find_optimizers(model).values():
         for name in ("apply", "_backend_update_step", "_all_reduce_sum_gradients"):
             assert name not in vars(optimizer), name
     for metric in model.metrics:
@@ -152,12 +154,12 @@ def test_an_exception_at_any_callback_method_frees_the_model(method, error, firs
 
 
 LAB_WRAPPERS = [
-    ("flush", "lab.recorder.Recorder.flush"),
-    ("batch end", "lab.recorder.Recorder.on_train_batch_end"),
-    ("batch begin", "lab.recorder.Recorder.on_train_batch_begin"),
-    ("epoch end", "lab.recorder.Recorder.on_epoch_end"),
-    ("steps of an execution", "lab.recorder.Recorder._steps_in_execution"),
-    ("status listener", "lab.recorder.Recorder._note_running_values"),
+    ("flush", "lab.backend.tensorflow.recorder.Recorder.flush"),
+    ("batch end", "lab.backend.tensorflow.recorder.Recorder.on_train_batch_end"),
+    ("batch begin", "lab.backend.tensorflow.recorder.Recorder.on_train_batch_begin"),
+    ("epoch end", "lab.backend.tensorflow.recorder.Recorder.on_epoch_end"),
+    ("steps of an execution", "lab.backend.tensorflow.recorder.Recorder._steps_in_execution"),
+    ("status listener", "lab.backend.tensorflow.recorder.Recorder._note_running_values"),
 ]
 
 
@@ -227,7 +229,7 @@ def test_a_failure_of_the_labs_own_step_code_leaves_training_as_keras_runs_it(mo
         calls["n"] += 1
         raise RuntimeError("probe failed while tracing")
 
-    monkeypatch.setattr(lab.probes.Probe, "_record", failing)
+    monkeypatch.setattr(probes.Probe, "_record", failing)
     with pytest.warns(RuntimeWarning, match="could not record"):
         history = fit(model, [rec])
     monkeypatch.undo()
@@ -344,7 +346,7 @@ def test_from_step_with_a_tf_function_step_is_traced_and_rewinds(mode):
 
 
 def test_a_graph_error_is_not_called_a_shape_mismatch():
-    from lab.step_capture import hint
+    from lab.backend.tensorflow.step_capture import hint
 
     error = TypeError("<tf.Tensor 'x:0' shape=(16, 4)> is out of scope and cannot be used here.")
     trace = lab.StepTrace(index=0, epoch=0, batch=0, x=np.zeros((16, 4)))
@@ -533,13 +535,13 @@ def test_metrics_keras_logs_under_numbered_or_weighted_names_hold_each_batchs_ow
 
 
 def test_grad_norm_is_finite_for_finite_gradients_whose_squares_overflow():
-    norm = lab.norms.scaled_norm(tf.constant([3e19, 4e19], tf.float32))
+    norm = norms.scaled_norm(tf.constant([3e19, 4e19], tf.float32))
     assert np.isclose(float(norm), 5e19, rtol=1e-6)
-    combined = lab.norms.combined_norm([tf.constant(3e30), tf.constant(np.nan), tf.constant(4e30)])
+    combined = norms.combined_norm([tf.constant(3e30), tf.constant(np.nan), tf.constant(4e30)])
     assert np.isclose(float(combined), 5e30, rtol=1e-6)
-    cheap = lab.norms.global_norm([tf.constant(3e30), tf.constant(np.nan), tf.constant(4e30)])
+    cheap = norms.global_norm([tf.constant(3e30), tf.constant(np.nan), tf.constant(4e30)])
     assert np.isclose(float(cheap), 5e30, rtol=1e-6)
-    assert np.allclose(lab.norms.norms_of([tf.constant([3e20, 4e20]), tf.constant([3.0, 4.0])]), [5e20, 5.0])
+    assert np.allclose(norms.norms_of([tf.constant([3e20, 4e20]), tf.constant([3.0, 4.0])]), [5e20, 5.0])
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "graph"])
@@ -549,9 +551,9 @@ def test_norms_of_overflow_branch_matches_each_tensors_scaled_norm(compiled):
     tensors = [tf.constant([3e20, 4e20]), tf.constant([[3.0, 4.0], [0.0, 0.0]]), tf.zeros([0]),
                tf.constant([1.0, np.nan]), tf.constant([np.inf, 1.0]), tf.constant([1e-30, -1e-30]),
                tf.constant([-5e37, 5e37, 1.0])]
-    norms_of = tf.function(lab.norms.norms_of) if compiled else lab.norms.norms_of
+    norms_of = tf.function(norms.norms_of) if compiled else norms.norms_of
     got = norms_of(tensors).numpy()
-    want = np.array([float(lab.norms.scaled_norm(t)) for t in tensors], np.float32)
+    want = np.array([float(norms.scaled_norm(t)) for t in tensors], np.float32)
     assert np.array_equal(np.isnan(got), np.isnan(want)) and np.isnan(got[3])
     assert np.allclose(got[~np.isnan(got)], want[~np.isnan(want)], rtol=1e-6, atol=0)
     assert got[0] == np.float32(5e20) and got[2] == 0.0 and got[4] == np.inf
@@ -564,14 +566,14 @@ def test_the_overflow_branch_of_many_large_tensors_gives_each_its_norm(mode, chu
     # updates, and empty ones first and last; one overflows, so the branch runs.
     # In chunks (as for a large model), the 65,536-element tensors go alone.
     if chunk:
-        monkeypatch.setattr(lab.norms, "_CHUNK_ELEMENTS", chunk)
+        monkeypatch.setattr(lab.backend.tensorflow.norms, "_CHUNK_ELEMENTS", chunk)
     sizes = [16384, 256, 65536, 256, 2560, 10] * 3
     tensors = [tf.zeros([0])] + [tf.fill([n], float(i + 1)) for i, n in enumerate(sizes)] + [tf.zeros([0])]
     tensors[3] = tf.fill([sizes[2]], 1e20)
     if mode == "dynamic":
-        function = tf.function(lab.norms.norms_of, input_signature=[[tf.TensorSpec([None], tf.float32)] * len(tensors)])
+        function = tf.function(norms.norms_of, input_signature=[[tf.TensorSpec([None], tf.float32)] * len(tensors)])
     else:
-        function = tf.function(lab.norms.norms_of, jit_compile=mode == "xla")
+        function = tf.function(norms.norms_of, jit_compile=mode == "xla")
     got = function(tensors).numpy()
     want = np.array([0.0] + [np.sqrt(n) * (i + 1) for i, n in enumerate(sizes)] + [0.0], np.float32)
     want[3] = np.sqrt(sizes[2]) * 1e20
@@ -585,17 +587,17 @@ def test_the_overflow_branch_of_many_large_tensors_gives_each_its_norm(mode, chu
 
 def test_a_row_of_scalars_and_vector_parts_keeps_each_value_in_its_column():
     vector = tf.constant([10.0, 11.0, 12.0])
-    Part = lab.buffer.Part
+    Part = buffer.Part
     values = [tf.constant(1.0), Part(vector, 2), tf.constant(2.0), Part(vector, 0), Part(vector, 1)]
-    assert lab.buffer.vector_of(values).numpy().tolist() == [1.0, 12.0, 2.0, 10.0, 11.0]
-    assert lab.buffer.vector_of([Part(vector, i) for i in range(3)]).numpy().tolist() == [10.0, 11.0, 12.0]
+    assert buffer.vector_of(values).numpy().tolist() == [1.0, 12.0, 2.0, 10.0, 11.0]
+    assert buffer.vector_of([Part(vector, i) for i in range(3)]).numpy().tolist() == [10.0, 11.0, 12.0]
 
 
 def test_total_grad_norm_on_the_host_skips_missing_variables_and_steps_without_update():
     columns = {"grad_norm/a": np.array([3.0, np.nan, 3e30, 1.0], np.float32),
                "grad_norm/b": np.array([4.0, np.nan, 4e30, 1.0], np.float32),
                "grad_norm/replica_0": np.array([99.0] * 4, np.float32)}
-    total = lab.norms.total_grad_norm(columns, np.array([1, 1, 1, 0]))
+    total = norms.total_grad_norm(columns, np.array([1, 1, 1, 0]))
     assert total[0] == 5.0 and np.isnan(total[1]) and np.isclose(total[2], 5e30, rtol=1e-6) and np.isnan(total[3])
 
 

@@ -617,7 +617,7 @@ def test_each_data_form_steps_as_fits_first_epoch_and_replays(name):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         stepper = lab.Stepper(model, data, mode="graph", **kwargs)
-    told = [w for w in caught if str(w.message) == lab.stepper.UNKNOWN_LENGTH_MESSAGE]
+    told = [w for w in caught if str(w.message) == lab.backend.tensorflow.stepper.UNKNOWN_LENGTH_MESSAGE]
     assert bool(told) == case.unknown_length, "the Stepper tells of a dataset of unknown length, and only there"
     trace = stepper.step(len(case.sizes))
     assert trace.error is None, trace.traceback
@@ -673,7 +673,8 @@ UNKNOWN_LENGTH = (
     "one draw ahead; fit(run_eagerly=True) counts 4 and 8; scratch/keras_iterations_unknown_cardinality.py, "
     "scratch/keras_phantom_call_state.py). The Stepper takes only the steps it is given, so from the second "
     "epoch on its Adam bias correction, learning-rate schedule and dropout masks use other step numbers than "
-    "fit()'s, and its weights part from fit()'s. It says so (lab.stepper.UNKNOWN_LENGTH_MESSAGE), with the fix: "
+    "fit()'s, and its weights part from fit()'s. It says so "
+    "(lab.backend.tensorflow.stepper.UNKNOWN_LENGTH_MESSAGE), with the fix: "
     "the dataset's length given by tf.data.experimental.assert_cardinality.")
 
 

@@ -75,7 +75,7 @@ Findings: the Keras 3 version of the gradient-centralization example
 centralizes nothing (Keras 3's optimizers never call `get_gradients`; its
 GCRMSprop trains bit for bit as RMSprop): the run's columns rightly hold the
 uncentralized gradients it applies, and the run names the override that
-never runs (`lab.probes.UNCALLED_NOTE`). DDIM's unseeded `tf.random` draws
+never runs (`lab.backend.tensorflow.probes.UNCALLED_NOTE`). DDIM's unseeded `tf.random` draws
 make a later plain fit() after the lab's differ (RETRACE_AFTER_FIT, xfail).
 The Keras 3 masked language model logs a tracker of its own as its "loss"
 (the tokens' mean, where compute_loss returns their sum): the run's column
@@ -105,7 +105,7 @@ from test_keras_io_guides import (RETRACE_AFTER_FIT, SEED, Guide, assert_same_ar
                                   named_alike, optimizer_state, rng, stepped, variable_keys, weights)
 
 import lab
-from lab.probes import RANDOM_NOTE, UPDATE_STEP_NOTE
+from lab.backend.tensorflow.probes import RANDOM_NOTE, UPDATE_STEP_NOTE
 
 
 def digits(n, offset=0):
@@ -534,7 +534,7 @@ def _simclr():
 # the same centralization in the two places a Keras 3 optimizer runs it:
 # `apply()` (the gradients then applied are centralized, and so are the
 # columns) and `update_step()` (the lab reads the gradients before, and the
-# run says so, `lab.probes.UPDATE_STEP_NOTE`). The example's augmentation
+# run says so, `lab.backend.tensorflow.probes.UPDATE_STEP_NOTE`). The example's augmentation
 # (RandomFlip, RandomRotation, RandomZoom) runs in its tf.data pipeline, not
 # in the training step: here it is applied once, seeded, to the data. In
 # small: 16x16 RGB digits, "is it 5 or more?", batches of 16.

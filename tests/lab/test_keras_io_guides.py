@@ -1921,7 +1921,7 @@ XLA_GUIDES = ("custom_fit/GAN", "custom_fit/CustomModel_low_level", "built_in/mu
 # TensorFlow 2.16's XLA fuses the float16 model's bias-gradient reductions
 # differently once the lab reads the gradients (the barrier in
 # `lab.compat.isolated` cannot stop that; 2.21's does not): its weights come
-# out up to 1e-9 apart. The run says so (`lab.probes.XLA_NOTE`).
+# out up to 1e-9 apart. The run says so (`lab.backend.tensorflow.probes.XLA_NOTE`).
 TF_216_REFUSES = pytest.mark.xfail(tuple(int(p) for p in tf.__version__.split(".")[:2]) == (2, 16), strict=True,
                                    reason="TF 2.16's XLA rounds a float16 step differently when its gradients are read")
 
@@ -2040,7 +2040,7 @@ def test_a_fit_that_keeps_its_batches_for_a_breakpoints_pause_trains_as_bare():
     # as a Python iterable, so the step was traced on its fixed batch size, not
     # the dataset's unknown one: the CycleGAN ended an ulp away from its bare
     # fit() (and Keras 3.5 traced the step again at every batch).
-    from lab.pause import PauseController
+    from lab.backend.tensorflow.pause import PauseController
 
     guide = GUIDES["cyclegan"]
     args, kwargs, _, _, _ = guide.data()
@@ -2060,7 +2060,7 @@ def test_a_graph_stepper_on_the_batch_a_breakpoint_kept_steps_it_as_fit_did():
     # batch's own shapes, so a graph Stepper traced the step on its fixed batch
     # size, not the dataset's unknown one: the CycleGAN stepped from the state
     # before its last batch ended an ulp away from its bare fit().
-    from lab.in_flight import BatchInFlight
+    from lab.backend.tensorflow.in_flight import BatchInFlight
 
     bare = make_cyclegan()
     bare.fit(two_domains(), epochs=1, shuffle=False, verbose=0)

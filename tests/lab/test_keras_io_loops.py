@@ -56,8 +56,8 @@ reach a `tf.function` as tensors, with no `assign`); PPO's buffer stores the
 1-element tensors' scalars. Finding: a watched model's trainable variables
 that no optimizer updates in the whole block (DDPG's targets, when the
 watched agent holds them) had all-NaN columns and no word in the run, where
-fit() tells `lab.probes.NO_UPDATE_NOTE`; the block's end names them now
-(`lab.watch.NEVER_UPDATED_MESSAGE`).
+fit() tells `lab.backend.tensorflow.probes.NO_UPDATE_NOTE`; the block's end names them now
+(`lab.backend.tensorflow.watch.NEVER_UPDATED_MESSAGE`).
 """
 
 import collections

@@ -14,12 +14,12 @@ stepped by a graph `lab.Stepper`:
 
 - the History, the model's variables (seed generators and RNN states too) and
   the optimizer's equal bare fit()'s bit for bit, or differ only where the run
-  says they may (Grappler's regrouping, `lab.probes.REGROUPED_NOTE`);
+  says they may (Grappler's regrouping, `lab.backend.tensorflow.probes.REGROUPED_NOTE`);
 - every trainable variable has its gradient, weight-norm and update-ratio
   values in every row; one the loss does not reach (a Dense before a
   Discretization: Keras warns that it gets no gradient) trains as bare, its
   gradient column is missing (NaN) in every row, not zero, and the run says
-  that no optimizer updates it (`lab.probes.NO_UPDATE_NOTE`);
+  that no optimizer updates it (`lab.backend.tensorflow.probes.NO_UPDATE_NOTE`);
 - the Stepper's steps end where fit()'s first epoch ends, a rewind puts back
   every variable, and the steps taken again end there again, silently;
 - a `nonfinite()` hit at a NaN batch ends fit() with the model of the good

@@ -22,6 +22,7 @@ import pytest
 
 import lab
 from lab import schema
+from lab.backend.tensorflow.probes import is_mean, leaf_metrics
 
 M = keras.metrics
 
@@ -117,7 +118,7 @@ def test_the_history_and_weights_are_bare_fits(runs):
 def test_every_logged_value_has_its_columns_own_for_means_running_for_the_rest(runs):
     task, bare, _, running, own, model, _, recorder = runs
     rows = recorder.run.batches()
-    means = {name for name, metric in lab.probes.leaf_metrics(model).items() if lab.probes.is_mean(metric)}
+    means = {name for name, metric in leaf_metrics(model).items() if is_mean(metric)}
     expected_running = set()
     for key in running.rows[0]:
         keras_running = [columns({key: r[key]}) for r in running.rows]

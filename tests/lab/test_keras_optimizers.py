@@ -11,7 +11,7 @@ and with `lab.Recorder(gradients=True, weights=True)`, and stepped by a graph
 
 - the weights, every optimizer variable and the History equal bare fit()'s
   bit for bit, or differ only where the run says they may (Grappler's
-  regrouping of SGD's arithmetic, `lab.probes.REGROUPED_NOTE`);
+  regrouping of SGD's arithmetic, `lab.backend.tensorflow.probes.REGROUPED_NOTE`);
 - every trainable variable has its gradient, weight-norm and update-ratio
   values in every row, and the row's learning rate is the optimizer's (each
   of a MultiOptimizer's optimizers in a column of its own);
@@ -299,7 +299,7 @@ def test_each_optimizer_option_trains_as_bare_fit_and_its_rows_hold_what_the_upd
 
 
 def regrouped_and_said(name, recorder):
-    """Plain SGD's update regrouped by Grappler (lab.probes.REGROUPED_NOTE),
+    """Plain SGD's update regrouped by Grappler (lab.backend.tensorflow.probes.REGROUPED_NOTE),
     which the run must say."""
     warned = " ".join(recorder.run.events().query("kind == 'warning'")["detail"])
     return name == "weight_decay" and "Grappler" in warned
@@ -355,7 +355,7 @@ def test_each_optimizer_option_steps_as_fit_and_replays_after_a_rewind(name):
     initial = [v.numpy().tobytes() for v in model.weights]
     stepper = lab.Stepper(model, data(), batch_size=16, shuffle=False, mode="graph")
     reference, _ = fitted_with_options(name, epochs=1)
-    regrouped = name == "weight_decay"  # plain SGD: lab.probes.REGROUPED_NOTE
+    regrouped = name == "weight_decay"  # plain SGD: lab.backend.tensorflow.probes.REGROUPED_NOTE
     with pytest.warns(RuntimeWarning, match="Grappler") if regrouped else _nothing():
         stepper.step(BATCHES)
     assert fits_end(model) == state(reference) or regrouped

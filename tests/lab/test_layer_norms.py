@@ -4,7 +4,6 @@ import keras
 import numpy as np
 import pandas as pd
 import pytest
-import tensorflow as tf
 
 import lab
 
@@ -56,6 +55,7 @@ def test_parts_by_model_split_encoder_and_decoder_of_a_recorded_fit():
 
 
 def test_a_stepped_trace_gives_its_own_row():
+    pytest.importorskip("tensorflow", reason="a TensorFlow-style step (GradientTape, the Stepper)")
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="a"), keras.layers.Dense(1, name="b")])
     model.compile(optimizer="sgd", loss="mse")
@@ -97,6 +97,8 @@ class _WithEMA(keras.Model):
 
     def train_step(self, data):
         x, y = data
+        import tensorflow as tf  # a TensorFlow-style train_step (the test runs where Recorder records it)
+
         self.ema_network(x)
         with tf.GradientTape() as tape:
             loss = keras.ops.mean(keras.ops.square(self.network(x) - y))
@@ -111,6 +113,7 @@ def _ema_columns(kernel, bias, kernel2, bias2):
 
 
 def test_an_ema_clone_gets_its_own_norms_in_a_recorded_fit_given_the_model():
+    pytest.importorskip("tensorflow", reason="a TensorFlow-style step (GradientTape, the Stepper)")
     # Built inside fit(): the run keys variables that did not exist at install.
     keras.utils.set_random_seed(0)
     model = _WithEMA(built=False)

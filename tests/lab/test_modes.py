@@ -14,8 +14,8 @@ import tensorflow as tf
 from tensorflow.python.framework import config as tf_config
 
 import lab
-from lab import modes
-from lab.modes import ModeError
+from lab.backend.tensorflow import modes
+from lab.backend.tensorflow.modes import ModeError
 
 
 class CountingModel(keras.Sequential):
@@ -411,7 +411,7 @@ def test_xla_under_a_mirrored_strategy_is_refused_at_the_switch():
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
         import keras, lab
-        from lab.modes import ModeError, current_mode
+        from lab.backend.tensorflow.modes import ModeError, current_mode
         with tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():
             model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
             model.compile("sgd", "mse")

@@ -1,4 +1,4 @@
-"""lab.pause: fit() on a thread parks at batch boundaries and at a breakpoint's hit, headless."""
+"""lab.backend.tensorflow.pause: fit() on a thread parks at batch boundaries and at a breakpoint's hit, headless."""
 
 import threading
 import time
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import lab
-from lab.pause import PauseController, find_recorder
+from lab.backend.tensorflow.pause import PauseController, find_recorder
 
 RNG = np.random.default_rng(0)
 X = RNG.random((64, 6), dtype=np.float32)

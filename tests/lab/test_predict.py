@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import lab
-from lab.predict import predict_function
+from lab.backend.tensorflow.predict import predict_function
 
 
 @pytest.fixture(scope="module")

@@ -173,7 +173,7 @@ def test_a_half_sum_of_squares_under_xla_is_l2_loss_up_to_rounding(columns, monk
     tensors += [np.where(np.arange(5000) == 4999, np.nan, 1.0).astype(np.float32),
                 np.where(np.arange(5000) == 7, np.inf, 1.0).astype(np.float32),
                 np.full(4100, 2.6e17, np.float32)]
-    compiled = tf.function(lambda t: lab.norms.half_sum_of_squares(t), jit_compile=True)
+    compiled = tf.function(lambda t: lab.backend.tensorflow.norms.half_sum_of_squares(t), jit_compile=True)
     for tensor in tensors:
         got = float(compiled(tf.constant(tensor)))
         want = float(tf.nn.l2_loss(tf.cast(tf.constant(tensor), tf.float32)))
@@ -374,7 +374,7 @@ def test_a_stepper_opened_after_a_device_hit_in_a_blocking_fit_steps_the_batch_t
     # fit() ran on until the recorder's next read, so the kept batch was a
     # later one: the stepper was labelled with the hit's step and stepped
     # batch 19's data.
-    from lab.in_flight import BatchInFlight
+    from lab.backend.tensorflow.in_flight import BatchInFlight
 
     x, y = digits
     model = make_mlp()
@@ -603,7 +603,7 @@ def _traced_step(model, probe_args):
     builds it: a trace that creates its variables is traced again."""
     if not model.optimizer.built:
         model.optimizer.build(model.trainable_variables)
-    probe = lab.probes.Probe(model, **probe_args) if probe_args is not None else None
+    probe = lab.backend.tensorflow.probes.Probe(model, **probe_args) if probe_args is not None else None
     if probe is not None:
         probe.install()
     try:
@@ -768,7 +768,7 @@ def test_rows_the_host_finishes_equal_what_the_step_computed_bit_for_bit(digits,
     x, y = digits
     runs = []
     for on_host in (True, False):
-        monkeypatch.setattr(lab.probes.Probe, "FINISHES_ON_HOST", on_host)
+        monkeypatch.setattr(lab.backend.tensorflow.probes.Probe, "FINISHES_ON_HOST", on_host)
         model = _model_for(kind)
         rec = lab.Recorder(gradients=True, weights=True)
         model.fit(x, y, batch_size=BATCH, epochs=2, callbacks=[rec], verbose=0, shuffle=False)

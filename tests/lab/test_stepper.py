@@ -105,7 +105,7 @@ def test_dataset_and_generator_batches_reach_train_step():
 def test_an_interrupt_while_the_batch_is_made_skips_no_batch(data, monkeypatch):
     # Ctrl-C while the feed turned the batch it had taken into tensors lost
     # that batch: the next step trained on the one after it.
-    from lab import feed
+    from lab.backend.tensorflow import feed
 
     made, convert = [], feed._as_step_input
 
@@ -1055,7 +1055,7 @@ def test_graph_mode_rewinds_and_replays_too():
 
 
 def test_a_blocking_fit_stopped_by_a_breakpoint_opens_a_stepper_on_that_batch():
-    from lab.in_flight import BatchInFlight
+    from lab.backend.tensorflow.in_flight import BatchInFlight
 
     model = make_model()
     keep = BatchInFlight()
@@ -1071,7 +1071,7 @@ def test_a_blocking_fit_stopped_by_a_breakpoint_opens_a_stepper_on_that_batch():
 
 
 def test_a_fit_after_stepping_goes_on_at_the_next_optimizer_step():
-    from lab.in_flight import BatchInFlight
+    from lab.backend.tensorflow.in_flight import BatchInFlight
 
     model = make_model()
     keep = BatchInFlight()
@@ -1349,7 +1349,7 @@ def test_a_ctrl_c_during_rewind_rewinds_whole_and_reaches_the_user(monkeypatch):
     stepper = lab.Stepper(model, (x, y), batch_size=8, shuffle=False)
     first = [float(trace.logs["loss"]) for trace in [stepper.step() for _ in range(3)]]
     calls = {"n": 0}
-    replicated = lab.stepper.replicated
+    replicated = lab.backend.tensorflow.stepper.replicated
 
     def interrupting(variable):
         calls["n"] += 1
@@ -1357,7 +1357,7 @@ def test_a_ctrl_c_during_rewind_rewinds_whole_and_reaches_the_user(monkeypatch):
             signal.raise_signal(signal.SIGINT)
         return replicated(variable)
 
-    monkeypatch.setattr(lab.stepper, "replicated", interrupting)
+    monkeypatch.setattr(lab.backend.tensorflow.stepper, "replicated", interrupting)
     with pytest.raises(KeyboardInterrupt):
         stepper.rewind(3)
     monkeypatch.undo()

@@ -493,7 +493,7 @@ def events_about(run, text):
 
 
 def test_a_watched_optimizer_the_loop_never_applies_is_reported_once_and_an_accumulating_loop_is_not(digits):
-    from lab.watch import UNAPPLIED_STEPS
+    from lab.backend.tensorflow.watch import UNAPPLIED_STEPS
 
     # keras-io's reptile: `lab.watch(model)` watches the RMSprop `compile()`
     # made, while the loop applies its own SGD; the weights change every step.
@@ -826,7 +826,7 @@ def test_a_block_that_closed_every_update_tells_of_none(digits):
 
 def test_a_model_too_wide_for_the_default_ring_gets_fewer_rows_within_the_64_mib_cap():
     # 2**16 slots a row: 256 rows fill the 2**24 slots (64 MiB) the ring may take.
-    from lab.loop_probe import _LoopSlots
+    from lab.backend.tensorflow.loop_probe import _LoopSlots
 
     slots = _LoopSlots([("loss", 0.0)], 2**16 - 1, 1025, lambda name, value: tf.Variable(value))
     assert slots.rows == 256
@@ -995,7 +995,7 @@ def test_a_module_whose_step_was_traced_while_watching_saves_and_loads(digits, t
 
 def test_a_ring_past_the_kept_row_starts_still_writes_each_step_in_its_own_row(digits, monkeypatch):
     # Row starts beyond the first few thousand are made at each call, not kept.
-    from lab import loop_probe
+    from lab.backend.tensorflow import loop_probe
 
     monkeypatch.setattr(loop_probe, "_KEPT_OFFSETS", 2)
     model, optimizer = make_mlp(), keras.optimizers.SGD(0.05)

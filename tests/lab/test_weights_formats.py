@@ -99,7 +99,7 @@ def test_checked_loading_of_a_matching_file_loads_it_optimizer_state_included(tm
     trained.save_weights(path)
     fresh = mlp()
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # Keras warns when it skips optimizer state
+        warnings.simplefilter("error", UserWarning)  # Keras warns when it skips optimizer state
         lab.load_weights_checked(fresh, path)
     np.testing.assert_array_equal(fresh.predict(x, verbose=0), trained.predict(x, verbose=0))
     assert int(fresh.optimizer.iterations) == 4

@@ -167,7 +167,7 @@ def test_controls_buttons_follow_the_state(training):
 
 
 def test_a_mode_switch_asked_for_while_training_runs_lands_at_a_batch():
-    from lab import modes
+    from lab.backend.tensorflow import modes
 
     recorder = lab.Recorder()
     run = fit_in_background(make_model(), epochs=50, callbacks=[recorder])

@@ -7,7 +7,7 @@ import numpy as np
 from tensorflow.python.framework import config as tf_config
 
 import lab
-from lab import modes
+from lab.backend.tensorflow import modes
 from widgets import ModeSwitch
 
 

@@ -7,15 +7,16 @@ STATE_OUTSIDE_VARIABLES_DURING_FIT = False
 HAS_REPLICA_CONTEXT = True
 CALLBACKS_MAY_RUN_OFF_THREAD = False
 
-from lab import compat, in_flight, modes  # noqa: E402
-from lab.data_check import DataReport, inspect_data  # noqa: E402
-from lab.devices import devices, strategy, virtual_cpus  # noqa: E402
-from lab.mode_comparison import compare_modes  # noqa: E402
-from lab.modes import ModeError, ModeSwitcher, set_mode  # noqa: E402
-from lab.predict import predict_stream  # noqa: E402
-from lab.recorder import Recorder  # noqa: E402
-from lab.stepper import Stepper, StepTrace  # noqa: E402
-from lab.watch import BreakpointHit, watch  # noqa: E402
+from lab.backend.tensorflow import compat, in_flight, modes  # noqa: E402
+from lab.backend.tensorflow.data_check import DataReport, inspect_data  # noqa: E402
+from lab.backend.tensorflow.devices import devices, strategy, virtual_cpus  # noqa: E402
+from lab.backend.tensorflow.mode_comparison import compare_modes  # noqa: E402
+from lab.backend.tensorflow.modes import ModeError, ModeSwitcher, set_mode  # noqa: E402
+from lab.backend.tensorflow.predict import predict_stream  # noqa: E402
+from lab.backend.tensorflow.recorder import Recorder  # noqa: E402
+from lab.backend.tensorflow.stepper import Stepper, StepTrace  # noqa: E402
+from lab.backend.tensorflow.watch import watch  # noqa: E402
+from lab.breakpoints import BreakpointHit  # noqa: E402
 
 __all__ = ["NAME", "MODES", "STATE_OUTSIDE_VARIABLES_DURING_FIT", "HAS_REPLICA_CONTEXT",
            "CALLBACKS_MAY_RUN_OFF_THREAD", "compat", "in_flight", "modes", "DataReport", "inspect_data",

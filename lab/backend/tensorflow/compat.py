@@ -417,7 +417,7 @@ def regrouped_through(gradient):
     lab's breakpoints put the update in), read by one such op alone, or by
     copies of one (the same op on the same inputs, which Grappler merges
     before it regroups).
-    Eager execution and XLA (whose own case `lab.probes.XLA_NOTE` covers)
+    Eager execution and XLA (whose own case `lab.backend.tensorflow.probes.XLA_NOTE` covers)
     are never regrouped by Grappler."""
     if tf.executing_eagerly() or in_xla_trace() or not hasattr(gradient, "consumers"):
         return False

@@ -20,11 +20,11 @@ import numpy as np
 import pandas as pd
 import tensorflow as tf
 
-from lab import compat
-from lab.compat import error_line, missing_key
 from lab.arguments import check_class_weight, check_number
-from lab.devices import uneven_first_batch
-from lab.feed import ClassWeightError, Feed, read_through, reading_copy, row_slice, sample_count
+from lab.backend.tensorflow import compat
+from lab.backend.tensorflow.compat import error_line, missing_key
+from lab.backend.tensorflow.devices import uneven_first_batch
+from lab.backend.tensorflow.feed import ClassWeightError, Feed, read_through, reading_copy, row_slice, sample_count
 
 
 class Problem(collections.namedtuple("Problem", ["kind", "message", "fix"])):

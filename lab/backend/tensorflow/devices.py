@@ -228,7 +228,7 @@ def batch_split(strategy_, global_batch_size):
     Example:
 
     ```python
-    from lab.devices import batch_split
+    from lab.backend.tensorflow.devices import batch_split
     batch_split(lab.strategy("mirrored"), 33)   # 17 and 16 examples
     ```
     """

@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
-from lab import compat
+from lab.backend.tensorflow import compat
 
 Fed = collections.namedtuple("Fed", ["epoch", "batch", "data"])
 

@@ -13,8 +13,8 @@ import collections
 import keras
 import tensorflow as tf
 
+from lab.backend.tensorflow.state import read_state, write_state
 from lab.hooks import hooks_for
-from lab.state import read_state, write_state
 
 
 class BatchInFlight(keras.callbacks.Callback):
@@ -141,7 +141,7 @@ class BatchInFlight(keras.callbacks.Callback):
         Raises:
             ValueError: when no batch is kept (not armed, or no batch ran).
         """
-        from lab.stepper import Stepper
+        from lab.backend.tensorflow.stepper import Stepper
 
         if self.data is None:
             raise ValueError(

@@ -25,10 +25,11 @@ import tensorflow as tf
 from tensorflow.python.framework.func_graph import FuncGraph
 from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
 
-from lab import compat
-from lab.compat import in_xla_trace
-from lab.norms import half_sum_of_squares, infinite_norms_message, newly_infinite, total_grad_norm
-from lab.probes import Probe, StepState, _replica_context, overwritten, variable_keys
+from lab.backend.tensorflow import compat
+from lab.backend.tensorflow.compat import in_xla_trace
+from lab.backend.tensorflow.norms import half_sum_of_squares, infinite_norms_message, newly_infinite, total_grad_norm
+from lab.backend.tensorflow.probes import Probe, StepState, _replica_context, overwritten
+from lab.variables import variable_keys
 
 # Slots kept free for variables the model did not list when watching began
 # (a subclassed model is often built by its first step).

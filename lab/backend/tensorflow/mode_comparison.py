@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 import tensorflow as tf
 
-from lab.modes import (
+from lab.backend.tensorflow.modes import (
     END_OF_DATA,
     XLA_COMPILE_HINT,
     MODES,
@@ -33,7 +33,7 @@ from lab.modes import (
     Settings,
     is_training,
 )
-from lab.compat import (
+from lab.backend.tensorflow.compat import (
     array_batches,
     eager_op_seeds,
     fit_builds_first,
@@ -44,10 +44,10 @@ from lab.compat import (
     tf_global_generator,
 )
 from lab.arguments import check_number
-from lab.feed import read_through, reading_copy
+from lab.backend.tensorflow.feed import read_through, reading_copy
 from lab.hooks import hooks_for
-from lab.probes import find_optimizers
-from lab.state import held_variables, raw_variable, replica_copies
+from lab.backend.tensorflow.state import held_variables, raw_variable, replica_copies
+from lab.variables import find_optimizers
 
 
 def compare_modes(model, data, steps=32, batch_size=None, modes=MODES, steps_per_execution=None):
@@ -67,9 +67,9 @@ def compare_modes(model, data, steps=32, batch_size=None, modes=MODES, steps_per
     generator and its op seeds for eager random ops): the next `fit()`
     trains exactly as it would have. A Dataset is read through a copy of
     its pipeline with shuffle seeds and caches of its own
-    (`lab.feed.reading_copy`), so the `fit()` after reads the batches, and
+    (`lab.backend.tensorflow.feed.reading_copy`), so the `fit()` after reads the batches, and
     the order, it would have; where no copy is made (arrays over
-    `lab.feed.COPY_LIMIT`, a pipeline TensorFlow cannot serialize) or a map
+    `lab.backend.tensorflow.feed.COPY_LIMIT`, a pipeline TensorFlow cannot serialize) or a map
     function changes variables as it runs, a RuntimeWarning says what moved on.
 
     Args:

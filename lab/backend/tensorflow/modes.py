@@ -33,7 +33,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import config as tf_config
 
-from lab import compat
+from lab.backend.tensorflow import compat
 from lab.hooks import hooks_for
 
 

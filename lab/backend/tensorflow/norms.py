@@ -15,7 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from lab import schema
-from lab.compat import in_xla_trace, rarely, slow_xla_cpu_trace
+from lab.backend.tensorflow.compat import in_xla_trace, rarely, slow_xla_cpu_trace
 
 
 def shown_names(names, most=4):

@@ -18,10 +18,10 @@ import threading
 
 import keras
 
-from lab.in_flight import BatchInFlight
-from lab.modes import ModeSwitcher
-from lab.recorder import Recorder
-from lab.state import read_state, write_state
+from lab.backend.tensorflow.in_flight import BatchInFlight
+from lab.backend.tensorflow.modes import ModeSwitcher
+from lab.backend.tensorflow.recorder import Recorder
+from lab.backend.tensorflow.state import read_state, write_state
 
 # How often a parked training thread looks whether it may go on (seconds).
 _POLL = 0.05

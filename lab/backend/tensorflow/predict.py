@@ -15,9 +15,9 @@ import numpy as np
 import tensorflow as tf
 
 from lab.arguments import check_number
-from lab.compat import reduce_per_replica
-from lab.devices import split_over_replicas, splits_batches
-from lab.feed import row_slice
+from lab.backend.tensorflow.compat import reduce_per_replica
+from lab.backend.tensorflow.devices import split_over_replicas, splits_batches
+from lab.backend.tensorflow.feed import row_slice
 
 # model -> ((run_eagerly, jit_compile), function); kept off the model, which
 # the lab leaves as it found it, and weak so the model can be collected.

@@ -40,14 +40,17 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from lab import compat, schema
-from lab.buffer import Part, StepBuffer, scalar, vector_of, whole_vector
-from lab.compat import SCALES_LOSS_BY_REPLICAS as KERAS_SCALES_LOSS
-from lab.compat import (LossScalingSeen, in_xla_trace, isolated, regrouped_through, slow_xla_cpu_trace,
-                        stateful_random_ops, unscale_loss_for_distribution, watch_loss_scaling)
+from lab import schema
+from lab.backend.tensorflow import compat
+from lab.backend.tensorflow.buffer import Part, StepBuffer, scalar, vector_of, whole_vector
+from lab.backend.tensorflow.compat import SCALES_LOSS_BY_REPLICAS as KERAS_SCALES_LOSS
+from lab.backend.tensorflow.compat import (LossScalingSeen, in_xla_trace, isolated, regrouped_through,
+                                           slow_xla_cpu_trace, stateful_random_ops, unscale_loss_for_distribution,
+                                           watch_loss_scaling)
+from lab.backend.tensorflow.norms import (decode_norms, encoded_norms_of, global_norm, hypot, norms_of, shown_names,
+                                          summed_rows, total_grad_norm)
 from lab.hooks import hooks_for
-from lab.norms import (decode_norms, encoded_norms_of, global_norm, hypot, norms_of, shown_names, summed_rows,
-                        total_grad_norm)
+from lab.variables import find_optimizers, variable_keys
 
 XLA_NOTE = (
     "This step is compiled by XLA with the lab's reads in the same program: XLA may "
@@ -149,40 +152,11 @@ def read_value(variable):
     return tf.convert_to_tensor(variable)
 
 
-def variable_keys(variables):
-    """Maps each variable (by id) to its path, with `#2`, `#3`, ... for repeats."""
-    keys, seen = {}, {}
-    for variable in variables:
-        path = getattr(variable, "path", None) or variable.name
-        seen[path] = seen.get(path, 0) + 1
-        keys[id(variable)] = path if seen[path] == 1 else f"{path}#{seen[path]}"
-    return keys
-
-
 def _accumulates(optimizer):
     """Whether `optimizer` (or a LossScaleOptimizer's inner one) accumulates
     gradients over steps (Keras' `gradient_accumulation_steps`)."""
     inner = getattr(optimizer, "inner_optimizer", None) or optimizer
     return bool(getattr(inner, "gradient_accumulation_steps", None))
-
-
-def find_optimizers(model):
-    """The optimizers that may update `model`, named by the attribute holding them.
-
-    A model whose custom `compile()` keeps its own optimizers (`d_opt`,
-    `g_opt`) still gets a default `model.optimizer`; it is listed too, and
-    simply never produces a row value when it does not update.
-    """
-    found = {}
-    for name, value in vars(model).items():
-        if isinstance(value, keras.optimizers.Optimizer) and name != "_optimizer":
-            found[name] = value
-    optimizer = getattr(model, "optimizer", None)
-    if isinstance(optimizer, keras.optimizers.Optimizer) and all(
-        optimizer is not o for o in found.values()
-    ):
-        found = {"optimizer": optimizer, **found}
-    return found
 
 
 def leaf_metrics(model):

@@ -8,8 +8,8 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
-from lab import compat
-from lab.probes import find_optimizers
+from lab.backend.tensorflow import compat
+from lab.variables import find_optimizers
 
 
 def read_state(model):

@@ -19,10 +19,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from lab import compat
-from lab.compat import regrouped_through
+from lab.backend.tensorflow import compat
+from lab.backend.tensorflow.compat import regrouped_through
+from lab.backend.tensorflow.probes import watched_metrics
 from lab.hooks import hooks_for
-from lab.probes import variable_keys, watched_metrics
+from lab.variables import variable_keys
 
 _LOSS_ARGS = ("x", "y", "y_pred", "sample_weight", "training")
 

@@ -28,17 +28,19 @@ import numpy as np
 import pandas as pd
 import tensorflow as tf
 
-from lab import compat, schema
+from lab import schema
 from lab.arguments import check_class_weight, check_flag, check_number
-from lab.compat import reduce_per_replica, unscale_loss_for_distribution
-from lab.devices import split_over_replicas, splits_batches
-from lab.feed import Feed, to_numpy
+from lab.backend.tensorflow import compat
+from lab.backend.tensorflow.compat import reduce_per_replica, unscale_loss_for_distribution
+from lab.backend.tensorflow.devices import split_over_replicas, splits_batches
+from lab.backend.tensorflow.feed import Feed, to_numpy
+from lab.backend.tensorflow.norms import shown_names
+from lab.backend.tensorflow.probes import is_keras_loss_tracker, is_mean, leaf_metrics
+from lab.backend.tensorflow.state import (raw_variable, read_variables, replica_copies, replicated, same_array,
+                                          training_variables, uninterrupted)
+from lab.backend.tensorflow.step_capture import StepCapture, hint
 from lab.hooks import CompiledState, hooks_for
-from lab.norms import shown_names
-from lab.probes import find_optimizers, is_keras_loss_tracker, is_mean, leaf_metrics, variable_keys
-from lab.state import (raw_variable, read_variables, replica_copies, replicated, same_array, training_variables,
-                       uninterrupted)
-from lab.step_capture import StepCapture, hint
+from lab.variables import find_optimizers, variable_keys
 
 
 REGROUPED_MESSAGE = (

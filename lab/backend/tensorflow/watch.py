@@ -2,7 +2,7 @@
 
 A hand-written loop has no `train_step` for the lab to bracket, so a step's
 values cannot be gathered inside one graph the way the Recorder gathers them.
-Instead the optimizer hooks (the Probe's, through `lab.loop_probe.LoopProbe`)
+Instead the optimizer hooks (the Probe's, through `lab.backend.tensorflow.loop_probe.LoopProbe`)
 write what they measure into a ring of rows on the device, one row per step,
 in whatever graph the user's step runs (eager, `tf.function`, XLA). Once per
 step the user calls `run.step(loss=..., **metrics)`, and the next row runs:
@@ -32,13 +32,16 @@ import tensorflow as tf
 from tensorflow.python.framework.ops import EagerTensor
 
 from lab import breakpoints as breakpoints_module
-from lab import compat, schema
+from lab import schema
 from lab.arguments import GRADIENTS_EXAMPLE, WEIGHTS_EXAMPLE, check_flag, check_number, check_seconds
-from lab.loop_probe import LoopProbe
-from lab.norms import shown_names
-from lab.probes import OVERWRITTEN_NOTE, find_optimizers, overwritten
+from lab.backend.tensorflow import compat
+from lab.backend.tensorflow.loop_probe import LoopProbe
+from lab.backend.tensorflow.norms import shown_names
+from lab.backend.tensorflow.probes import OVERWRITTEN_NOTE, overwritten
+from lab.breakpoints import BreakpointHit
 from lab.run import Run
 from lab.status import StatusReporter
+from lab.variables import find_optimizers
 
 # What run.step keeps for a step given no `epoch=` or `batch=` (read only).
 _NO_HOST = types.MappingProxyType({})
@@ -124,37 +127,6 @@ UNGATED_MESSAGE = (
     "any). Wrap it anew inside this block, `train_step = tf.function(train_step.python_function)`, "
     "so its graph checks them."
 )
-
-
-class BreakpointHit(Exception):
-    """Raised by `run.step(...)` of a watched loop when a breakpoint hits.
-
-    A device-side breakpoint (`nonfinite()`) kept this step's update out of
-    the weights: they are as before the step. Catch it to stop cleanly or to
-    go on (the next step starts from those weights). The run has the event.
-
-    Attributes:
-        step: int, the run's step at which it hit.
-        breakpoint: str, the breakpoint's name.
-        detail: str, what the run's event says.
-        skipped: bool, whether the step's update was kept out of the weights.
-    """
-
-    def __init__(self, step, breakpoint, detail, skipped, not_finite=()):
-        self.step, self.breakpoint, self.detail, self.skipped = step, breakpoint, detail, skipped
-        if not skipped:
-            then = "this step's update is in the weights"
-        elif not_finite:
-            # The step assigned them itself, outside the optimizer: the gate
-            # keeps out the optimizer's update, which the lab sees, not the
-            # step's own assignments, which it does not.
-            then = (f"the update was skipped, but the step itself made {', '.join(not_finite)} not finite "
-                    "outside the optimizer (as a sharpness-aware step's perturbation does on a NaN batch): "
-                    "restore them before going on")
-        else:
-            then = "the update was skipped, the weights are as before this step"
-        super().__init__(f"{breakpoint} at step {step}: {then}. Catch lab.BreakpointHit to stop "
-                         "or go on; run.events() has the event.")
 
 
 class WatchedRun(StatusReporter, Run):

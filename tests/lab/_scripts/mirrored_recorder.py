@@ -9,7 +9,7 @@ import warnings
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import lab  # noqa: E402
-from lab.devices import batch_split  # noqa: E402
+from lab.backend.tensorflow.devices import batch_split  # noqa: E402
 
 lab.virtual_cpus(2)
 
