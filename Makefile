@@ -12,7 +12,7 @@ BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: lab screenshot test test-current test-oldest test-jax unit notebooks browser-deps demo bench clean
+.PHONY: lab screenshot test test-current test-oldest test-jax test-jax-oldest unit notebooks browser-deps demo bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,7 +38,7 @@ browser-deps:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -y -q chromium; \
 	  else sudo apt-get update -q && sudo apt-get install -y -q chromium; fi; }
 
-test: test-current test-oldest test-jax
+test: test-current test-oldest test-jax test-jax-oldest
 
 # The engine's and the widgets' tests run in two processes (pytest-xdist;
 # --dist loadfile keeps each test file in one process, so a file's shared
@@ -95,6 +95,17 @@ $(JAX_VENV)/.installed: pyproject.toml
 test-jax: $(JAX_VENV)/.installed
 	KERAS_BACKEND=jax $(JAX_VENV)/bin/python -m pytest $(JAX_ONLY) $(JAX_NEUTRAL) $(PARALLEL) $(PYTEST_ARGS)
 
+# The lowest supported Keras and JAX: the JAX tests run there too.
+JAX_OLDEST_VENV ?= .venv-jax-oldest
+$(JAX_OLDEST_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(JAX_OLDEST_VENV)
+	$(JAX_OLDEST_VENV)/bin/pip install --upgrade pip
+	$(JAX_OLDEST_VENV)/bin/pip install -e ".[jax]" pytest pytest-xdist "keras==3.11.0" "jax==0.7.2" "jaxlib==0.7.2"
+	touch $@
+
+test-jax-oldest: $(JAX_OLDEST_VENV)/.installed
+	KERAS_BACKEND=jax $(JAX_OLDEST_VENV)/bin/python -m pytest $(JAX_ONLY) $(PARALLEL) $(PYTEST_ARGS)
+
 demo: $(BIN)/.installed
 	$(BIN)/training-lab demo
 
@@ -102,4 +113,4 @@ bench: $(BIN)/.installed
 	$(BIN)/python benchmarks/overhead.py
 
 clean:
-	rm -rf $(VENV) $(OLDEST_VENV) $(JAX_VENV) artifacts training-lab-demo
+	rm -rf $(VENV) $(OLDEST_VENV) $(JAX_VENV) $(JAX_OLDEST_VENV) artifacts training-lab-demo

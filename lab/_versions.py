@@ -12,8 +12,11 @@ import importlib.metadata
 KERAS_RANGE = ((3, 5), (3, 16))  # lower inclusive, upper exclusive
 BACKEND_RANGES = {
     "tensorflow": ("tensorflow", ((2, 16), (2, 22))),
-    "jax": ("jax", ((0, 5), (0, 13))),
+    "jax": ("jax", ((0, 7), (0, 13))),
 }
+# Keras on JAX from 3.11: its fit() ends in a `finally` (where the lab takes
+# its hooks off after an error or Ctrl-C) and reports each execution's span.
+KERAS_RANGES = {"tensorflow": KERAS_RANGE, "jax": ((3, 11), KERAS_RANGE[1])}
 TENSORFLOW_RANGE = BACKEND_RANGES["tensorflow"][1]
 JAX_RANGE = BACKEND_RANGES["jax"][1]
 
@@ -45,7 +48,7 @@ def check_versions(backend_version, keras_version, backend="tensorflow"):
     problems = []
     for name, version, bounds in (
         (package, backend_version, backend_bounds),
-        ("keras", keras_version, KERAS_RANGE),
+        ("keras", keras_version, KERAS_RANGES[backend]),
     ):
         try:
             mm = _major_minor(version)
@@ -73,7 +76,18 @@ def _installed(package):
 
 def check():
     """Checks Keras' backend and the installed versions; returns the backend's name."""
-    import keras
+    try:
+        import keras
+    except ModuleNotFoundError as error:
+        missing = (error.name or "").split(".")[0]
+        if missing not in ("tensorflow", "jax", "torch"):
+            raise
+        have = [name for name, (package, _) in BACKEND_RANGES.items() if _installed(package)]
+        fix = (f"{', '.join(have)} is installed: set KERAS_BACKEND={have[0]!r} before importing keras "
+               f"(`os.environ['KERAS_BACKEND'] = {have[0]!r}` or in the shell)" if have else
+               "install one: `pip install 'training-lab[jax]'` or `pip install 'training-lab[tensorflow]'`")
+        raise ImportError(f"Keras could not start its {missing!r} backend because {missing} is not installed; "
+                          f"{fix}.") from error
 
     backend = keras.config.backend()
     check_backend(backend)

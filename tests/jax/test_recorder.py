@@ -128,14 +128,13 @@ def test_the_learning_rate_is_the_one_each_step_used():
 def test_nonfinite_keeps_the_bad_update_out_and_stops_fit(steps_per_execution, bad):
     x, y = classification_data()
     x[bad * BATCH + 5, 2] = np.nan
-    twin = make_mlp()
-    for start in range(0, bad * BATCH, BATCH):
-        twin.train_on_batch(x[start:start + BATCH], y[start:start + BATCH])
+    bare = make_mlp(steps_per_execution=steps_per_execution)
+    bare.fit(x[:bad * BATCH], y[:bad * BATCH], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     model = make_mlp(steps_per_execution=steps_per_execution)
     recorder = lab.Recorder(breakpoints=[lab.breakpoints.nonfinite()], gradients=True)
     model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0, callbacks=[recorder])
-    assert_same(model.weights, twin.weights)
-    assert_same(model.optimizer.variables, twin.optimizer.variables)
+    assert_same(model.weights, bare.weights)
+    assert_same(model.optimizer.variables, bare.optimizer.variables)
     assert int(model.optimizer.iterations) == bad
     rows = recorder.run.batches()
     assert list(rows["updated"][:bad]) == [1.0] * bad and (rows["updated"][bad:] == 0).all()
@@ -296,3 +295,13 @@ def test_nonfinite_with_loss_scaling_stops_at_a_nan_batch():
     assert rows["updated"].tolist() == [1.0, 1.0, 1.0, 0.0]
     assert np.isfinite(rows["grad_norm"][:3]).all() and np.isnan(rows["grad_norm"][3])
     assert int(model.optimizer.inner_optimizer.iterations) == 3
+
+
+def test_without_keras_backend_set_the_error_names_the_installed_backend(tmp_path):
+    # Keras starts on TensorFlow unless told otherwise; here only JAX is installed.
+    env = {k: v for k, v in __import__("os").environ.items() if k != "KERAS_BACKEND"}
+    env["KERAS_HOME"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", "import lab"], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=120)
+    assert done.returncode != 0
+    assert "set KERAS_BACKEND='jax' before importing keras" in done.stderr.splitlines()[-1]

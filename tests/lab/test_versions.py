@@ -31,6 +31,9 @@ def test_another_backend_is_refused_with_the_fix():
 def test_a_jax_out_of_range_names_jax_and_its_extra():
     with pytest.raises(ImportError, match=r"jax 0\.4\.1 is installed.*training-lab\[jax\]"):
         _versions.check_versions("0.4.1", "3.15.1", backend="jax")
+    with pytest.raises(ImportError, match=r"keras 3\.8\.0 is installed; supported: keras>=3\.11"):
+        _versions.check_versions("0.10.2", "3.8.0", backend="jax")
+    _versions.check_versions("0.7.2", "3.11.0", backend="jax")
 
 
 def test_pyproject_declares_the_same_range():
@@ -43,5 +46,7 @@ def test_pyproject_declares_the_same_range():
     extras = project["optional-dependencies"]
     for backend, (package, (lo, hi)) in _versions.BACKEND_RANGES.items():
         assert f"{package}>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}" in extras[backend]
+    lo = _versions.KERAS_RANGES["jax"][0]
+    assert f"keras>={lo[0]}.{lo[1]}" in extras["jax"]
     lo, hi = _versions.KERAS_RANGE
     assert deps["keras"] == f"keras>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}"
