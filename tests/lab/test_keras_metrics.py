@@ -22,7 +22,7 @@ import pytest
 
 import lab
 from lab import schema
-from lab.backend.tensorflow.probes import is_mean, leaf_metrics
+from lab.metric_names import is_mean, leaf_metrics
 
 M = keras.metrics
 

@@ -16,7 +16,7 @@ import time
 import keras
 import numpy as np
 
-from lab import schema
+from lab import describe, schema
 from lab.arguments import GRADIENTS_EXAMPLE, WEIGHTS_EXAMPLE, check_flag, check_seconds
 from lab.backend.jax import compat, modes
 from lab.backend.jax.probes import Probe
@@ -352,30 +352,11 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
             return  # filled by an earlier fit(): the first fit describes the run
         import jax
 
-        meta.setdefault("model", model.name)
-        meta.setdefault("model_class", type(model).__name__)
-        try:
-            meta.setdefault("parameters", int(model.count_params()))
-        except ValueError:
-            pass
-        optimizer = getattr(model, "optimizer", None)
-        if optimizer is not None:
-            meta.setdefault("optimizer", type(optimizer).__name__)
-            try:
-                meta.setdefault("optimizer_config", optimizer.get_config())
-            except (NotImplementedError, TypeError, ValueError):
-                pass
-        meta.setdefault("started", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+        for key, value in describe.model_metadata(model).items():
+            meta.setdefault(key, value)
         meta.setdefault("mode", self._mode)
-        meta.setdefault("summary", "\n".join(
-            f"{layer.name} ({type(layer).__name__}): {layer.count_params() if layer.built else '?'} parameters"
-            for layer in model.layers))
         meta.setdefault("devices", [str(d) for d in jax.devices()])
-        meta.setdefault("numpy", np.__version__)
-        meta.setdefault("steps_per_execution", int(model.steps_per_execution))
-        meta.setdefault("backend", "jax")
         meta.setdefault("jax", jax.__version__)
-        meta.setdefault("keras", keras.__version__)
 
     def _maybe_save(self, now):
         if self.path and now - self._last_save >= self.save_every:

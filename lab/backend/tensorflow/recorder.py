@@ -11,11 +11,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from lab import schema
+from lab import describe, schema
 from lab.arguments import GRADIENTS_EXAMPLE, WEIGHTS_EXAMPLE, check_flag, check_seconds
 from lab.backend.tensorflow import compat, modes
 from lab.backend.tensorflow.norms import infinite_norms_message, newly_infinite, shown_names
-from lab.backend.tensorflow.probes import LOSS_OBJECT, NONFINITE_GRADIENT, Probe, _keras_defines, leaf_metrics
+from lab.backend.tensorflow.probes import LOSS_OBJECT, NONFINITE_GRADIENT, Probe, _keras_defines
+from lab.metric_names import leaf_metrics
 from lab.backend.tensorflow.state import raw_variable
 from lab.breakpoints import as_breakpoints
 from lab.hooks import CompiledState, hooks_for, release_all
@@ -925,33 +926,12 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         model = self.model
         if "model" in meta:
             return  # filled by an earlier fit(): the first fit describes the run
-        meta.setdefault("model", model.name)
-        meta.setdefault("model_class", type(model).__name__)
-        try:
-            meta.setdefault("parameters", int(model.count_params()))
-        except ValueError:
-            pass
-        optimizer = getattr(model, "optimizer", None)
-        if optimizer is not None:
-            meta.setdefault("optimizer", type(optimizer).__name__)
-        meta.setdefault("started", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+        for key, value in describe.model_metadata(model).items():
+            meta.setdefault(key, value)
         meta.setdefault("mode", modes.running_mode(model))
-        if optimizer is not None:
-            try:
-                meta.setdefault("optimizer_config", optimizer.get_config())
-            except (NotImplementedError, TypeError, ValueError):
-                pass
-        # Not model.summary(): in a Jupyter kernel it also emits a display output.
-        meta.setdefault("summary", "\n".join(
-            f"{layer.name} ({type(layer).__name__}): {layer.count_params() if layer.built else '?'} parameters"
-            for layer in model.layers))
         meta.setdefault("devices", [d.name for d in tf.config.list_logical_devices()])
-        meta.setdefault("numpy", np.__version__)
-        meta.setdefault("steps_per_execution", int(model.steps_per_execution))
         meta.setdefault("strategy", type(model.distribute_strategy).__name__)
-        meta.setdefault("backend", "tensorflow")
         meta.setdefault("tensorflow", tf.__version__)
-        meta.setdefault("keras", keras.__version__)
 
     def _maybe_save(self, now):
         if self.path and now - self._last_save >= self.save_every:

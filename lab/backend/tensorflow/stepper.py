@@ -35,7 +35,8 @@ from lab.backend.tensorflow.compat import reduce_per_replica, unscale_loss_for_d
 from lab.backend.tensorflow.devices import split_over_replicas, splits_batches
 from lab.backend.tensorflow.feed import Feed, to_numpy
 from lab.backend.tensorflow.norms import shown_names
-from lab.backend.tensorflow.probes import is_keras_loss_tracker, is_mean, leaf_metrics
+from lab.backend.tensorflow.probes import is_keras_loss_tracker
+from lab.metric_names import is_mean, leaf_metrics
 from lab.backend.tensorflow.state import (raw_variable, read_variables, replica_copies, replicated, same_array,
                                           training_variables, uninterrupted)
 from lab.backend.tensorflow.step_capture import StepCapture, hint
