@@ -17,15 +17,17 @@ import keras
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from lab.backend.tensorflow.mode_comparison import compare_modes
-from lab.backend.tensorflow.modes import MODES, ModeError, add_mode_listener, pending_mode, request_mode, running_mode
+from lab.backend import MODES, ModeError, compare_modes, modes
+
+add_mode_listener, pending_mode, request_mode, running_mode = (
+    modes.add_mode_listener, modes.pending_mode, modes.request_mode, modes.running_mode)
 
 _LABELS = {"eager": "eager", "graph": "graph", "xla": "XLA"}
-_TOOLTIPS = (
-    "run_eagerly=True: train_step runs as Python every step (print and pdb work)",
-    "tf.function: traced once, then runs as a TensorFlow graph",
-    "jit_compile=True: the graph compiled by XLA (slow first step, often faster after)",
-)
+_TOOLTIPS = {
+    "eager": "run_eagerly=True: train_step runs as Python every step (print and pdb work)",
+    "graph": "tf.function: traced once, then runs as a TensorFlow graph",
+    "xla": "jit_compile=True: compiled by XLA (slow first step, often faster after)",
+}
 
 
 class ModeSwitch(ipywidgets.VBox):
@@ -63,7 +65,7 @@ class ModeSwitch(ipywidgets.VBox):
         self.comparison = None
         self._syncing = False
         self.toggle = ipywidgets.ToggleButtons(
-            options=[(_LABELS[m], m) for m in _LABELS], value=_current(model), tooltips=list(_TOOLTIPS),
+            options=[(_LABELS[m], m) for m in MODES], value=_current(model), tooltips=[_TOOLTIPS[m] for m in MODES],
             style={"button_width": "80px"},
         )
         self.compare_button = ipywidgets.Button(

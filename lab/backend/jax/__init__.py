@@ -8,7 +8,9 @@ so when used.
 """
 
 from lab.backend.jax import compat, modes  # noqa: E402
-from lab.backend.jax.devices import devices  # noqa: E402
+from lab.backend.jax.devices import devices, strategy, virtual_cpus  # noqa: E402
+from lab.backend.jax.mode_comparison import compare_modes  # noqa: E402
+from lab.backend.jax.modes import ModeError, ModeSwitcher, set_mode  # noqa: E402
 from lab.backend.jax.recorder import Recorder  # noqa: E402
 from lab.backend.unavailable import placeholder as _placeholder  # noqa: E402
 from lab.breakpoints import BreakpointHit  # noqa: E402
@@ -22,12 +24,6 @@ CALLBACKS_MAY_RUN_OFF_THREAD = True
 in_flight = _placeholder("in_flight", "JAX")
 DataReport = _placeholder("DataReport", "JAX")
 inspect_data = _placeholder("inspect_data", "JAX")
-strategy = _placeholder("strategy", "JAX")
-virtual_cpus = _placeholder("virtual_cpus", "JAX")
-compare_modes = _placeholder("compare_modes", "JAX")
-ModeError = _placeholder("ModeError", "JAX")
-ModeSwitcher = _placeholder("ModeSwitcher", "JAX")
-set_mode = _placeholder("set_mode", "JAX")
 predict_stream = _placeholder("predict_stream", "JAX")
 Stepper = _placeholder("Stepper", "JAX")
 StepTrace = _placeholder("StepTrace", "JAX")

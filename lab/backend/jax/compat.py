@@ -92,3 +92,38 @@ def applies_inside_cond(optimizer):
     import keras
 
     return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+
+
+def jax_started():
+    """Whether JAX has started its backends (after which the number of CPU
+    devices is fixed)."""
+    from jax._src import xla_bridge
+
+    started = getattr(xla_bridge, "backends_are_initialized", None)
+    if started is not None:
+        return started()
+    return bool(getattr(xla_bridge, "_backends", None))
+
+
+def set_cpu_device_count(n):
+    """Asks JAX for `n` CPU devices when it starts: the `jax_num_cpu_devices`
+    option where this JAX has it, else XLA's host platform flag."""
+    import os
+
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+        return
+    except AttributeError:  # an older JAX without the option
+        pass
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(
+        "--xla_force_host_platform_device_count")]
+    os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
+
+
+def build_for(model, batch):
+    """Builds what `fit()` builds before its first step (compiled metrics and
+    loss, the optimizer) from one batch, so a step run outside `fit()` sees
+    the state it will have (Keras' `_symbolic_build`, 3.11 to 3.15)."""
+    model._symbolic_build(data_batch=batch)

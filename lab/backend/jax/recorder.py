@@ -129,7 +129,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
 
     def _attach(self, model):
         state = CompiledState(model)
-        if self._probe is not None and (self._probe.model is not model or self._probe_state != state):
+        if self._probe is not None and (self._probe.model is not model or not self._probe_state.same_compile(state)):
             self._release()
             if self._probe.model is model:
                 self.run.add_event("recompile", "the model was compiled again; recording goes on with the new compile",
@@ -140,7 +140,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         if self._probe is None:
             self._probe = Probe(model, gradients=self.gradients, weights=self.weights,
                                 breakpoints=self.breakpoints, capacity=self.capacity)
-            self._probe_state = state
+        self._probe_state = state
         self._probe.install()
         cached = self._cached
         if cached is not None and cached[0] == state:
@@ -162,6 +162,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self._pending = []
         self._running_logs = {}
         self._mode = modes.running_mode(self._model)
+        modes.training_began(self._model)
         self._cached = (self._probe_state, self._model.train_function)
         self._fill_metadata()
         self._set_status("running")
@@ -170,6 +171,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self._epoch = epoch
 
     def on_train_batch_begin(self, batch, logs=None):
+        modes.apply_pending_mode(self._model)  # a switch asked for from another thread
         self._begin_step = batch
         self._t0 = time.perf_counter()
 
@@ -179,6 +181,12 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self.last_batch_ended = int(batch)
         share = elapsed / steps
         first = self.run.next_step + len(self._pending)
+        # The mode of the function this batch ran: switches are made before a
+        # batch (at its begin, by this recorder, a ModeSwitcher or a callback).
+        mode = modes.running_mode(self._model)
+        if mode != self._mode:
+            self.run.add_event("mode", f"{self._mode} -> {mode}", step=first)
+            self._mode = mode
         self._pending.extend((self._epoch, self._begin_step + i, share, self._mode) for i in range(steps))
         self._keep_running_values(first + steps - 1, logs)
         now = time.monotonic()
@@ -318,6 +326,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
 
     def _finish(self, status, detail=""):
         self._active = False
+        modes.training_ended(self._model)
         try:
             self._release()
         finally:

@@ -44,6 +44,7 @@ from lab.backend.tensorflow.compat import (
     tf_global_generator,
 )
 from lab.arguments import check_number
+from lab.mode_report import bottleneck
 from lab.backend.tensorflow.feed import read_through, reading_copy
 from lab.hooks import hooks_for
 from lab.backend.tensorflow.state import held_variables, raw_variable, replica_copies
@@ -494,7 +495,7 @@ def _comparison_frame(rows, losses, data_rate):
     frame = frame[["mode", "steps_per_execution", "trace_seconds", "step_ms", "steps_per_second",
                    "speedup_vs_eager", "max_loss_diff", "traces", "bound_by", "error"]]
     frame.attrs["data_batches_per_second"] = data_rate
-    frame.attrs["bottleneck"] = _verdict(frame, data_rate)
+    frame.attrs["bottleneck"] = bottleneck(frame, data_rate)
     return frame
 
 
@@ -512,14 +513,3 @@ def _max_gap(base, run):
     return max(abs(run[k] - base[k]) for k in common)
 
 
-def _verdict(frame, data_rate):
-    ok = frame[frame["error"].isna()]
-    if ok.empty or math.isnan(data_rate):
-        return "unknown: no mode ran"
-    best = ok.loc[ok["steps_per_second"].idxmax()]
-    where = f"{best['mode']} at steps_per_execution={best['steps_per_execution']}"
-    if data_rate < best["steps_per_second"]:
-        return (f"data: the input yields {data_rate:,.0f} batches/s, fewer than the "
-                f"{best['steps_per_second']:,.0f} steps/s the model trains in {where}")
-    return (f"model: the fastest mode ({where}) trains {best['steps_per_second']:,.0f} steps/s; "
-            f"the input yields {data_rate:,.0f} batches/s")
