@@ -11,7 +11,11 @@ import ipywidgets
 import keras
 
 import lab
-from lab.backend.tensorflow.devices import batch_split, describe, strategy_choices, uneven_first_batch
+from lab.backend import device_support
+
+batch_split, describe, strategy_choices, uneven_first_batch = (
+    device_support.batch_split, device_support.describe, device_support.strategy_choices,
+    device_support.uneven_first_batch)
 
 
 class DevicePicker(ipywidgets.VBox):

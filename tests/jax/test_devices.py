@@ -55,7 +55,7 @@ def test_data_parallel_over_two_virtual_cpus_is_recorded_as_bare_keras_trains(tm
 
 def test_the_device_table_lists_jax_devices():
     table = lab.devices()
-    assert list(table.columns) == ["name", "type", "kind", "memory_bytes"]
+    assert list(table.columns) == ["name", "type", "memory_bytes", "description"]
     assert table["name"].iloc[0].startswith("cpu:") and (table["type"] == "CPU").all()
 
 
@@ -73,3 +73,14 @@ def test_a_spec_this_backend_or_machine_does_not_have_is_refused_naming_what_it_
 def test_virtual_cpus_refuses_a_bad_count_at_the_call():
     with pytest.raises(ValueError, match="whole number of devices"):
         lab.virtual_cpus(0)
+
+
+def test_the_device_picker_builds_the_model_under_a_data_parallel_distribution():
+    import widgets
+    from jax_models import make_mlp
+
+    picker = widgets.DevicePicker(make_mlp, batch_size=64)
+    assert "cpu" in picker.dropdown.options
+    model = picker.build("cpu")
+    assert model is picker.model and "DataParallel: 1 device (cpu:0)" in picker.status.value
+    assert "64 on cpu:0" in picker.status.value

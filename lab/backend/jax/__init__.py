@@ -1,11 +1,13 @@
 """The lab on Keras' JAX backend: `jax.jit` steps, rows written into a
 ring carried in the optimizer's state, read in blocks.
 
-What records here: `lab.Recorder` and `widgets.Dashboard` in `fit()`, with
-gradients, weights and device breakpoints. The steering features (mode
-switches, the Stepper, `lab.watch`, strategies) are placeholders that say
-so when used.
+What runs here: `lab.Recorder` and `widgets.Dashboard` in `fit()` (with
+gradients, weights and device breakpoints), modes and `compare_modes`,
+devices, virtual CPUs and data parallelism (`keras.distribution`). A public
+name this backend does not have yet is a placeholder that says so when used.
 """
+
+import importlib
 
 from lab.backend.jax import compat, modes  # noqa: E402
 from lab.backend.jax.devices import devices, strategy, virtual_cpus  # noqa: E402
@@ -29,7 +31,11 @@ Stepper = _placeholder("Stepper", "JAX")
 StepTrace = _placeholder("StepTrace", "JAX")
 watch = _placeholder("watch", "JAX")
 
-__all__ = ["NAME", "MODES", "STATE_OUTSIDE_VARIABLES_DURING_FIT", "HAS_REPLICA_CONTEXT",
+# The devices module itself (its `devices` function shadows the name): the
+# DevicePicker reads its strategy_choices, describe and batch_split.
+device_support = importlib.import_module(__name__ + ".devices")
+
+__all__ = ["device_support", "NAME", "MODES", "STATE_OUTSIDE_VARIABLES_DURING_FIT", "HAS_REPLICA_CONTEXT",
            "CALLBACKS_MAY_RUN_OFF_THREAD", "compat", "in_flight", "modes", "DataReport", "inspect_data",
            "devices", "strategy", "virtual_cpus", "compare_modes", "ModeError", "ModeSwitcher", "set_mode",
            "predict_stream", "Recorder", "Stepper", "StepTrace", "BreakpointHit", "watch"]

@@ -16,8 +16,9 @@ _CHOSEN = re.compile(r"^(cpu|gpu|tpu):(\d+(,\d+)*)$")
 
 
 def devices():
-    """DataFrame of JAX's devices: `name`, `type` (CPU/GPU/TPU), `kind`,
-    `memory_bytes` where the device reports it.
+    """DataFrame of JAX's devices: `name`, `type` (CPU/GPU/TPU),
+    `memory_bytes` where the device reports it, `description` (its kind,
+    e.g. "TPU v5 lite").
 
     Example:
 
@@ -36,8 +37,9 @@ def devices():
         except Exception:  # noqa: BLE001 - CPUs report no memory statistics
             pass
         rows.append({"name": f"{device.platform}:{device.id}", "type": device.platform.upper(),
-                     "kind": getattr(device, "device_kind", ""), "memory_bytes": memory})
-    return pd.DataFrame(rows, columns=["name", "type", "kind", "memory_bytes"])
+                     "memory_bytes": float("nan") if memory is None else memory,
+                     "description": getattr(device, "device_kind", "")})
+    return pd.DataFrame(rows, columns=["name", "type", "memory_bytes", "description"])
 
 
 def _all_devices(jax):
@@ -160,3 +162,58 @@ def _listed(available, kind):
         return f"no {kind.upper()}"
     return ", ".join(f"{kind}:{d.id}" for d in available)
 
+
+
+def strategy_choices():
+    """The specs `strategy()` can satisfy on this machine, most useful first.
+
+    Returns:
+        list of str.
+    """
+    import jax
+
+    default = jax.devices()
+    kind = default[0].platform
+    choices = []
+    if len(default) > 1:
+        choices.append("mirrored")
+    choices.append(kind)
+    if kind != "cpu":
+        choices.append("cpu")
+    return choices
+
+
+def describe(distribution):
+    """One line saying what a distribution runs on, e.g.
+    `"DataParallel: 2 devices (cpu:0, cpu:1)"`."""
+    devices_ = list(getattr(distribution, "_devices", None) or distribution.device_mesh.devices.flatten())
+    names = ", ".join(f"{d.platform}:{d.id}" for d in devices_)
+    return f"{type(distribution).__name__}: {len(devices_)} device{'s' if len(devices_) != 1 else ''} ({names})"
+
+
+def batch_split(distribution, global_batch_size):
+    """How a data-parallel distribution splits one global batch: a DataFrame
+    of `device`, `examples` (JAX shards a batch evenly over the mesh's batch
+    axis).
+
+    Raises:
+        ValueError: the batch does not split evenly; names the multiple to use.
+    """
+    devices_ = list(distribution.device_mesh.devices.flatten())
+    count = len(devices_)
+    if int(global_batch_size) % count:
+        raise ValueError(f"A global batch of {global_batch_size} does not split evenly over {count} devices: "
+                         f"JAX shards each batch in equal parts. Use a multiple of {count}, e.g. "
+                         f"{max(int(global_batch_size) // count, 1) * count}.")
+    share = int(global_batch_size) // count
+    return pd.DataFrame({"device": [f"{d.platform}:{d.id}" for d in devices_], "examples": [share] * count})
+
+
+def uneven_first_batch(distribution, batch_size):
+    """None where `fit()` can shard a batch of `batch_size`, else `(problem, fix)`."""
+    count = len(list(distribution.device_mesh.devices.flatten()))
+    if int(batch_size) % count == 0:
+        return None
+    lower = max(int(batch_size) // count, 1) * count
+    return (f"a batch of {batch_size} does not split evenly over {count} devices",
+            f"use batch_size={lower} (a multiple of {count})")
