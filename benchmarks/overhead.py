@@ -66,6 +66,9 @@ import tensorflow as tf  # noqa: E402
 
 import lab  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from models import make_cnn, make_deep, make_mlp  # noqa: E402  (shared with overhead_jax.py)
+
 BATCH_SIZE = 64
 SPES = (1, 32)
 # What watching may cost at most: median time over bare fit's median, by
@@ -90,23 +93,6 @@ class StoreFloats(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.rows.append({k: float(v) for k, v in (logs or {}).items()})
-
-
-def make_mlp():
-    return keras.Sequential([keras.Input((64,)), keras.layers.Dense(256, activation="relu"),
-                             keras.layers.Dense(256, activation="relu"), keras.layers.Dense(10)])
-
-
-def make_cnn():
-    return keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(16, 3, activation="relu"),
-                             keras.layers.Conv2D(16, 3, activation="relu"), keras.layers.Flatten(),
-                             keras.layers.Dense(10)])
-
-
-def make_deep():
-    """25 Dense layers, 50 variables: where per-variable statistics cost most."""
-    layers = [keras.Input((64,))] + [keras.layers.Dense(64, activation="relu") for _ in range(24)]
-    return keras.Sequential(layers + [keras.layers.Dense(10)])
 
 
 MODELS = {

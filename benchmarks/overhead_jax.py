@@ -33,6 +33,7 @@ import os
 import platform
 import random
 import statistics
+import sys
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -41,6 +42,9 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import lab  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from models import make_cnn, make_deep, make_mlp  # noqa: E402  (shared with overhead.py)
 
 BATCH_SIZE = 64
 SPES = (1, 32)
@@ -52,22 +56,6 @@ BARE, NOOP, CONTROL = "bare fit", "no-op batch-end callback", "control (bare fit
 class NoOp(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         pass
-
-
-def make_mlp():
-    return keras.Sequential([keras.Input((64,)), keras.layers.Dense(256, activation="relu"),
-                             keras.layers.Dense(256, activation="relu"), keras.layers.Dense(10)])
-
-
-def make_cnn():
-    return keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(16, 3, activation="relu"),
-                             keras.layers.Conv2D(16, 3, activation="relu"), keras.layers.Flatten(),
-                             keras.layers.Dense(10)])
-
-
-def make_deep():
-    layers = [keras.Input((64,))] + [keras.layers.Dense(64, activation="relu") for _ in range(24)]
-    return keras.Sequential(layers + [keras.layers.Dense(10)])
 
 
 MODELS = {"mlp": ("MLP 64-256-256-10", make_mlp, (64,)),

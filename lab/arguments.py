@@ -63,3 +63,21 @@ def check_class_weight(call, value):
         if isinstance(weight, (bool, np.bool_)) or not isinstance(weight, numbers.Real) or not np.isfinite(weight):
             raise ValueError(f"{call}(class_weight=...) gives class {key} the weight {weight!r}: each weight must "
                              f"be a finite number (e.g. {CLASS_WEIGHT_EXAMPLE}).")
+
+
+def check_recorder_options(gradients, weights, path, run, flush_every, save_every):
+    """The checks `lab.Recorder` makes of its arguments, on every backend."""
+    import os
+
+    from lab.run import Run
+
+    check_flag("lab.Recorder", "gradients", gradients, GRADIENTS_EXAMPLE)
+    check_flag("lab.Recorder", "weights", weights, WEIGHTS_EXAMPLE)
+    check_seconds("lab.Recorder", "flush_every", flush_every, "flush_every=0.25: read the device four times a second")
+    check_seconds("lab.Recorder", "save_every", save_every, "save_every=30.0: save twice a minute")
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"lab.Recorder(path=...) must be a file path (str or pathlib.Path) or None; got "
+                        f"{type(path).__name__} {path!r} (e.g. path='runs/first.h5').")
+    if run is not None and not isinstance(run, Run):
+        raise TypeError(f"lab.Recorder(run=...) must be a lab.Run to continue (e.g. run=lab.Run.load('runs/first.h5')) "
+                        f"or None; got {type(run).__name__}.")

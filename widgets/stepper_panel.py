@@ -1,12 +1,13 @@
 """StepperPanel: buttons and views over a `lab.Stepper`, one step at a time."""
 
 import html
+import importlib
 
 import ipywidgets
 import numpy as np
 import plotly.graph_objects as go
 
-from lab.backend.tensorflow.stepper import Stepper, trace_condition
+import lab.backend
 from widgets.png import png_bytes
 from widgets.series import metric_names
 
@@ -41,7 +42,7 @@ class StepperPanel(ipywidgets.VBox):
     """
 
     def __init__(self, stepper, breakpoints=(), on_continue=None, max_steps=500):
-        if not isinstance(stepper, Stepper):
+        if not isinstance(stepper, lab.backend.Stepper):
             raise TypeError(f"StepperPanel(stepper): stepper must be a lab.Stepper; got {type(stepper).__name__}. "
                             "E.g. widgets.StepperPanel(lab.Stepper(model, (x, y))).")
         if isinstance(breakpoints, (str, bytes)) or not hasattr(breakpoints, "__iter__"):
@@ -163,6 +164,13 @@ class StepperPanel(ipywidgets.VBox):
             self.gradient_bars.data[0].y = norms
         with self.gradient_histogram.batch_update():
             self.gradient_histogram.data[0].x = values
+
+
+def trace_condition(condition):
+    """`condition` as a callable on a StepTrace, as the stepper of the backend
+    Keras runs on reads it (a TypeError for something that is not a condition)."""
+    stepper_module = importlib.import_module(f"lab.backend.{lab.backend.NAME}.stepper")
+    return stepper_module.trace_condition(condition)
 
 
 # ---- what is shown (pure functions) --------------------------------------------

@@ -11,7 +11,8 @@ _HAVE = "it runs on Keras' {have} backend"
 
 def _message(public, backend, have):
     return (f"lab.{public} does not run on Keras' {backend} backend yet ({_HAVE.format(have=have)}). "
-            f"What records on {backend}: lab.Recorder and widgets.Dashboard in fit().")
+            "lab.backend.NAME says which backend Keras runs on; the README's \"Backends\" table "
+            "lists what runs on each.")
 
 
 class _Refusing(type):

@@ -2,9 +2,10 @@
 ring carried in the optimizer's state, read in blocks.
 
 What runs here: `lab.Recorder` and `widgets.Dashboard` in `fit()` (with
-gradients, weights and device breakpoints), modes and `compare_modes`,
-devices, virtual CPUs and data parallelism (`keras.distribution`). A public
-name this backend does not have yet is a placeholder that says so when used.
+gradients, weights and device breakpoints), the Stepper, `lab.watch` over a
+hand-written jitted loop, modes and `compare_modes`, devices, virtual CPUs
+and data parallelism (`keras.distribution`). A public name this backend does
+not have yet is a placeholder that says so when used.
 """
 
 import importlib
@@ -14,8 +15,11 @@ from lab.backend.jax.devices import devices, strategy, virtual_cpus  # noqa: E40
 from lab.backend.jax.mode_comparison import compare_modes  # noqa: E402
 from lab.backend.jax.modes import ModeError, ModeSwitcher, set_mode  # noqa: E402
 from lab.backend.jax.recorder import Recorder  # noqa: E402
+from lab.backend.jax.stepper import Stepper  # noqa: E402
+from lab.backend.jax.watch import watch  # noqa: E402
 from lab.backend.unavailable import placeholder as _placeholder  # noqa: E402
 from lab.breakpoints import BreakpointHit  # noqa: E402
+from lab.step_trace import StepTrace  # noqa: E402
 
 NAME = "jax"
 MODES = modes.MODES
@@ -27,9 +31,6 @@ in_flight = _placeholder("in_flight", "JAX")
 DataReport = _placeholder("DataReport", "JAX")
 inspect_data = _placeholder("inspect_data", "JAX")
 predict_stream = _placeholder("predict_stream", "JAX")
-Stepper = _placeholder("Stepper", "JAX")
-StepTrace = _placeholder("StepTrace", "JAX")
-watch = _placeholder("watch", "JAX")
 
 # The devices module itself (its `devices` function shadows the name): the
 # DevicePicker reads its strategy_choices, describe and batch_split.

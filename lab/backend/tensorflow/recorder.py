@@ -12,7 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from lab import describe, schema
-from lab.arguments import GRADIENTS_EXAMPLE, WEIGHTS_EXAMPLE, check_flag, check_seconds
+from lab.arguments import check_recorder_options
 from lab.backend.tensorflow import compat, modes
 from lab.backend.tensorflow.norms import infinite_norms_message, newly_infinite, shown_names
 from lab.backend.tensorflow.probes import LOSS_OBJECT, NONFINITE_GRADIENT, Probe, _keras_defines
@@ -129,16 +129,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
     def __init__(self, gradients=False, weights=False, breakpoints=(), path=None,
                  run=None, flush_every=0.25, save_every=30.0):
         super().__init__()
-        check_flag("lab.Recorder", "gradients", gradients, GRADIENTS_EXAMPLE)
-        check_flag("lab.Recorder", "weights", weights, WEIGHTS_EXAMPLE)
-        check_seconds("lab.Recorder", "flush_every", flush_every, "flush_every=0.25: read the device four times a second")
-        check_seconds("lab.Recorder", "save_every", save_every, "save_every=30.0: save twice a minute")
-        if path is not None and not isinstance(path, (str, os.PathLike)):
-            raise TypeError(f"lab.Recorder(path=...) must be a file path (str or pathlib.Path) or None; got "
-                            f"{type(path).__name__} {path!r} (e.g. path='runs/first.h5').")
-        if run is not None and not isinstance(run, Run):
-            raise TypeError(f"lab.Recorder(run=...) must be a lab.Run to continue (e.g. run=lab.Run.load('runs/first.h5')) "
-                            f"or None; got {type(run).__name__}.")
+        check_recorder_options(gradients, weights, path, run, flush_every, save_every)
         self.gradients = gradients
         self.weights = weights
         self.breakpoints = as_breakpoints(breakpoints)
