@@ -24,7 +24,17 @@ __all__ = sorted(_HOMES)
 def __getattr__(name):
     if name not in _HOMES:
         raise AttributeError(f"module 'widgets' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_HOMES[name]), name)
+    try:
+        module = importlib.import_module(_HOMES[name])
+    except ModuleNotFoundError as error:
+        if (error.name or "").split(".")[0] != "tensorflow":
+            raise
+        import keras
+
+        raise NotImplementedError(
+            f"widgets.{name} does not run on Keras' {keras.config.backend()} backend yet (it runs on Keras' "
+            "TensorFlow backend); the README's \"Backends\" table lists what runs on each.") from error
+    value = getattr(module, name)
     globals()[name] = value
     return value
 

@@ -1,0 +1,72 @@
+"""What the JAX probe adds inside the jitted step: the train step alone, bare and probed.
+
+Each configuration's step is jitted once (with the probe's wrappers for the
+probed ones, as `fit()` jits it) and run in blocks of 200 steps, the
+configurations taking turns, on the MLP of `benchmarks/models.py`. Ratios are
+each configuration's median block time over the bare step's, in the same run.
+
+Usage:
+    KERAS_BACKEND=jax python benchmarks/step_cost_jax.py [--rounds 15]
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import jax  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+from lab.backend.jax.probes import Probe  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from models import make_mlp  # noqa: E402
+
+CONFIGS = {"bare": None, "Recorder()": {}, "gradients": {"gradients": True},
+           "gradients + weights": {"gradients": True, "weights": True}}
+
+
+def jitted_step(options, x, y):
+    model = make_mlp()
+    model.compile(keras.optimizers.Adam(1e-3), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x[:128], y[:128], batch_size=64, verbose=0)
+    if options is not None:
+        Probe(model, **options).install()
+    state = model._get_jax_state(trainable_variables=True, non_trainable_variables=True,
+                                 optimizer_variables=True, metrics_variables=True)
+    step = jax.jit(model.train_step, donate_argnums=0)
+    data = (jax.numpy.asarray(x[:64]), jax.numpy.asarray(y[:64]))
+    _, state = step(state, data)
+    jax.block_until_ready(state)
+    return [step, state, data]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    args = parser.parse_args(argv)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(128, 64)).astype("float32")
+    y = rng.integers(0, 10, len(x))
+    steps = {name: jitted_step(options, x, y) for name, options in CONFIGS.items()}
+    times = {name: [] for name in CONFIGS}
+    for _ in range(args.rounds):
+        for name, held in steps.items():
+            step, state, data = held
+            began = time.perf_counter()
+            for _ in range(200):
+                _, state = step(state, data)
+            jax.block_until_ready(state)
+            times[name].append((time.perf_counter() - began) / 200)
+            held[1] = state
+    base = statistics.median(times["bare"])
+    for name, values in times.items():
+        print(f"{name:22s} {statistics.median(values) * 1e6:7.1f} us a step  {statistics.median(values) / base:.3f} x bare")
+
+
+if __name__ == "__main__":
+    main()
