@@ -32,6 +32,7 @@ gradients and trainable weights.
 import collections
 import contextlib
 import dataclasses
+import inspect
 import numbers
 import re
 import signal
@@ -188,11 +189,64 @@ class Stepper:
 
     @classmethod
     def from_step(cls, step_fn, model, data, optimizers=(), metrics=(), **kwargs):
-        """Not on Keras' JAX backend yet: raises NotImplementedError naming what works."""
-        raise NotImplementedError(
-            "lab.Stepper.from_step does not run on Keras' JAX backend yet (it runs on TensorFlow). On JAX, "
-            "write the step as the model's stateless train_step(self, state, data) (keras-io's 'Customizing "
-            "what happens in fit() with JAX') and step it with lab.Stepper(model, data).")
+        """A stepper for a stateless step function the user wrote (Keras on JAX).
+
+        On JAX the step is the one keras-io's "Writing a training loop from
+        scratch in JAX" writes: `step_fn(state, data) -> (loss, state)` (or
+        `((loss, aux), state)`, `aux` a dict of values to log), where
+        `state = (trainable_variables, non_trainable_variables,
+        optimizer_variables[, metric_variables])` are lists of arrays in the
+        order of `model.trainable_variables`, `model.non_trainable_variables`,
+        `optimizer.variables` and the `metrics`' variables one after another,
+        and `data` is the batch as `fit()` hands it (`(x, y)`). The step
+        applies its gradients with `optimizer.stateless_apply`. (TensorFlow's
+        `from_step` takes a stateful `step_fn(x, y)`; a JAX step cannot change
+        variables, so here the stepper threads the state: it reads it from the
+        variables, calls the step and assigns the state it returns back.)
+
+        A `jax.jit`-ed step runs as the Python it wraps inside the stepper's own
+        `jax.jit` ("xla" mode, the default for it; the gradients the optimizer
+        applied are taken as extra outputs), so the weights are those of the
+        user's own loop, bit for bit; a plain Python step runs as it is
+        ("eager" mode). After each step, and after a rewind, the model's,
+        optimizer's and metrics' variables hold the stepped state (the user's
+        own loop leaves them as they were until it assigns them). `rewind`
+        restores those variables; anything else the step changes (a Python
+        counter, a jax.random key held outside the model) keeps its value.
+        Not under a `keras.distribution`.
+
+        Args:
+            step_fn: callable, `step_fn(state, data) -> (loss, state)`, jitted or not.
+            model: keras.Model whose variables the step threads (built; need not be compiled).
+            data: as for `Stepper`.
+            optimizers: the keras optimizer the step applies (one, or a sequence
+                of one); empty takes `model.optimizer`. Built on the model's
+                trainable variables if it is not yet.
+            metrics: sequence of `keras.metrics.Metric` whose variables are the
+                state's fourth element (empty: the state has three); reset at
+                each epoch start, rewound with the model.
+            **kwargs: as for `Stepper` (`mode` "xla" or "eager").
+
+        Raises:
+            TypeError: `step_fn` does not take `(state, data)`, or its first
+                call does not return `(loss, state)` with the state it was given.
+
+        Example:
+
+        ```python
+        @jax.jit
+        def train_step(state, data):
+            trainable, non_trainable, optimizer_variables = state
+            x, y = data
+            (loss, non_trainable), grads = grad_fn(trainable, non_trainable, x, y)
+            trainable, optimizer_variables = optimizer.stateless_apply(optimizer_variables, grads, trainable)
+            return loss, (trainable, non_trainable, optimizer_variables)
+
+        stepper = lab.Stepper.from_step(train_step, model, (x, y), optimizers=[optimizer])
+        trace = stepper.step()
+        ```
+        """
+        return _StepFnStepper(step_fn, model, data, optimizers, metrics, **kwargs)
 
     @property
     def mode(self):
@@ -631,6 +685,370 @@ class Stepper:
                    "seconds": [trace.seconds], "mode": [self.mode], "source": ["stepper"]}
         columns.update({k: [v] for k, v in trace.row.items()})
         self.run.append_batches(columns)
+
+
+# ---- from_step: the user's stateless step_fn(state, data) -------------------------
+
+STEP_SHAPE = (
+    "lab.Stepper.from_step on Keras' JAX backend takes the stateless step of keras-io's 'Writing a training "
+    "loop from scratch in JAX': step_fn(state, data) -> (loss, state) (or ((loss, aux), state)), where state = "
+    "(trainable_variables, non_trainable_variables, optimizer_variables{metrics}) as lists of arrays and data "
+    "is the batch (x, y). ")
+
+STEP_FAILS = (
+    "The step function cannot run on the data's first batch ({batch}): {error} " + STEP_SHAPE.replace("{", "{{")
+    .replace("}", "}}").replace("{{metrics}}", "{metrics}")
+    + "Check that the data is what the step unpacks and the state what it unpacks{hint}.")
+
+
+class _StepShapeError(TypeError):
+    """A step that does not return `(loss, state)` with the state it was given."""
+
+
+class _StepFnStepper(Stepper):
+    """`lab.Stepper.from_step` on JAX: steps the user's stateless `step_fn(state, data)`
+    on the state read from the model's, optimizer's and metrics' variables, and
+    assigns the state it returns back (see `Stepper.from_step`)."""
+
+    def __init__(self, step_fn, model, data, optimizers=(), metrics=(), batch_size=None, shuffle=True, seed=None, *,
+                 mode=None, history=16, steps_per_epoch=None, run=None, start_step=None, start_batch=(0, 0),
+                 class_weight=None):
+        if not isinstance(model, keras.Model):
+            raise TypeError(f"Stepper.from_step needs a keras.Model, got {type(model).__name__}: "
+                            "lab.Stepper.from_step(train_step, model, (x, y), optimizers=[optimizer]).")
+        python_fn, jitted = _python_step(step_fn)
+        self._optimizer = _the_optimizer(optimizers, model)
+        self._user_metrics = _the_metrics(metrics)
+        if mode is not None and mode not in MODES:
+            raise ValueError(f"lab.Stepper.from_step(mode=...) must be None (as the step is: 'xla' for a jax.jit-ed "
+                             f"step, else 'eager'), 'xla' or 'eager' on Keras' JAX backend; got {mode!r}.")
+        check_number("lab.Stepper.from_step", "history", history, numbers.Integral, lambda v: v >= 1,
+                     "a whole number of steps to keep for rewind, 1 or more", "16")
+        for argument, value in (("batch_size", batch_size), ("steps_per_epoch", steps_per_epoch)):
+            if value is not None:
+                check_number("lab.Stepper.from_step", argument, value, numbers.Integral, lambda v: v >= 1,
+                             "a whole number, 1 or more, or None", "32")
+        check_flag("lab.Stepper.from_step", "shuffle", shuffle, "shuffle=False: the batches in the data's order")
+        check_class_weight("lab.Stepper.from_step", class_weight)
+        if keras.distribution.distribution() is not None:
+            raise ValueError("lab.Stepper.from_step does not step under a keras.distribution: the step's state "
+                             "is laid out as the step lays it out. Step it without one, or write the step as the "
+                             "model's train_step and use lab.Stepper(model, data).")
+        if not model.built:
+            raise ValueError(f"The model {model.name!r} is not built: its variables are the step's state. Build it "
+                             "first (call it on a batch, or give it an Input), as the loop's state needs it too.")
+        _check_list_data(model, data)
+        self._step_fn = python_fn
+        self._default_mode = "xla" if jitted else "eager"
+        if not self._optimizer.built:
+            self._optimizer.build(model.trainable_variables)
+        self.model = model
+        self.feed = Feed(data, batch_size=batch_size, shuffle=shuffle, seed=seed,
+                         steps_per_epoch=steps_per_epoch, position=start_batch, class_weight=class_weight)
+        self.history = int(history)
+        self.run = run
+        self._mode = mode
+        if start_step is None:
+            start_step = run.next_step if run is not None else 0
+        self._index = int(start_step)
+        if run is not None:
+            run.next_step = self._index
+        self._snapshots = collections.deque(maxlen=self.history)
+        self._seen = None
+        self._built_for = None
+        self._function = None
+        self._function_for = None
+        self._forward = None
+        self._forward_for = None
+        self._condition_state = {}
+        self._replayed = {}
+        self._told = set()
+        self.hit = False
+        self.last_trace = None
+        if self.feed.order_note is not None:
+            warnings.warn(self.feed.order_note, UserWarning, stacklevel=3)
+            if self.run is not None:
+                self.run.add_event("warning", self.feed.order_note, step=self._index)
+        first = self.feed.next()
+        self.feed.push_back([first])
+        self._check_fits(first.data)
+        self._seen = self._read_state()
+
+    @property
+    def mode(self):
+        """str, "xla" (the step as Python inside the stepper's jax.jit) or "eager" (as Python)."""
+        return self._mode if self._mode is not None else self._default_mode
+
+    def _variable_lists(self):
+        """The variables of the step's state, in its order (the metrics' after one another)."""
+        return (list(self.model.trainable_variables), list(self.model.non_trainable_variables),
+                list(self._optimizer.variables), [v for m in self._user_metrics for v in m.variables])
+
+    def _step_once(self):
+        # The metrics passed are reset at each epoch start, as Stepper resets the model's;
+        # a rewind of that step restores them as they were before the reset.
+        item = self.feed.next()
+        self.feed.push_back([item])
+        reset = item.batch == 0 and bool(self._user_metrics)
+        if reset:
+            moved = self._moved()
+            held = _pairs([self._variable_lists()[3]])
+            for metric in self._user_metrics:
+                metric.reset_state()
+            if not moved:
+                self._seen = self._read_state()
+        try:
+            trace = super()._step_once()
+        except BaseException:
+            if reset:
+                _assign(held)
+                self._seen = self._read_state()
+            raise
+        if reset:
+            if trace.error is not None:
+                _assign(held)
+                self._seen = self._read_state()
+            elif self._snapshots and self._snapshots[-1].trace is trace:
+                earlier = {id(v): a for v, a in held}
+                snapshot = self._snapshots[-1]
+                snapshot.before = [(v, earlier.get(id(v), a)) for v, a in snapshot.before]
+        return trace
+
+    def _traced(self, state, data):
+        """One call of the user's step, with what the optimizer applied as extra outputs."""
+        given = tuple(state) if self._user_metrics else tuple(state[:3])
+        outer, outer_marks = getattr(_capture, "applies", None), getattr(_capture, "marks", None)
+        _capture.applies, _capture.marks = [], []
+        here = _trace_mark()
+        try:
+            out = self._step_fn(given, data)
+            applies, marks = _capture.applies, _capture.marks
+        finally:
+            _capture.applies, _capture.marks = outer, outer_marks
+        # An update inside a jax.jit the step calls ran in that function's own trace: its
+        # gradients cannot come out here (they would be leaked tracers), so they are left out.
+        kept = [a for a, mark in zip(applies, marks) if mark == here]
+        if len(kept) < len(applies):
+            self._tell_once("nested", NESTED_JIT_MESSAGE)
+        applies = kept
+        loss, aux, new_state = _unpack_step_output(out, given, self._variable_lists())
+        logs = {"loss": loss}
+        if isinstance(aux, dict):
+            logs.update(aux)
+        new_state = tuple(list(part) for part in new_state) + ((list(state[3]),) if not self._user_metrics else ())
+        captured = [{name: {"gradients": grads, "learning_rate": rate}} for name, grads, rate in applies]
+        return logs, new_state, captured
+
+    def _jitted(self):
+        if self._function is None:
+            self._function = jax.jit(self._traced)  # no donation: the arrays the step starts from are the rewind's
+        return self._function
+
+    def _check_fits(self, data):
+        self._built_for = CompiledState(self.model)
+        state = self._read_state()
+        try:
+            with self._capturing():
+                if self.mode == "xla":
+                    self._jitted().trace(state, data)
+                else:
+                    try:
+                        jax.eval_shape(self._traced, state, data)
+                    except _NEEDS_VALUES:
+                        pass  # a step that reads values as Python: checked as it runs
+        except _StepShapeError:
+            raise
+        except Exception as error:  # noqa: BLE001 - said with the batch and the expected step
+            text = str(error)
+            hint = ""
+            if "unpack" in text and not self._user_metrics and "expected 4" in text:
+                hint = " (a step whose state has metric_variables needs metrics=[...], the metrics they are of)"
+            elif "unpack" in text and self._user_metrics and "expected 3" in text:
+                hint = " (metrics=[...] adds their variables to the state as its fourth element)"
+            raise ValueError(STEP_FAILS.format(batch=_describe(data), error=_one_line(error),
+                                               metrics=_metrics_note(self._user_metrics), hint=hint)) from error
+
+    @contextlib.contextmanager
+    def _capturing(self):
+        """The wrapper that sees what the optimizer applies, on for the call only."""
+        hooks = hooks_for(self.model)
+        keys = variable_keys(self.model.trainable_variables)
+        try:
+            if compat.applies_inside_cond(self._optimizer):
+                self._tell_once("optimizer", LOSS_SCALED_MESSAGE.format(name="optimizer"))
+            else:
+                hooks.wrap(self, compat.update_step_owner(self._optimizer), compat.UPDATE_STEP,
+                           _marked(_update_step_wrapper("optimizer", keys)), role="capture")
+            yield
+        finally:
+            hooks.release(self)
+
+    def _predictions(self, state, data):
+        """The model's forward pass (`stateless_call` as the guide calls it, without
+        `training`) on the state the step started from, or None where it cannot run."""
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+        if self._forward_for != self.mode:
+            model = self.model
+
+            def forward(trainable, non_trainable, x):
+                return model.stateless_call(trainable, non_trainable, x)[0]
+
+            self._forward = jax.jit(forward) if self.mode == "xla" else forward
+            self._forward_for = self.mode
+        if self._forward is None:
+            return None
+        try:
+            return to_numpy(self._forward(state[0], state[1], x))
+        except Exception:  # noqa: BLE001 - a model without call() on x: no predictions
+            self._forward = None
+            return None
+
+    def _fill(self, trace, state, logs, new_state, applies, data):
+        logs = dict(logs)
+        batch_values, running, offset = {}, [], 0
+        for metric in self._user_metrics:
+            count = len(metric.variables)
+            before, after = state[3][offset:offset + count], new_state[3][offset:offset + count]
+            offset += count
+            logs[metric.name] = metric.stateless_result(after)  # the running value, as metric.result() reads
+            if is_mean(metric):
+                places = [next(i for i, v in enumerate(metric.variables) if v is part)
+                          for part in (metric.total, metric.count)]
+                d_total, d_count = (float(np.asarray(after[i], np.float64) - np.asarray(before[i], np.float64))
+                                    for i in places)
+                if d_count:
+                    batch_values[metric.name] = d_total / d_count
+                    continue
+            running.append(metric.name)
+        super()._fill(trace, state, logs, new_state, applies, data)
+        for name, value in batch_values.items():
+            trace.row[name] = value
+        trace.running = list(trace.running) + [c for name in running
+                                               for c, _ in schema.number_columns(name, trace.logs[name])]
+
+
+NESTED_JIT_MESSAGE = (
+    "The step applies the optimizer inside a jax.jit-ed function it calls (a jit within the step): that update "
+    "runs in the inner function's own trace, so its gradients cannot be read out and the traces hold none. The "
+    "steps themselves are the step's. Call the inner function's Python (its __wrapped__) in the step to see them.")
+
+
+def _trace_mark():
+    """What identifies the JAX trace running now (jit, or none), to tell an update the
+    step's own trace ran from one inside a jax.jit the step calls."""
+    try:
+        from jax._src import core as jax_core
+
+        return jax_core.get_opaque_trace_state(convention="flax")
+    except (ImportError, AttributeError, TypeError):  # another jax: every update taken as the step's own
+        return None
+
+
+def _marked(factory):
+    """`_update_step_wrapper`'s factory, noting the trace each captured update ran in."""
+    def wrap(inner):
+        wrapped = factory(inner)
+
+        def update_step(grads, trainable_variables, learning_rate):
+            marks = getattr(_capture, "marks", None)
+            if marks is not None and getattr(_capture, "applies", None) is not None:
+                marks.append(_trace_mark())
+            return wrapped(grads, trainable_variables, learning_rate)
+        return update_step
+    return wrap
+
+
+def _python_step(step_fn):
+    """The Python function of a step (a jax.jit-ed one's wrapped function) and
+    whether it was jitted; a TypeError for one that cannot take (state, data)."""
+    if not callable(step_fn):
+        raise TypeError(STEP_SHAPE.format(metrics="[, metric_variables]")
+                        + f"Got a {type(step_fn).__name__}, which is not callable.")
+    jitted = hasattr(step_fn, "lower") and hasattr(step_fn, "__wrapped__")
+    python_fn = step_fn.__wrapped__ if jitted else step_fn
+    try:
+        signature = inspect.signature(python_fn)
+    except (TypeError, ValueError):  # a builtin or C callable: checked by its first call
+        return python_fn, jitted
+    names = [p.name for p in signature.parameters.values()]
+    name = getattr(python_fn, "__name__", type(python_fn).__name__)
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        raise TypeError(STEP_SHAPE.format(metrics="[, metric_variables]")
+                        + f"{name}({', '.join(names)}) cannot be called with (state, data).") from None
+    if names[:2] == ["x", "y"]:
+        raise TypeError(STEP_SHAPE.format(metrics="[, metric_variables]")
+                        + f"{name}(x, y) is TensorFlow's from_step shape (a stateful step on the batch); on JAX "
+                        "the step threads the state: write it as train_step(state, data) returning (loss, state).")
+    return python_fn, jitted
+
+
+def _the_optimizer(optimizers, model):
+    if isinstance(optimizers, keras.optimizers.Optimizer):
+        optimizers = [optimizers]
+    optimizers = [] if optimizers is None else list(optimizers)
+    if not optimizers:
+        optimizer = getattr(model, "optimizer", None)
+        if isinstance(optimizer, keras.optimizers.Optimizer):
+            return optimizer
+        raise ValueError("lab.Stepper.from_step needs the optimizer the step applies (its variables are the "
+                         "state's third element): optimizers=[optimizer].")
+    if len(optimizers) > 1:
+        raise ValueError(f"lab.Stepper.from_step on JAX takes one optimizer, got {len(optimizers)}: the step's "
+                         "state holds one optimizer_variables list. Write a step with several as the model's "
+                         "train_step and use lab.Stepper(model, data).")
+    optimizer = optimizers[0]
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"optimizers must hold a keras optimizer, got {type(optimizer).__name__}.")
+    return optimizer
+
+
+def _the_metrics(metrics):
+    if isinstance(metrics, keras.metrics.Metric):
+        metrics = [metrics]
+    metrics = [] if metrics is None else list(metrics)
+    for metric in metrics:
+        if not isinstance(metric, keras.metrics.Metric):
+            raise TypeError(f"metrics must hold keras.metrics.Metric objects, got {type(metric).__name__}.")
+    return metrics
+
+
+def _metrics_note(metrics):
+    if not metrics:
+        return ""
+    names = ", ".join(m.name for m in metrics)
+    return f", metric_variables (the variables of {names}, one metric after another)"
+
+
+def _unpack_step_output(out, given, variable_lists):
+    """(loss, aux or None, state) of what the step returned; a TypeError naming
+    what differs from `(loss, state)` with the state it was given."""
+    parts = ("trainable_variables", "non_trainable_variables", "optimizer_variables", "metric_variables")
+    prefix = STEP_SHAPE.format(metrics="[, metric_variables]")
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        kind = f"a {type(out).__name__}" + (f" of {len(out)}" if isinstance(out, (tuple, list)) else "")
+        raise _StepShapeError(prefix + f"The step returned {kind}, not (loss, state).")
+    head, state = out
+    loss, aux = (head[0], head[1]) if isinstance(head, (tuple, list)) and len(head) == 2 else (head, None)
+    if isinstance(head, (tuple, list)) and len(head) != 2:
+        raise _StepShapeError(prefix + f"The step's loss is a {type(head).__name__} of {len(head)}, "
+                              "not a loss or (loss, aux).")
+    if not (isinstance(state, (tuple, list)) and len(state) == len(given)):
+        kind = f"a {type(state).__name__}" + (f" of {len(state)}" if isinstance(state, (tuple, list)) else "")
+        raise _StepShapeError(prefix + f"The step was given a state of {len(given)} "
+                              f"({', '.join(parts[:len(given)])}) and returned {kind} as the state.")
+    for index, (new, old, variables) in enumerate(zip(state, given, variable_lists)):
+        if not isinstance(new, (tuple, list)) or len(new) != len(old):
+            length = f" of {len(new)}" if isinstance(new, (tuple, list)) else ""
+            raise _StepShapeError(prefix + f"The state's {parts[index]} went in as a list of {len(old)} arrays and "
+                                  f"came back as a {type(new).__name__}{length}.")
+        for variable, a, b in zip(variables, new, old):
+            if jnp.shape(a) != jnp.shape(b):
+                raise _StepShapeError(prefix + f"The state's {parts[index]} came back with shape {jnp.shape(a)} for "
+                                      f"{getattr(variable, 'path', variable.name)}, shaped {jnp.shape(b)}: return "
+                                      "the state in the order it went in.")
+    return loss, aux, state
 
 
 def _update_step_wrapper(name, keys):
