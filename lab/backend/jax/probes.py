@@ -24,7 +24,6 @@ Nothing is read on the host per step.
 
 import threading
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

@@ -8,13 +8,13 @@ per step until their rows are read. The recorder never reads
 into the model's variables): it keeps the model it was given.
 """
 
-import os
 import sys
 import threading
 import time
 
 import keras
 import numpy as np
+import pandas as pd
 
 from lab import describe, schema
 from lab.arguments import check_recorder_options
@@ -269,12 +269,15 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
             return
         if not self._python_points or self.status == "breakpoint":
             return
-        table = self.run.batches()
-        for index in range(first, first + len(rows[schema.UPDATED])):
-            row = table.loc[table["step"] == index].iloc[0]
+        count = len(rows[schema.UPDATED])
+        start = len(self.run) - count  # the new rows' positions (a continued run starts past step 0)
+        names = self.run.columns
+        for offset in range(count):
+            position = start + offset
+            row = pd.Series({name: self.run.column(name, position, position + 1)[0] for name in names})
             for point in self._python_points:
                 if point.hit(row):
-                    self._hit(index, "breakpoint", point.describe(row) + "; fit() stopped after its update")
+                    self._hit(first + offset, "breakpoint", point.describe(row) + "; fit() stopped after its update")
                     return
 
     def _hit(self, step, kind, detail):

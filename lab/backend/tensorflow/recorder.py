@@ -1,6 +1,5 @@
 """Recorder: a Keras callback that turns fit()'s lifecycle into Run rows."""
 
-import os
 import sys
 import threading
 import time
