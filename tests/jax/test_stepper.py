@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 
-import jax
 import keras
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ import pytest
 import lab
 import widgets
 from jax_models import assert_same, batch_losses, classification_data, make_mlp
+from keras_io_jax_guide import CustomModel, LowerLevelModel
 
 BATCH = 32
 
@@ -128,82 +128,6 @@ def test_run_until_a_condition_and_a_breakpoint_stop_where_they_say():
     spike = lab.breakpoints.loss_spike(1.0001, warmup=0, decay=0.0)  # any rise of the loss
     trace = stepper.run_until(spike, max_steps=50)
     assert stepper.hit and trace.skipped and stepper.next_index == trace.index
-
-
-class CustomModel(keras.Model):
-    """keras-io "Customizing what happens in fit() with JAX": the first example, as the guide writes it."""
-
-    def compute_loss_and_updates(self, trainable_variables, non_trainable_variables, metrics_variables, x, y,
-                                 sample_weight, training=False):
-        y_pred, non_trainable_variables = self.stateless_call(
-            trainable_variables, non_trainable_variables, x, training=training)
-        loss, (trainable_variables, non_trainable_variables, metrics_variables) = self.stateless_compute_loss(
-            trainable_variables, non_trainable_variables, metrics_variables, x=x, y=y, y_pred=y_pred,
-            sample_weight=sample_weight, training=training)
-        return loss, (y_pred, non_trainable_variables, metrics_variables)
-
-    def train_step(self, state, data):
-        trainable_variables, non_trainable_variables, optimizer_variables, metrics_variables = state
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        grad_fn = jax.value_and_grad(self.compute_loss_and_updates, has_aux=True)
-        (loss, (y_pred, non_trainable_variables, metrics_variables)), grads = grad_fn(
-            trainable_variables, non_trainable_variables, metrics_variables, x, y, sample_weight, training=True)
-        trainable_variables, optimizer_variables = self.optimizer.stateless_apply(
-            optimizer_variables, grads, trainable_variables)
-        new_metrics_vars = []
-        logs = {}
-        for metric in self.metrics:
-            this_metric_vars = metrics_variables[len(new_metrics_vars):len(new_metrics_vars) + len(metric.variables)]
-            if metric.name == "loss":
-                this_metric_vars = metric.stateless_update_state(this_metric_vars, loss, sample_weight=sample_weight)
-            else:
-                this_metric_vars = metric.stateless_update_state(this_metric_vars, y, y_pred,
-                                                                 sample_weight=sample_weight)
-            logs[metric.name] = metric.stateless_result(this_metric_vars)
-            new_metrics_vars += this_metric_vars
-        state = (trainable_variables, non_trainable_variables, optimizer_variables, new_metrics_vars)
-        return logs, state
-
-
-class LowerLevelModel(keras.Model):
-    """The guide's "going lower-level" example: its own loss tracker and metric, `metrics` overridden."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.loss_tracker = keras.metrics.Mean(name="loss")
-        self.mae_metric = keras.metrics.MeanAbsoluteError(name="mae")
-        self.loss_fn = keras.losses.MeanSquaredError()
-
-    def compute_loss_and_updates(self, trainable_variables, non_trainable_variables, x, y, sample_weight,
-                                 training=False):
-        y_pred, non_trainable_variables = self.stateless_call(
-            trainable_variables, non_trainable_variables, x, training=training)
-        loss = self.loss_fn(y, y_pred, sample_weight=sample_weight)
-        return loss, (y_pred, non_trainable_variables)
-
-    def train_step(self, state, data):
-        trainable_variables, non_trainable_variables, optimizer_variables, metrics_variables = state
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        grad_fn = jax.value_and_grad(self.compute_loss_and_updates, has_aux=True)
-        (loss, (y_pred, non_trainable_variables)), grads = grad_fn(
-            trainable_variables, non_trainable_variables, x, y, sample_weight, training=True)
-        trainable_variables, optimizer_variables = self.optimizer.stateless_apply(
-            optimizer_variables, grads, trainable_variables)
-        loss_tracker_vars = metrics_variables[:len(self.loss_tracker.variables)]
-        mae_metric_vars = metrics_variables[len(self.loss_tracker.variables):]
-        loss_tracker_vars = self.loss_tracker.stateless_update_state(loss_tracker_vars, loss,
-                                                                     sample_weight=sample_weight)
-        mae_metric_vars = self.mae_metric.stateless_update_state(mae_metric_vars, y, y_pred,
-                                                                 sample_weight=sample_weight)
-        logs = {self.loss_tracker.name: self.loss_tracker.stateless_result(loss_tracker_vars),
-                self.mae_metric.name: self.mae_metric.stateless_result(mae_metric_vars)}
-        state = (trainable_variables, non_trainable_variables, optimizer_variables,
-                 loss_tracker_vars + mae_metric_vars)
-        return logs, state
-
-    @property
-    def metrics(self):
-        return [self.loss_tracker, self.mae_metric]
 
 
 def _custom(seed):

@@ -284,7 +284,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self.run.add_event(kind, detail, step=step)
         self._model.stop_training = True
         self._set_status("breakpoint", detail)
-        self._breakpoint_listeners.notify(step)
+        self._breakpoint_listeners.notify(step, detail)
 
     # ---- failures and the end ---------------------------------------------
 
@@ -343,6 +343,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self._release()
 
     def add_breakpoint_listener(self, fn):
+        """Calls `fn(step, detail)` when a breakpoint hits."""
         self._breakpoint_listeners.add(fn)
 
     def remove_breakpoint_listener(self, fn):
