@@ -5,6 +5,7 @@ beside it (as Keras' own `callbacks/tensorboard.py` fences the one it
 needs). Checked on Keras 3.5 to 3.15 (`keras/src/backend/jax/trainer.py`).
 """
 
+import contextlib
 import sys
 
 
@@ -127,3 +128,30 @@ def build_for(model, batch):
     loss, the optimizer) from one batch, so a step run outside `fit()` sees
     the state it will have (Keras' `_symbolic_build`, 3.11 to 3.15)."""
     model._symbolic_build(data_batch=batch)
+
+
+@contextlib.contextmanager
+def state_shardings_recorded(model):
+    """For a `train_step(state, data)` traced or run outside `fit()`: the JAX
+    `train_step` of Keras 3.11 (not of 3.15) lays its state out by the shardings
+    `fit()` records before its first step (`_record_training_state_sharding_spec`,
+    cleared after it by `_clear_jax_state_sharding`); later releases need
+    nothing. A no-op where the trainer has no such record."""
+    record = getattr(model, "_record_training_state_sharding_spec", None)
+    if record is None or getattr(model, "_trainable_variable_shardings", None) is not None:
+        yield  # none to make, or fit() (or an outer block) made it
+        return
+    absent = [name for name in _SHARDING_RECORDS if name not in vars(model)]
+    record()
+    try:
+        yield
+    finally:
+        for name in _SHARDING_RECORDS:
+            if name in absent:
+                vars(model).pop(name, None)  # leaves the model as it was: no attribute fit() did not make
+            else:
+                setattr(model, name, None)  # as `_clear_jax_state_sharding` leaves them
+
+
+_SHARDING_RECORDS = ("_trainable_variable_shardings", "_non_trainable_variable_shardings",
+                     "_optimizer_variable_shardings", "_metrics_variable_shardings")

@@ -277,9 +277,10 @@ def sliceable_arrays(packed):
 def slice_arrays(sliceable, rows):
     """The samples `rows` (a slice or indices) of each sliceable, as fit() hands them on JAX."""
     def take(leaf):
-        return leaf.convert_to_jax_compatible(leaf[rows])
+        return None if leaf is None else leaf.convert_to_jax_compatible(leaf[rows])
 
-    return keras.tree.map_structure(take, sliceable, none_is_leaf=False)
+    # None (no targets, no sample weights) stays None; `none_is_leaf` is not in Keras 3.11.
+    return keras.tree.map_structure(take, sliceable)
 
 
 def class_weights_as_sample_weights(y, class_weight):

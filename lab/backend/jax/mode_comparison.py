@@ -73,7 +73,8 @@ def compare_modes(model, data, steps=16, batch_size=None, modes=MODES, steps_per
 
         def counted(state, batch):
             traced[0] += 1
-            return model.train_step(state, batch)
+            with compat.state_shardings_recorded(model):
+                return model.train_step(state, batch)
 
         step = jax.jit(counted) if mode == "xla" else counted
         state = jax.tree_util.tree_map(jax.numpy.array, start_state)  # a copy of its own each mode

@@ -533,7 +533,8 @@ class Stepper:
         outer = getattr(_capture, "applies", None)
         _capture.applies = []
         try:
-            logs, new_state = self._train_step()(state, data)
+            with compat.state_shardings_recorded(self.model):
+                logs, new_state = self._train_step()(state, data)
             applies = _capture.applies
         finally:
             _capture.applies = outer
@@ -1295,4 +1296,7 @@ def state_shardings_as_fit_does(model):
     without one: the stepper's step keeps the variables laid out as fit() does."""
     if keras.distribution.distribution() is None:
         return None
-    return model._get_state_sharding_spec()
+    spec = getattr(model, "_get_state_sharding_spec", None)
+    # Before Keras 3.13 fit() jits its step without out_shardings; the step
+    # lays its state out itself (`_enforce_jax_state_sharding`).
+    return None if spec is None else spec()
