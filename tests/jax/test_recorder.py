@@ -235,8 +235,6 @@ def test_the_dashboard_records_what_the_recorder_does():
 def test_what_jax_does_not_have_yet_says_so_when_used():
     with pytest.raises(NotImplementedError, match="lab.inspect_data does not run on Keras' JAX backend yet.*TensorFlow"):
         lab.inspect_data(*classification_data(), model=make_mlp())
-    with pytest.raises(NotImplementedError, match="lab.predict_stream"):
-        next(lab.predict_stream(make_mlp(), classification_data()[0]))
 
 
 def test_with_gradient_accumulation_every_batch_keeps_its_row_and_training_is_as_bare():

@@ -14,6 +14,7 @@ from lab.backend.jax import compat, modes  # noqa: E402
 from lab.backend.jax.devices import devices, strategy, virtual_cpus  # noqa: E402
 from lab.backend.jax.mode_comparison import compare_modes  # noqa: E402
 from lab.backend.jax.modes import ModeError, ModeSwitcher, set_mode  # noqa: E402
+from lab.backend.jax.predict import predict_stream  # noqa: E402
 from lab.backend.jax.recorder import Recorder  # noqa: E402
 from lab.backend.jax.stepper import Stepper  # noqa: E402
 from lab.backend.jax.watch import watch  # noqa: E402
@@ -30,7 +31,6 @@ CALLBACKS_MAY_RUN_OFF_THREAD = True
 in_flight = _placeholder("in_flight", "JAX")
 DataReport = _placeholder("DataReport", "JAX")
 inspect_data = _placeholder("inspect_data", "JAX")
-predict_stream = _placeholder("predict_stream", "JAX")
 
 # The devices module itself (its `devices` function shadows the name): the
 # DevicePicker reads its strategy_choices, describe and batch_split.
