@@ -153,6 +153,14 @@ class Stepper:
         check_flag("lab.Stepper", "shuffle", shuffle, "shuffle=False: the batches in the data's order")
         check_class_weight("lab.Stepper", class_weight)
         _check_list_data(model, data)
+        self._start(model, data, batch_size, shuffle, seed, steps_per_epoch, start_batch, class_weight, history,
+                    run, mode, start_step, stacklevel=3)
+
+    def _start(self, model, data, batch_size, shuffle, seed, steps_per_epoch, start_batch, class_weight, history,
+               run, mode, start_step, stacklevel):
+        """What every stepper sets up once its arguments are checked: the feed,
+        the history, the run's numbering; then the first batch is checked
+        against the model."""
         self.model = model
         self.feed = Feed(data, batch_size=batch_size, shuffle=shuffle, seed=seed,
                          steps_per_epoch=steps_per_epoch, position=start_batch, class_weight=class_weight)
@@ -177,7 +185,7 @@ class Stepper:
         self.hit = False
         self.last_trace = None
         if self.feed.order_note is not None:
-            warnings.warn(self.feed.order_note, UserWarning, stacklevel=2)
+            warnings.warn(self.feed.order_note, UserWarning, stacklevel=stacklevel)
             if self.run is not None:
                 self.run.add_event("warning", self.feed.order_note, step=self._index)
         first = self.feed.next()
@@ -743,37 +751,8 @@ class _StepFnStepper(Stepper):
         self._default_mode = "xla" if jitted else "eager"
         if not self._optimizer.built:
             self._optimizer.build(model.trainable_variables)
-        self.model = model
-        self.feed = Feed(data, batch_size=batch_size, shuffle=shuffle, seed=seed,
-                         steps_per_epoch=steps_per_epoch, position=start_batch, class_weight=class_weight)
-        self.history = int(history)
-        self.run = run
-        self._mode = mode
-        if start_step is None:
-            start_step = run.next_step if run is not None else 0
-        self._index = int(start_step)
-        if run is not None:
-            run.next_step = self._index
-        self._snapshots = collections.deque(maxlen=self.history)
-        self._seen = None
-        self._built_for = None
-        self._function = None
-        self._function_for = None
-        self._forward = None
-        self._forward_for = None
-        self._condition_state = {}
-        self._replayed = {}
-        self._told = set()
-        self.hit = False
-        self.last_trace = None
-        if self.feed.order_note is not None:
-            warnings.warn(self.feed.order_note, UserWarning, stacklevel=3)
-            if self.run is not None:
-                self.run.add_event("warning", self.feed.order_note, step=self._index)
-        first = self.feed.next()
-        self.feed.push_back([first])
-        self._check_fits(first.data)
-        self._seen = self._read_state()
+        self._start(model, data, batch_size, shuffle, seed, steps_per_epoch, start_batch, class_weight, history,
+                    run, mode, start_step, stacklevel=4)
 
     @property
     def mode(self):
