@@ -35,7 +35,6 @@ import dataclasses
 import inspect
 import numbers
 import re
-import signal
 import threading
 import time
 import traceback as traceback_module
@@ -54,6 +53,7 @@ from lab.backend.jax.feed import DATA_TYPES, Feed, to_numpy
 from lab.breakpoints import DeviceBreakpoint
 from lab.hooks import CompiledState, hooks_for
 from lab.metric_names import is_mean, leaf_metrics
+from lab.signals import uninterrupted
 from lab.step_trace import StepTrace
 from lab.variables import find_optimizers, variable_keys
 
@@ -390,7 +390,7 @@ class Stepper:
                 f"Cannot rewind: the model was compiled again (or its optimizer replaced) after step "
                 f"{stale[0]}, so the optimizer and metric state those steps changed is gone. Nothing "
                 "was restored; the history was dropped. Step again to start a new history.")
-        with _uninterrupted():
+        with uninterrupted():
             undone = [self._snapshots.pop() for _ in range(n)]
             checked = next((s.conditions for s in reversed(undone) if s.conditions is not None), None)
             if checked is not None:
@@ -460,7 +460,7 @@ class Stepper:
 
     def _record(self, trace, fed, before, new_state):
         """Puts the step's state into the model and keeps the step."""
-        with _uninterrupted():
+        with uninterrupted():
             for variables, arrays in zip(self._variable_lists(), new_state):
                 for variable, array in zip(variables, arrays):
                     variable.assign(array)
@@ -478,7 +478,7 @@ class Stepper:
     def _failed(self, trace, error, fed, before, start):
         if not trace.seconds == trace.seconds:  # NaN: failed before the step returned
             trace.seconds = time.perf_counter() - start
-        with _uninterrupted():
+        with uninterrupted():
             _assign(before)  # only the metrics' reset at an epoch start can have changed
             self._seen = self._read_state()
             self.feed.push_back([fed])
@@ -1205,28 +1205,6 @@ def _check_list_data(model, data):
             "`lab.Stepper(model, (x, y))`, as `model.fit(x, y)` takes them.")
     if data and not all(hasattr(leaf, "shape") for leaf in keras.tree.flatten(data)):
         raise TypeError(f"Cannot step through this list. Pass what fit() takes: {DATA_TYPES}.")
-
-
-@contextlib.contextmanager
-def _uninterrupted():
-    """Holds a Ctrl-C back until the block ends, then delivers it: for writes
-    that must happen together (a step's or a rewind's variables, history and
-    data position). Off the main thread the block runs as it is."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    held = []
-    try:
-        previous = signal.signal(signal.SIGINT, lambda number, frame: held.append(number))
-    except ValueError:  # an embedding that owns the signals
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if held:
-            raise KeyboardInterrupt
 
 
 # ---- Keras internals -------------------------------------------------------------

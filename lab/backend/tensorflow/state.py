@@ -1,14 +1,12 @@
 """Model state on the host: read all the state a training step may change, write it back."""
 
-import contextlib
-import signal
-import threading
 import weakref
 
 import numpy as np
 import tensorflow as tf
 
 from lab.backend.tensorflow import compat
+from lab.signals import uninterrupted  # noqa: F401  (the stepper's writes; one copy for every backend)
 from lab.variables import find_optimizers
 
 
@@ -47,41 +45,6 @@ def write_state(state):
         for variable, array in state.values():
             if not replicated(variable) and not same_array(np.asarray(variable.numpy()), array):
                 variable.assign(array)
-
-
-@contextlib.contextmanager
-def uninterrupted():
-    """Holds a Ctrl-C (SIGINT) back until the block ends, then delivers it.
-
-    For writes that must happen together (a rewind's variables, its history
-    and the data position): an interrupt between two of them left a model
-    half rewound. Off the main thread, where Python delivers no signal, the
-    block runs as it is.
-
-    Example:
-
-    ```python
-    saved = [(variable, variable.numpy()) for variable in model.variables]
-    with uninterrupted():
-        for variable, array in saved:
-            variable.assign(array)
-    ```
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    held = []
-    try:
-        previous = signal.signal(signal.SIGINT, lambda number, frame: held.append(number))
-    except ValueError:  # an embedding that owns the signals
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if held:
-            signal.raise_signal(signal.SIGINT)
 
 
 def training_variables(model, optimizers, created):
