@@ -89,3 +89,18 @@ def test_the_mode_switch_widget_offers_jax_modes_and_switches():
     frame = switch.compare()
     assert frame is not None and frame["error"].isna().all()
     assert "Bottleneck" in switch.status.value
+
+
+def test_a_mode_listener_that_raises_is_reported_and_removed_and_the_switch_stands():
+    model = make_mlp()
+    calls = []
+
+    def broken(switched, mode):
+        calls.append(mode)
+        raise RuntimeError("a view broke")
+
+    lab.modes.add_mode_listener(broken)
+    with pytest.warns(RuntimeWarning, match="raised .*a view broke.* was removed"):
+        lab.set_mode(model, "eager")
+    lab.set_mode(model, "xla")
+    assert calls == ["eager"] and lab.modes.running_mode(model) == "xla"

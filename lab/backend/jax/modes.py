@@ -21,6 +21,9 @@ import weakref
 
 import keras
 
+from lab.mode_listeners import add_mode_listener  # noqa: F401  (lab.modes.add_mode_listener)
+from lab.mode_listeners import notify as _notify
+
 MODES = ("eager", "xla")
 GRAPH_ON_JAX = (
     "'graph' is TensorFlow's tf.function without XLA, which Keras' JAX backend does not have: "
@@ -31,7 +34,6 @@ _lock = threading.Lock()
 _pending = weakref.WeakKeyDictionary()  # model -> mode asked for while it trains
 _training = weakref.WeakKeyDictionary()  # model -> the thread running its fit()
 _made = weakref.WeakKeyDictionary()  # model -> {mode: (train_step it was made from, train function)}
-_listeners = []
 
 
 class ModeError(RuntimeError):
@@ -152,22 +154,6 @@ def made_in(model, mode):
 
 
 # ---- listeners and switching while another thread trains --------------------
-
-
-def add_mode_listener(fn):
-    """Calls `fn(model, mode)` after every switch (a weak reference is kept)."""
-    ref = weakref.WeakMethod(fn) if hasattr(fn, "__self__") else weakref.ref(fn)
-    with _lock:
-        _listeners.append(ref)
-
-
-def _notify(model, mode):
-    with _lock:
-        _listeners[:] = [ref for ref in _listeners if ref() is not None]
-        listeners = [ref() for ref in _listeners]
-    for fn in listeners:
-        if fn is not None:
-            fn(model, mode)
 
 
 def request_mode(model, mode):

@@ -25,7 +25,6 @@ step that runs.
 import contextlib
 import re
 import threading
-import warnings
 import weakref
 
 import keras
@@ -35,6 +34,8 @@ from tensorflow.python.framework import config as tf_config
 
 from lab.backend.tensorflow import compat
 from lab.hooks import hooks_for
+from lab.mode_listeners import add_mode_listener  # noqa: F401  (lab.modes.add_mode_listener)
+from lab.mode_listeners import notify as _notify
 
 
 MODES = ("eager", "graph", "xla")
@@ -54,7 +55,6 @@ _lock = threading.Lock()
 _pending = weakref.WeakKeyDictionary()  # model -> mode asked for while it trains
 _training = weakref.WeakKeyDictionary()  # model -> the thread running its fit()
 _unverified = weakref.WeakKeyDictionary()  # model -> (settings, mode) to revert to, new mode
-_listeners = []  # weak references to fn(model, mode), told of every switch and revert
 
 
 class ModeError(RuntimeError):
@@ -176,37 +176,6 @@ def set_mode(model, mode, steps_per_execution=None):
     guard_first_step(model)
     _notify(model, mode)
     return previous
-
-
-def add_mode_listener(fn):
-    """Calls `fn(model, mode)` after every switch and every revert, on the thread that made it.
-
-    Only a weak reference is kept, so a view that goes away stops listening.
-
-    Args:
-        fn: callable `(keras.Model, str) -> None`, e.g. a widget's bound method.
-    """
-    ref = weakref.WeakMethod(fn) if hasattr(fn, "__self__") else weakref.ref(fn)
-    with _lock:
-        _listeners.append(ref)
-
-
-def _notify(model, mode):
-    with _lock:
-        _listeners[:] = [ref for ref in _listeners if ref() is not None]
-        listeners = [ref() for ref in _listeners]
-    for ref, fn in zip(list(_listeners), listeners):
-        if fn is None:
-            continue
-        try:
-            fn(model, mode)
-        except Exception as error:  # noqa: BLE001 - a view must not stop training
-            # The lab's one failure policy (lab.observers): reported once, removed.
-            with _lock:
-                if ref in _listeners:
-                    _listeners.remove(ref)
-            warnings.warn(f"A mode listener ({getattr(fn, '__qualname__', fn)!r}) raised {error!r} and was "
-                          "removed; training goes on.", RuntimeWarning, stacklevel=2)
 
 
 def _rebuild(model):
