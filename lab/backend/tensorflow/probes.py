@@ -50,6 +50,7 @@ from lab.backend.tensorflow.norms import (decode_norms, encoded_norms_of, global
                                           summed_rows, total_grad_norm)
 from lab.hooks import hooks_for
 from lab.metric_names import is_mean, leaf_metrics
+from lab.step_logs import not_logs
 from lab.variables import find_optimizers, variable_keys
 
 XLA_NOTE = (
@@ -377,6 +378,7 @@ class Probe:
         self.hit_was_told = False  # a traced step told the host its gate hit (`_tell_hits`)
         self.running_columns = set()  # logged values that are Keras' running ones
         self.record_errors = []  # why steps could not be recorded (the lab's own failures)
+        self.not_logs = None  # what train_step returned instead of a dict of logs (`lab.step_logs`)
         self.infinite = {}  # of the last read: norm columns the host finished as inf -> first row
         self.weightless = {}  # of the last read: mean metric columns -> first row with no weight
         self.traced_in_xla = False  # a step with these hooks was compiled by XLA (see XLA_NOTE)
@@ -487,6 +489,7 @@ class Probe:
                     with watch_loss_scaling(state.loss_scaling):
                         logs = original(data)
                 probe._keep_out_forward_state(state)
+                probe.not_logs = not_logs(logs)  # fit() fails on it, in words that name neither it nor the fix
                 try:
                     if not tf.executing_eagerly():
                         for name in stateful_random_ops(tf.compat.v1.get_default_graph()):

@@ -22,6 +22,7 @@ from lab.hooks import CompiledState, hooks_for, release_all
 from lab.observers import Observers
 from lab.run import Run
 from lab.status import StatusReporter
+from lab.step_logs import add_note, not_logs_message
 
 _WARNED_OLD_STYLE = weakref.WeakSet()
 _HELD_AFTER = "_held_after"  # in a device hit's row: how many later rows of its read ran held
@@ -662,8 +663,8 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self._breakpoint_listeners.notify(step, detail)
 
     def _check_old_style(self, rows):
-        if "_tracker_loss" not in rows or self.model in _WARNED_OLD_STYLE:
-            return
+        if "_tracker_loss" not in rows or self.model in _WARNED_OLD_STYLE or getattr(self._probe, "not_logs", None):
+            return  # (a step that returns no logs fails in fit(), and the failure says why)
         true, tracked = rows["loss"], rows["_tracker_loss"]
         if not np.isfinite(true).all():
             # A non-finite loss poisons the tracker for the rest of the epoch.
@@ -854,6 +855,10 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
                 self._finish("interrupted")
             else:
                 message = compat.failure_message(error)
+                returned = getattr(self._probe, "not_logs", None)
+                if returned is not None:  # Keras' error names neither the step's return value nor the fix
+                    message = f"{message}\n{not_logs_message('train_step', returned)}"
+                    add_note(error, not_logs_message("train_step", returned))
                 self.run.add_event("error", message)
                 self._finish("failed", message)
                 compat.warn_of_cause(error)
