@@ -59,7 +59,7 @@ JAX_ONLY := tests/jax
 test-current: $(BIN)/.installed browser-deps
 	status=0; \
 	$(BIN)/python -m pytest tests $(END_TO_END:%=--ignore=%) --ignore=$(JAX_ONLY) $(PARALLEL) $(PYTEST_ARGS) || status=$$?; \
-	JUPYTER_PATH=tests/notebooks/jupyter $(BIN)/python -m pytest $(END_TO_END) notebooks --ignore=$(JAX_NOTEBOOK) --nbval \
+	JUPYTER_PATH=jupyter $(BIN)/python -m pytest $(END_TO_END) notebooks --ignore=$(JAX_NOTEBOOK) --nbval \
 	  --nbval-sanitize-with notebooks/sanitize.cfg --nbval-cell-timeout=600 $(PYTEST_ARGS) || status=$$?; \
 	exit $$status
 
@@ -67,7 +67,7 @@ unit: $(BIN)/.installed
 	$(BIN)/python -m pytest tests --ignore=$(JAX_ONLY) -m "not browser" $(PYTEST_ARGS)
 
 notebooks: $(BIN)/.installed
-	JUPYTER_PATH=tests/notebooks/jupyter $(BIN)/python -m pytest notebooks --ignore=$(JAX_NOTEBOOK) --nbval --nbval-sanitize-with notebooks/sanitize.cfg --nbval-cell-timeout=600
+	JUPYTER_PATH=jupyter $(BIN)/python -m pytest notebooks --ignore=$(JAX_NOTEBOOK) --nbval --nbval-sanitize-with notebooks/sanitize.cfg --nbval-cell-timeout=600
 
 # The lowest supported TensorFlow/Keras: the engine's tests run there too,
 # because the lab leans on Keras internals that move between releases.
@@ -100,9 +100,9 @@ JAX_UNCHANGED := notebooks/01_quickstart.ipynb notebooks/02_gradients.ipynb
 test-jax: $(JAX_VENV)/.installed
 	status=0; \
 	KERAS_BACKEND=jax $(JAX_VENV)/bin/python -m pytest $(JAX_ONLY) $(JAX_NEUTRAL) $(PARALLEL) $(PYTEST_ARGS) || status=$$?; \
-	KERAS_BACKEND=jax JUPYTER_PATH=tests/notebooks/jupyter $(JAX_VENV)/bin/python -m pytest $(JAX_NOTEBOOK) --nbval \
+	KERAS_BACKEND=jax JUPYTER_PATH=jupyter $(JAX_VENV)/bin/python -m pytest $(JAX_NOTEBOOK) --nbval \
 	  --nbval-sanitize-with notebooks/sanitize.cfg --nbval-cell-timeout=600 $(PYTEST_ARGS) || status=$$?; \
-	KERAS_BACKEND=jax JUPYTER_PATH=tests/notebooks/jupyter $(JAX_VENV)/bin/python -m pytest $(JAX_UNCHANGED) --nbval-lax \
+	KERAS_BACKEND=jax JUPYTER_PATH=jupyter $(JAX_VENV)/bin/python -m pytest $(JAX_UNCHANGED) --nbval-lax \
 	  --nbval-cell-timeout=600 $(PYTEST_ARGS) || status=$$?; \
 	exit $$status
 

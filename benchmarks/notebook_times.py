@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/notebook_times.py notebooks/01_quickstart.ipynb
 
 Each notebook runs in a fresh kernel (the kernel spec nbval uses, from
-tests/notebooks/jupyter), from its own folder, nothing saved. The same run
+jupyter/kernels), from its own folder, nothing saved. The same run
 first times a baseline notebook that only starts a kernel and imports
 TensorFlow, Keras and the lab, so every figure also reads as "seconds of the
 tutorial's own work" (total minus baseline) and as a ratio to the baseline.

@@ -39,6 +39,22 @@ case " $(echo $options) " in
         echo "make lab: no display here: open that URL in a browser on this machine, or from yours after" >&2
         echo "          ssh -L 8888:127.0.0.1:8888 <this host>   (use the port the URL shows)" >&2 ;;
 esac
+# The tutorials' kernel is the project's python3 spec (jupyter/kernels, the one
+# the notebook tests use): ipykernel with --IPKernelApp.capture_fd_output=False,
+# so what TensorFlow's C++ runtime writes to stderr at start-up (absl, oneDNN,
+# CUDA probing: TF_CPP_MIN_LOG_LEVEL does not silence all of it) comes to this
+# terminal instead of into the first cell. It is installed as the venv's python3
+# kernel, so a `jupyter lab` started from the venv by hand gets it too; in a
+# venv this user cannot write, this server alone reads it from jupyter/.
+kernel=jupyter/kernels/python3
+if said=$("$jupyter" kernelspec install --sys-prefix --name python3 "$kernel" 2>&1 >/dev/null); then
+    echo "make lab: tutorials run in the kernel from $kernel (TensorFlow's C++ start-up lines come here)" >&2
+else
+    echo "make lab: could not install $kernel in the venv ($(echo "$said" | tail -n 1));" >&2
+    echo "          this server reads it from $kernel" >&2
+    JUPYTER_PATH=$PWD/jupyter${JUPYTER_PATH:+:$JUPYTER_PATH}
+    export JUPYTER_PATH
+fi
 # The URL JupyterLab prints (LabApp.default_url) opens the quickstart itself.
 # shellcheck disable=SC2086 # one option a word, none holds a space
 exec "$jupyter" lab $options --LabApp.default_url=/lab/tree/01_quickstart.ipynb "$@" notebooks/01_quickstart.ipynb

@@ -3,7 +3,7 @@
     .venv/bin/python tests/notebooks/refresh_outputs.py notebooks/01_quickstart.ipynb
 
 Each notebook runs in a fresh kernel from its own folder, with the kernel spec
-in tests/notebooks/jupyter (TensorFlow's C++ start-up lines go to the
+in jupyter/kernels (TensorFlow's C++ start-up lines go to the
 terminal, not into the notebook). Widget state is not stored (plotly.js alone
 weighs megabytes), nor are execution timings; notebook metadata is reduced to
 the kernel spec. A notebook that raises or writes to stderr is not saved.
@@ -17,7 +17,7 @@ import nbformat
 from nbclient import NotebookClient
 
 HERE = pathlib.Path(__file__).resolve().parent
-KERNELS = HERE / "jupyter"
+KERNELS = HERE.parents[1] / "jupyter"
 KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
 
 
