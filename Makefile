@@ -1,4 +1,4 @@
-# The two commands a newcomer needs:
+# The two commands a newcomer needs (README.md, "Two commands"):
 #   make lab    set up a virtual environment and open the quickstart in JupyterLab
 #   make test   set up and run the whole test suite (unit, notebooks, browser),
 #               then the engine's tests again on the oldest supported TF/Keras,
@@ -40,14 +40,10 @@ browser-deps:
 
 test: test-current test-oldest test-jax test-jax-oldest
 
-# The engine's and the widgets' tests run in two processes (pytest-xdist;
-# --dist loadfile keeps each test file in one process, so a file's shared
-# fixtures and caches are made once). With the oldest TF/Keras's suite run
-# the same way, make test took 21 minutes instead of 30 on two cores (26 since the
-# layer, loss and loop sweeps of 2026-12-05; 31 since the data, optimizer-argument,
-# example and hand-written-loop sweeps of 2026-12-06; 27 since tests/conftest.py freezes
-# each file's leftovers out of the garbage collector's walks; 28 in the clean-clone run
-# of 2026-12-06 06:58).
+# The engine's and the widgets' tests run in two processes (pytest-xdist), so
+# that a machine's second core trains too; --dist loadfile keeps each test file
+# in one process, so a file's shared fixtures and caches are made once
+# (docs/testing.md: what each part runs and how long it takes).
 # The end-to-end tests (a JupyterLab with Chromium, real kernels) and the
 # notebooks follow in one process: each starts servers and kernels of its
 # own, which must not compete for the cores with other tests.

@@ -6,7 +6,6 @@ import inspect
 import json
 import os
 import pickle
-import re
 import subprocess
 import sys
 import time
@@ -556,16 +555,3 @@ def test_csv_export_neutralises_formula_cells_and_keeps_numbers(tmp_path):
     events = pd.read_csv(lab.export.to_csv(run, tmp_path / "e.csv", table="events"), keep_default_na=False)
     assert events["detail"].tolist()[:6] == ["'+1+1", "'-2", "'@SUM(A1)", "'\tx", "plain", "a=b"]
     assert "'\r=1" in open(tmp_path / "e.csv", newline="").read()
-
-
-def test_every_reliability_promise_in_the_readme_names_a_test_that_exists():
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    readme = open(os.path.join(root, "README.md"), encoding="utf-8").read()
-    section = readme.split("## Reliability", 1)[1].split("\n## ", 1)[0]
-    rows = [line for line in section.splitlines() if line.startswith("| ") and "`" in line.split("|")[2]]
-    assert len(rows) >= 10
-    for row in rows:
-        for file, test in re.findall(r"`((?:tests/widgets/)?[\w/]+\.py)(?:::(\w+))?`", row.split("|")[2]):
-            path = os.path.join(root, file if file.startswith("tests/") else os.path.join("tests", "lab", file))
-            assert os.path.isfile(path), row
-            assert not test or f"def {test}(" in open(path, encoding="utf-8").read(), (file, test)
