@@ -1,6 +1,7 @@
-"""Writes that must not be cut by a Ctrl-C, on any backend."""
+"""Ctrl-C on any backend: writes it must not cut, and telling one from other errors."""
 
 import contextlib
+import re
 import signal
 import threading
 
@@ -38,3 +39,46 @@ def uninterrupted():
         signal.signal(signal.SIGINT, previous)
         if held:
             signal.raise_signal(signal.SIGINT)
+
+
+_REPORTED_INTERRUPT = re.compile(r"^KeyboardInterrupt(:.*)?$", re.MULTILINE)
+_BACKEND_RUNTIMES = ("tensorflow", "jax", "jaxlib")
+
+
+def is_interrupt(error):
+    """Whether `error` is a Ctrl-C, as it reached the caller.
+
+    A `KeyboardInterrupt`, or the error a backend's runtime made of one: a
+    KeyboardInterrupt raised inside a data generator that TensorFlow runs
+    through `tf.data` comes out of the step as `UnknownError: Graph
+    execution error`, its only trace the generator's traceback in the
+    message (a last line `KeyboardInterrupt`); a host callback's reaches
+    JAX as a runtime error the same way. An error raised `from` a
+    KeyboardInterrupt counts too (not one merely raised while handling
+    one: the interrupt was over by then).
+
+    Args:
+        error: BaseException.
+
+    Returns:
+        bool.
+    """
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        runtime = type(error).__module__.split(".", 1)[0] in _BACKEND_RUNTIMES
+        if runtime and _REPORTED_INTERRUPT.search(str(error)):
+            return True
+        error = error.__cause__
+    return False
+
+
+def interrupt_detail(error, where=None):
+    """An `interrupt` event's detail for `error` (`is_interrupt`), landed in `where`."""
+    detail = "KeyboardInterrupt" + (f" in {where}" if where else "")
+    if not isinstance(error, KeyboardInterrupt):
+        detail += (f"; the backend's runtime reported it as {type(error).__name__} (a Ctrl-C inside a data "
+                   "generator it ran), which is what was raised")
+    return detail

@@ -2,6 +2,8 @@
 
 from lab.observers import Observers
 
+STATUS_KEY = "status"  # in a run's metadata: the status of the recording that wrote it
+
 
 class StatusReporter:
     """A `status` ("idle", "running", "finished", "failed", ...) with listeners.
@@ -23,4 +25,12 @@ class StatusReporter:
 
     def _set_status(self, status, detail=""):
         self.status, self.status_detail = status, detail
+        kept = self._status_kept_in()
+        if kept is not None:
+            kept[STATUS_KEY] = status
         self._status_listeners.notify(status, detail)
+
+    def _status_kept_in(self):
+        """The run metadata that keeps the status, so that a run's file says
+        how its recording ended ("interrupted", "failed", ...); None: none."""
+        return None

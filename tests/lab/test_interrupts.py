@@ -293,3 +293,136 @@ print("RESULT", ns["rec"].status, list(ns["rec"].run.events()["kind"]), lab.hook
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     [line] = [line for line in out.stdout.splitlines() if line.startswith("RESULT")] or [out.stderr[-2000:]]
     assert line == "RESULT failed ['error'] False True"
+
+
+# ---- an interrupt wherever it lands in fit() --------------------------------
+
+def raising_on_call(inner, at, error=KeyboardInterrupt):
+    """`inner` that raises `error` instead at its call number `at` (from 1)."""
+    calls = []
+
+    def replaced(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == at:
+            raise error
+        return inner(*args, **kwargs)
+
+    return replaced
+
+
+def assert_left_interrupted(recorder, model, rows, path, where=None):
+    """The run is interrupted with `rows` rows, in memory and in its file,
+    its event says where, and no hook of the lab is left on the model."""
+    assert recorder.status == "interrupted"
+    assert len(recorder.run) == rows
+    [event] = recorder.run.events().itertuples()
+    assert event.kind == "interrupt" and event.detail.startswith("KeyboardInterrupt")
+    if where:
+        assert where in event.detail
+    saved = lab.Run.load(path)
+    assert len(saved) == rows and saved.metadata["status"] == "interrupted"
+    assert saved.events()["kind"].tolist() == ["interrupt"]
+    assert not lab.hooks.attached(model) and _attached_names(model) == []
+    assert "catch_stop_iteration" not in vars(recorder_epoch_iterator[0])
+    assert "finalize_variable_values" not in vars(model.optimizer)
+
+
+recorder_epoch_iterator = []  # the epoch iterator of the last fit() that `fit_keeping_iterator` ran
+
+
+@pytest.fixture
+def fit_keeping_iterator(monkeypatch):
+    """fit() whose epoch iterator is kept in `recorder_epoch_iterator` (to check no hook is left on it)."""
+    from keras.src.backend.tensorflow import trainer
+
+    made = trainer.TFEpochIterator.__init__
+
+    def keep(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        recorder_epoch_iterator[:] = [self]
+
+    monkeypatch.setattr(trainer.TFEpochIterator, "__init__", keep)
+    return trainer
+
+
+@pytest.mark.parametrize("place", ["making the epoch's data iterator", "reading a batch", "the metrics' reset",
+                                   "the metrics' results", "the optimizer's finalize"])
+def test_an_interrupt_in_keras_own_code_between_steps_is_recorded_at_once(place, fit_keeping_iterator, monkeypatch,
+                                                                          tmp_path):
+    # Each raises where Keras' fit() calls no callback and none of its steps
+    # runs. The second epoch's start for the first three, the first epoch's
+    # end, fit()'s end.
+    trainer = fit_keeping_iterator
+    targets = {
+        "making the epoch's data iterator": (trainer.TFEpochIterator, "_get_iterator", 2, 6),
+        "reading a batch": (trainer.TFEpochIterator, "__next__", 9, 7),
+        "the metrics' reset": (keras.Model, "reset_metrics", 2, 6),
+        "the metrics' results": (keras.Model, "_get_metrics_result_or_logs", 1, 6),
+        "the optimizer's finalize": (keras.optimizers.SGD, "finalize_variable_values", 1, 12),
+    }
+    owner, name, at, rows = targets[place]
+    monkeypatch.setattr(owner, name, raising_on_call(getattr(owner, name), at))
+    model = model_with()
+    recorder = lab.Recorder(gradients=True, path=str(tmp_path / "run.h5"), flush_every=3600)
+    interrupted_fit(model, recorder, epochs=2)
+
+    # Every step that ran is in the run: the optimizer counts them.
+    assert rows == int(model.optimizer.iterations)
+    assert_left_interrupted(recorder, model, rows, tmp_path / "run.h5")
+    monkeypatch.undo()
+    assert_usable_without_the_lab(model)
+
+
+def batches_until_interrupt(at, n=8):
+    """A generator of batches that raises KeyboardInterrupt when asked for batch `at` (from 0)."""
+    x, y = data(8 * n)
+    for i in range(n):
+        if i == at:
+            raise KeyboardInterrupt
+        yield x[8 * i: 8 * i + 8], y[8 * i: 8 * i + 8]
+
+
+def bare_fit_error(make_data, run_eagerly):
+    """What bare Keras raises for this data, on a model of its own, and its optimizer's iterations then."""
+    model = model_with(run_eagerly=run_eagerly)
+    with pytest.raises(BaseException) as raised:
+        model.fit(make_data(), epochs=1, steps_per_epoch=8, verbose=0)
+    return type(raised.value), int(model.optimizer.iterations)
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_an_interrupt_inside_a_data_generator_is_recorded_as_one(run_eagerly, fit_keeping_iterator, tmp_path):
+    # TensorFlow runs the generator inside the step (tf.data) and turns its
+    # KeyboardInterrupt into "UnknownError: Graph execution error": the run
+    # says interrupted all the same, and fit() raises what it raises without the lab.
+    raised, iterations = bare_fit_error(lambda: batches_until_interrupt(3), run_eagerly)
+    model = model_with(run_eagerly=run_eagerly)
+    recorder = lab.Recorder(path=str(tmp_path / "run.h5"), flush_every=3600)
+    with pytest.raises(raised) as error:
+        model.fit(batches_until_interrupt(3), epochs=1, steps_per_epoch=8, verbose=0, callbacks=[recorder])
+    assert raised is KeyboardInterrupt or "KeyboardInterrupt" in str(error.value)
+    assert_left_interrupted(recorder, model, 3, tmp_path / "run.h5")
+    if raised is not KeyboardInterrupt:
+        assert type(error.value).__name__ in recorder.run.events()["detail"][0]
+    assert int(model.optimizer.iterations) == iterations  # as without the lab
+    assert_usable_without_the_lab(model)
+
+
+def test_a_data_generators_own_error_stays_a_failure(tmp_path):
+    def failing():
+        yield from batches_until_interrupt(99, n=2)
+        raise ValueError("the data ran dry")
+
+    model = model_with()
+    recorder = lab.Recorder(path=str(tmp_path / "run.h5"))
+    with pytest.raises(Exception, match="the data ran dry"):
+        model.fit(failing(), epochs=1, steps_per_epoch=8, verbose=0, callbacks=[recorder])
+    assert recorder.status == "failed" and recorder.run.events()["kind"].tolist() == ["error"]
+    assert lab.Run.load(tmp_path / "run.h5").metadata["status"] == "failed"
+
+
+def test_an_interrupt_in_a_callback_after_the_lab_keeps_the_rows_on_disk(fit_keeping_iterator, tmp_path):
+    model = model_with()
+    recorder = lab.Recorder(path=str(tmp_path / "run.h5"), flush_every=3600)
+    interrupted_fit(model, recorder, [RaiseInCallback("batch", 4, KeyboardInterrupt())])
+    assert_left_interrupted(recorder, model, 5, tmp_path / "run.h5", where="on_train_batch_end")

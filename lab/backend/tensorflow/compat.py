@@ -273,6 +273,32 @@ def is_fits_validation(kwargs):
     return bool(kwargs.get("_use_cached_eval_dataset", False))
 
 
+def fits_epoch_iterator(frame):
+    """The epoch iterator of the `fit()` running in `frame`, or None.
+
+    In every supported release `fit()` makes its `TFEpochIterator` (a local,
+    `epoch_iterator`) before its CallbackList, and runs each epoch's batches
+    inside `with epoch_iterator.catch_stop_iteration():`, looked up on the
+    instance: the one place that sees every exception of that loop
+    (making the data's iterator, reading a batch, fit()'s own lines).
+    """
+    iterator = frame.f_locals.get("epoch_iterator")
+    return iterator if callable(getattr(iterator, "catch_stop_iteration", None)) else None
+
+
+def fits_calls_between_steps(model):
+    """`(target, name)` of the methods `fit()` calls between its epochs'
+    loops, outside every callback (every supported release): the metrics'
+    reset at an epoch's start, their results at its end, and the
+    optimizer's `finalize_variable_values` at fit()'s end."""
+    calls = [(model, name) for name in ("reset_metrics", "_get_metrics_result_or_logs")
+             if callable(getattr(model, name, None))]
+    optimizer = getattr(model, "optimizer", None)
+    if callable(getattr(optimizer, "finalize_variable_values", None)):
+        calls.append((optimizer, "finalize_variable_values"))
+    return calls
+
+
 def frame_on_stack(frame, thread_id):
     """Whether `frame` is still running on the thread `thread_id`."""
     top = sys._current_frames().get(thread_id)

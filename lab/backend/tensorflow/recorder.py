@@ -1,5 +1,6 @@
 """Recorder: a Keras callback that turns fit()'s lifecycle into Run rows."""
 
+import contextlib
 import sys
 import threading
 import time
@@ -12,6 +13,7 @@ import tensorflow as tf
 
 from lab import describe, schema
 from lab.arguments import check_recorder_options
+from lab.at_exit import settle_at_exit
 from lab.backend.tensorflow import compat, modes
 from lab.backend.tensorflow.norms import infinite_norms_message, newly_infinite, shown_names
 from lab.backend.tensorflow.probes import LOSS_OBJECT, NONFINITE_GRADIENT, Probe, _keras_defines
@@ -21,6 +23,7 @@ from lab.breakpoints import as_breakpoints
 from lab.hooks import CompiledState, hooks_for, release_all
 from lab.observers import Observers
 from lab.run import Run
+from lab.signals import interrupt_detail, is_interrupt
 from lab.status import StatusReporter
 from lab.step_logs import add_note, not_logs_message
 
@@ -217,6 +220,8 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self._callback_list = callbacks
         self._guard_callbacks(callbacks)
         self._guard_fit(model)
+        if self._fit_frame is not None:
+            self._guard_between_steps(model, compat.fits_epoch_iterator(self._fit_frame))
         cached = self._cached
         if cached is not None and cached[0] == state:
             model.train_function = cached[1]
@@ -253,7 +258,8 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         (the rows on the device, an `error` or `interrupt` event naming
         `error` where known) and takes every hook off. Returns whether it did.
         Called at the next use of the model (a `fit()`, `evaluate()`,
-        `predict()`, another recorder) and after each notebook cell."""
+        `predict()`, another recorder), after each notebook cell and, for a
+        run saving as it grows, when the process ends (`lab.at_exit`)."""
         if not self._fit_gone():
             return False
         if error is None:
@@ -266,6 +272,8 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self._active = True
         self._failure = None
         _watch_cells(self)
+        if self.path:
+            settle_at_exit(self)
         self._pending = []
         self._calls_unlabelled = self._not_ours_after = 0
         self._make_in = None  # fit() made its function
@@ -825,17 +833,60 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
             if getattr(callbacks, name, None) is None:
                 continue
 
-            def factory(inner, name=name):
-                def guarded(*args, **kwargs):
+            self._hooks.wrap(self, callbacks, name, self._failing_into(name), role="guard")
+
+    def _failing_into(self, where, only_from_fit=False):
+        """A hook factory: the wrapper it makes records an exception raised
+        through it (`_on_failure`) and raises it on. With `only_from_fit`, only
+        when this fit() itself made the call (a callback's own call of the
+        same method keeps its errors to itself)."""
+        recorder = self
+
+        def factory(inner):
+            def guarded(*args, **kwargs):
+                try:
+                    return inner(*args, **kwargs)
+                except _END_OF_DATA:
+                    raise
+                except BaseException as error:
+                    frame = recorder._fit_frame
+                    if not only_from_fit or (frame is not None and compat.called_from(frame)):
+                        recorder._on_failure(error, where=where)
+                    raise
+
+            return guarded
+
+        return factory
+
+    def _guard_between_steps(self, model, epoch_iterator):
+        """Notices an exception raised by fit()'s own code between its steps,
+        which reaches no callback: in the loop over an epoch's batches
+        (making the data's iterator at the epoch's start, reading a batch,
+        a line of fit() between two calls) and in the calls fit() makes at
+        an epoch's edges and its end (the metrics' reset and results, the
+        optimizer's finalize). An interrupt there is recorded as one, and
+        the hooks come off before fit() has ended."""
+        if epoch_iterator is not None:
+            recorder = self
+
+            def loop_factory(inner):
+                @contextlib.contextmanager
+                def catch_stop_iteration(*args, **kwargs):
                     try:
-                        return inner(*args, **kwargs)
+                        with inner(*args, **kwargs):
+                            yield
+                    except _END_OF_DATA:
+                        raise
                     except BaseException as error:
-                        self._on_failure(error, where=name)
+                        recorder._on_failure(error, where="fit()'s loop over the epoch's batches")
                         raise
 
-                return guarded
+                return catch_stop_iteration
 
-            self._hooks.wrap(self, callbacks, name, factory, role="guard")
+            self._hooks.wrap(self, epoch_iterator, "catch_stop_iteration", loop_factory, role="guard")
+        for target, name in compat.fits_calls_between_steps(model):
+            self._hooks.wrap(self, target, name, self._failing_into(f"fit()'s {name}()", only_from_fit=True),
+                             role="guard")
 
     def _on_failure(self, error, where=None):
         """Records what stopped training and takes every hook off; never raises.
@@ -850,8 +901,8 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
                     self.flush(failing=True)
                 except BaseException:  # noqa: BLE001 - the user's error is the one to show
                     pass
-            if isinstance(error, KeyboardInterrupt):
-                self.run.add_event("interrupt", "KeyboardInterrupt" + (f" in {where}" if where else ""))
+            if is_interrupt(error):
+                self.run.add_event("interrupt", interrupt_detail(error, where))
                 self._finish("interrupted")
             else:
                 message = compat.failure_message(error)
@@ -911,6 +962,9 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
     _detach = detach
 
     # ---- status, metadata, saving -----------------------------------------
+
+    def _status_kept_in(self):
+        return self.run.metadata
 
     def add_breakpoint_listener(self, fn):
         """Calls `fn(step, detail)` when a breakpoint hits (the background runner pauses on it)."""

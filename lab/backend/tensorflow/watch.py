@@ -40,6 +40,7 @@ from lab.backend.tensorflow.norms import shown_names
 from lab.backend.tensorflow.probes import OVERWRITTEN_NOTE, overwritten
 from lab.breakpoints import BreakpointHit
 from lab.run import Run
+from lab.signals import interrupt_detail, is_interrupt
 from lab.status import StatusReporter
 from lab.variables import find_optimizers
 
@@ -164,6 +165,9 @@ class WatchedRun(StatusReporter, Run):
         self._constant_checked = False
         self._closed = False
         self._init_status()
+
+    def _status_kept_in(self):
+        return self.metadata
 
     def step(self, loss=None, **metrics):
         """Closes this step's row: the loss and metrics given, the probes' values.
@@ -488,8 +492,8 @@ class WatchedRun(StatusReporter, Run):
                 f"{unclosed[0].upper()}{unclosed[1:]}. Call `run.step(...)` after every step's update, "
                 "also before leaving the loop early."), RuntimeWarning)
             self._note_warnings()
-        if isinstance(error, KeyboardInterrupt):
-            self.add_event("interrupt", "KeyboardInterrupt" + (f"; {unclosed}" if unclosed else ""))
+        if is_interrupt(error):
+            self.add_event("interrupt", interrupt_detail(error) + (f"; {unclosed}" if unclosed else ""))
             self._set_status("interrupted")
         elif isinstance(error, BreakpointHit):
             self._set_status("stopped", error.detail)
