@@ -160,6 +160,9 @@ def inspect_data(x, y=None, sample_weight=None, batch_size=None, model=None, val
     check_number("lab.inspect_data", "validation_split", validation_split, numbers.Real, lambda v: 0 <= v < 1,
                  "a share of the examples in [0, 1)", "0.2: the last 20% are held out")
     check_class_weight("lab.inspect_data", class_weight)
+    if model is not None and not isinstance(model, keras.Model):
+        raise TypeError(f"lab.inspect_data(model=...) must be a keras.Model or None; got {type(model).__name__} "
+                        f"(e.g. lab.inspect_data(x, y, model=model)).")
     report = DataReport(_form(x))
     if report.form != "arrays":
         _check_adapter_arguments(report, y, sample_weight, batch_size, validation_split)
@@ -196,6 +199,88 @@ def inspect_data(x, y=None, sample_weight=None, batch_size=None, model=None, val
     if not any(problem.kind in ("structure", "unbatched") for problem in report.problems):
         _count_batches(report, x, data, batch_size, steps_per_epoch)
     return report
+
+
+INSPECT_POINTER = "`lab.inspect_data(x, y, model=model)` shows what fit() hands train_step and checks it."
+
+
+def check_arrays_for(call, model, data, batch_size=None):
+    """Raises a ValueError, at the call that is given `data`, for what fit()
+    would refuse or fail on in arrays, found without running the model.
+
+    Checked: the form `(x, y)`, `(x,)`, `(x, y, sample_weight)`; dtypes
+    fit() refuses (NumPy strings); lengths; x against a functional model's
+    inputs; targets missing where the model's own train_step needs them
+    for its compiled loss; integer labels outside a sparse loss's classes.
+    A `tf.data.Dataset`, a PyDataset or a generator is checked when a step
+    fails on it (`problem_with_batch`).
+
+    Args:
+        call: str, the function given the data ("lab.Stepper").
+        model: keras.Model.
+        data: what was given: arrays as fit()'s `x`, or a tuple of them.
+        batch_size: int or None.
+    """
+    if _form(data) != "arrays" or isinstance(data, list):  # a list is the inputs x of a multi-input model
+        return
+    if isinstance(data, tuple) and not 1 <= len(data) <= 3:
+        raise ValueError(f"{call}: data is a tuple of {len(data)}; {_FORMAT}. Fix: pass (x, y) or "
+                         "(x, y, sample_weight); put several inputs together as x: ((x1, x2), y) or "
+                         f"({{'name1': x1, 'name2': x2}}, y). {INSPECT_POINTER}")
+    x, y, sample_weight = (tuple(data) + (None, None))[:3] if isinstance(data, tuple) else (data, None, None)
+    report = inspect_data(x, y, sample_weight, batch_size=batch_size)
+    if report.ok and report.batch is not None:
+        batch_x = keras.utils.unpack_x_y_sample_weight(report.batch)[0]
+        if _check_inputs(report, model, batch_x) and y is not None and not keras.tree.is_nested(y):
+            outputs = _model_outputs(model)
+            labels = _labels_out_of_range(_loss_name(model.loss), y, outputs) if outputs else None
+            if labels is not None:
+                report.problems.append(labels)
+        elif report.ok and y is None and _needs_targets(model):
+            report.problems.append(_missing_targets(model))
+    if report.problems:
+        problem = report.problems[0]
+        raise ValueError(f"{call}: {problem.message} Fix: {problem.fix} {INSPECT_POINTER}")
+
+
+def problem_with_batch(model, x, y=None, sample_weight=None):
+    """The first `Problem` fit() would meet in one batch, checked against
+    `model` as `inspect_data` checks it (the model run in a
+    `keras.StatelessScope`, its state left as it was); None if none is found."""
+    try:
+        data = tuple(part for part in (x, y, sample_weight) if part is not None)
+        if y is None and _needs_targets(model):
+            return _missing_targets(model)
+        report = DataReport("arrays")
+        report.batch = data if len(data) > 1 else data[0]
+        if _check_structure(report):
+            _check_against_model(report, model)
+        return report.problems[0] if report.problems else None
+    except Exception:  # noqa: BLE001 - a check that fails itself names nothing
+        return None
+
+
+def _needs_targets(model):
+    """Whether the model's own train_step needs y: Keras' step with a compiled loss."""
+    return (getattr(model, "compiled", False) and getattr(model, "loss", None) is not None
+            and getattr(type(model), "train_step", None) is getattr(keras.Model, "train_step", None))
+
+
+def _missing_targets(model):
+    return Problem(
+        "structure", f"The data has no targets y, and {model.name!r} trains with Keras' own train_step, "
+        f"whose compiled loss ({_loss_name(model.loss)}) compares y with the predictions.",
+        "pass the targets with the inputs, as fit(x, y) takes them: (x, y); x alone is for a model whose "
+        "train_step needs no y (a VAE, a GAN).")
+
+
+def _model_outputs(model):
+    """The shape of a model's single output, where it has one that is known; else None."""
+    try:
+        outputs = model.outputs
+    except (AttributeError, ValueError):
+        return None
+    return tuple(outputs[0].shape) if outputs and len(outputs) == 1 else None
 
 
 def _reading_copy(report, dataset):
@@ -590,7 +675,10 @@ def _check_loss(report, model, x, y, y_pred, sample_weight):
     y_shape, out_shape = single
     sparse = "sparse" in loss_name
     categorical = "categorical" in loss_name and not sparse
-    if sparse and len(y_shape) == len(out_shape) and y_shape[-1] == out_shape[-1] and y_shape[-1] != 1:
+    labels = _labels_out_of_range(loss_name, y, out_shape)
+    if labels is not None:
+        report.problems.append(labels)
+    elif sparse and len(y_shape) == len(out_shape) and y_shape[-1] == out_shape[-1] and y_shape[-1] != 1:
         report.problems.append(Problem(
             "labels", f"y is one-hot (shape {y_shape}), but {loss_name} takes integer labels.",
             "use loss='categorical_crossentropy' for one-hot rows, or pass integer labels: y.argmax(-1)."))
@@ -607,6 +695,27 @@ def _check_loss(report, model, x, y, y_pred, sample_weight):
             f"{loss_name} cannot compare them{why}.",
             f"give y the output's shape {_without_batch(out_shape)} per example, or change the model's "
             "last layer or the loss."))
+
+
+def _labels_out_of_range(loss_name, y, out_shape):
+    """A sparse loss's integer labels outside the output's classes: TensorFlow
+    fails on them on a CPU ("Received a label value of 7 which is outside the
+    valid range of [0, 3)") and gives NaN losses on a GPU. None if in range."""
+    classes = out_shape[-1] if out_shape else None
+    if "sparse" not in loss_name or not isinstance(classes, int) or classes < 2:
+        return None
+    labels = np.asarray(y)
+    if labels.dtype.kind not in "iuf" or not labels.size or (labels.dtype.kind == "f" and
+                                                             not np.array_equal(labels, np.round(labels))):
+        return None
+    low, high = labels.min(), labels.max()
+    if low >= 0 and high < classes:
+        return None
+    return Problem(
+        "labels", f"y holds class labels from {low:g} to {high:g}, but the model outputs {classes} classes "
+        f"and {loss_name} takes labels 0 to {classes - 1}.",
+        f"give the last layer one unit per class (Dense({int(high) + 1}) for labels 0 to {high:g}), or map the "
+        f"labels to 0..{classes - 1} (e.g. y - y.min() for labels that start at {low:g}).")
 
 
 def _loss_problem(error, model, y, y_pred, sample_weight):

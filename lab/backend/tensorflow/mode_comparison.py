@@ -16,6 +16,7 @@ import statistics
 import time
 import warnings
 
+import keras
 import numpy as np
 import pandas as pd
 import tensorflow as tf
@@ -44,6 +45,8 @@ from lab.backend.tensorflow.compat import (
     tf_global_generator,
 )
 from lab.arguments import check_number
+from lab.backend.tensorflow.data_check import INSPECT_POINTER, check_arrays_for, problem_with_batch
+from lab.step_logs import add_note
 from lab.mode_report import bottleneck
 from lab.backend.tensorflow.feed import read_through, reading_copy
 from lab.hooks import hooks_for
@@ -145,11 +148,20 @@ def compare_modes(model, data, steps=32, batch_size=None, modes=MODES, steps_per
         )
     if is_training(model):
         raise RuntimeError("compare_modes cannot run while fit() trains this model; call it when training is done.")
+    if not isinstance(data, tf.data.Dataset):
+        check_arrays_for("lab.compare_modes", model, tuple(data) if isinstance(data, list) else data, batch_size)
     streams = _RandomStreams()
     try:
         batches, data_rate = _batches_and_rate(_dataset(data, batch_size), steps)
         first = next(iter(batches))
-        created = _build(model, first)
+        try:
+            created = _build(model, first)
+        except Exception as error:
+            # Keras' words for data the model cannot take name neither the input nor the fix.
+            problem = problem_with_batch(model, *keras.utils.unpack_x_y_sample_weight(first))
+            if problem is not None:
+                add_note(error, f"lab.compare_modes: {problem.message} Fix: {problem.fix} {INSPECT_POINTER}")
+            raise
         state = _State(model, created)
         rows, losses = [], []
         try:

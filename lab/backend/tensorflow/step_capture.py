@@ -21,6 +21,7 @@ import tensorflow as tf
 
 from lab.backend.tensorflow import compat
 from lab.backend.tensorflow.compat import regrouped_through
+from lab.backend.tensorflow.data_check import INSPECT_POINTER, problem_with_batch
 from lab.backend.tensorflow.probes import watched_metrics
 from lab.hooks import hooks_for
 from lab.variables import variable_keys
@@ -341,6 +342,10 @@ def hint(error, trace, capture):
             "for variables that the loss depends on (a `.numpy()` or `tf.stop_gradient` "
             "on the way cuts the gradient)."
         )
+    if _is_shape_error(error, message) or any(phrase in message for phrase in _DATA_PHRASES):
+        problem = problem_with_batch(capture.model, trace.x, trace.y, getattr(trace, "sample_weight", None))
+        if problem is not None:
+            return f"{problem.message} Fix: {problem.fix} {INSPECT_POINTER}"
     if "unpack" in message and isinstance(error, (ValueError, TypeError)):
         return (
             "fit() hands train_step `(x, y)`, `(x,)` when there are no targets, or "
@@ -367,6 +372,9 @@ def hint(error, trace, capture):
     return ""
 
 
+# Keras' and TensorFlow's words for data a model cannot take, which name neither the input nor the fix.
+_DATA_PHRASES = ("doesn't match the expected structure", "Attempt to convert a value (None)",
+                 "None values not supported", "label value", "Invalid dtype")
 _SHAPE_PHRASES = ("incompatible shapes", "shapes are incompatible", "is incompatible with", "shape mismatch",
                   "dimensions must be equal", "expected shape", "expected ndim", "expected min_ndim",
                   "expected axis", "must have rank", "must be rank", "incompatible with the layer",

@@ -32,6 +32,7 @@ from lab import schema
 from lab.arguments import check_class_weight, check_flag, check_number
 from lab.backend.tensorflow import compat
 from lab.backend.tensorflow.compat import reduce_per_replica, unscale_loss_for_distribution
+from lab.backend.tensorflow.data_check import check_arrays_for
 from lab.backend.tensorflow.devices import split_over_replicas, splits_batches
 from lab.backend.tensorflow.feed import Feed, to_numpy
 from lab.backend.tensorflow.norms import shown_names
@@ -41,6 +42,7 @@ from lab.backend.tensorflow.state import (raw_variable, read_variables, replica_
                                           training_variables, uninterrupted)
 from lab.backend.tensorflow.step_capture import StepCapture, hint
 from lab.hooks import CompiledState, hooks_for
+from lab.step_logs import not_logs, not_logs_message
 from lab.step_trace import StepTrace
 from lab.variables import find_optimizers, variable_keys
 
@@ -70,6 +72,8 @@ REPLICAS_MESSAGE = (
     "sums run in another order, so weights part from a fit()'s by float rounding, and with "
     "BatchNormalization by more. Step a copy of the model built outside the strategy's scope "
     "to compare with a one-device fit().")
+
+STEPPER_MODES = ("eager", "graph")
 
 UNKNOWN_LENGTH_MESSAGE = (
     "The dataset's length is unknown to TensorFlow (from_generator, filter, ...): fit() then ends each "
@@ -166,10 +170,13 @@ class Stepper:
                              "a whole number, 1 or more, or None", "32")
         check_flag("lab.Stepper", "shuffle", shuffle, "shuffle=False: the batches in the data's order")
         check_class_weight("lab.Stepper", class_weight)
+        _check_options(mode, seed, run, start_step, start_batch)
         _check_list_data(model, data)
         self.model = model
         self.feed = Feed(data, batch_size=batch_size, shuffle=shuffle, seed=seed,
                          steps_per_epoch=steps_per_epoch, position=start_batch, class_weight=class_weight)
+        if _step_fn is None:
+            check_arrays_for("lab.Stepper", model, data, batch_size)
         self.history = int(history)
         self.run = run
         self.mode = mode
@@ -246,6 +253,13 @@ class Stepper:
         if not callable(step_fn):
             raise TypeError(f"step_fn must be callable as step_fn(x, y), got {type(step_fn).__name__}.")
         metrics = _check_metrics(metrics)
+        optimizers = [optimizers] if isinstance(optimizers, keras.optimizers.Optimizer) else optimizers
+        if isinstance(optimizers, (str, dict)) or not isinstance(optimizers, (list, tuple)) or not all(
+                isinstance(o, keras.optimizers.Optimizer) for o in optimizers):
+            raise TypeError(
+                f"Stepper.from_step(optimizers=...) must be a list of the keras optimizers the step applies; got "
+                f"{optimizers!r:.80}: pass the optimizer objects, `Stepper.from_step(step, model, data, "
+                "optimizers=[opt])` (a name such as 'adam' is for compile()).")
         # A `@tf.function` step runs as the Python it was written as: eagerly
         # in "eager" mode (every value inspectable), inside the stepper's own
         # tf.function in "graph" mode.
@@ -564,8 +578,8 @@ class Stepper:
                     self._build_for_graph(data)
                 return self._traced(self._distributed(data)[0], capture)
             return self._traced(data, capture)
-        if self.mode != "graph":
-            raise ValueError(f"Unknown stepper mode {self.mode!r}; use 'eager' or 'graph'.")
+        if self.mode != "graph":  # set after construction
+            raise ValueError(f"Unknown stepper mode {self.mode!r}; use one of {list(STEPPER_MODES)}.")
         compiled = CompiledState(self.model)
         whole, signature = data, self.feed.signature(data)
         if replicated:
@@ -592,6 +606,9 @@ class Stepper:
         self._graph_capture = capture
         outputs = self._graph_step(data)
         capture.no_gradient = capture.no_gradient or getattr(self, "_graph_no_gradient", [])
+        returned = getattr(self, "_graph_not_logs", None)
+        if returned is not None:
+            raise TypeError(not_logs_message("train_step", returned) + " The Stepper fails as fit() would.")
         return outputs
 
     def _steps_on_replicas(self):
@@ -706,6 +723,14 @@ class Stepper:
     def _outputs(self, logs, capture):
         """What a step returns: its logs and what `capture` saw."""
         capture.resolve()
+        returned = not_logs(logs)
+        if self._step_function is None and not tf.executing_eagerly():
+            self._graph_not_logs = returned  # raised after the traced step, out of autograph's wrapping
+        elif returned is not None and self._step_function is None:
+            raise TypeError(not_logs_message("train_step", returned) + " The Stepper fails as fit() would.")
+        if returned is not None and logs is not None and not _is_number(logs):
+            raise TypeError(f"The step function returned {returned}: return its loss (a scalar tensor or number) "
+                            "or a dict of logs, e.g. `return {\"loss\": loss}`.")
         if not isinstance(logs, dict):
             logs = {} if logs is None else {"loss": logs}
         if not tf.executing_eagerly():
@@ -853,6 +878,30 @@ class Stepper:
         self.run.append_batches(columns)
 
 
+def _check_options(mode, seed, run, start_step, start_batch):
+    """The Stepper's other arguments, checked at construction (not at every step)."""
+    from lab.run import Run
+
+    if mode not in STEPPER_MODES:
+        also = (" The Stepper's 'graph' mode compiles the step with XLA where the model's jit_compile is on, as "
+                "fit() does: lab.set_mode(model, 'xla'), then mode='graph'." if mode == "xla" else "")
+        raise ValueError(f"lab.Stepper(mode=...) must be one of {list(STEPPER_MODES)}; got {mode!r} "
+                         f"(e.g. mode='graph': the step as a tf.function).{also}")
+    if seed is not None:
+        check_number("lab.Stepper", "seed", seed, numbers.Integral, lambda v: v >= 0,
+                     "a whole number, 0 or more, or None", "seed=0: the same shuffled order every time")
+    if run is not None and not isinstance(run, Run):
+        raise TypeError(f"lab.Stepper(run=...) must be a lab.Run to append the steps' rows to, or None; got "
+                        f"{type(run).__name__} (e.g. run=recorder.run, to go on from a fit()).")
+    if start_step is not None:
+        check_number("lab.Stepper", "start_step", start_step, numbers.Integral, lambda v: v >= 0,
+                     "a whole number, 0 or more, or None", "start_step=run.next_step")
+    if (not isinstance(start_batch, (tuple, list)) or len(start_batch) != 2
+            or any(isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0 for v in start_batch)):
+        raise TypeError(f"lab.Stepper(start_batch=...) must be a pair (epoch, batch) of whole numbers, 0 or more; "
+                        f"got {start_batch!r} (e.g. start_batch=(2, 5): epoch 2's sixth batch comes first).")
+
+
 def _check_list_data(model, data):
     """A list is what fit() takes as the inputs `x` of a model with several
     inputs, never as `(x, y)`: said at construction for a model with one."""
@@ -930,6 +979,17 @@ def _metric_state(state, variable):
 def _that_ran(values, ran):
     """{key: ndarray} of the values whose making branch ran (`ran`: key -> bool, None for all)."""
     return {k: np.asarray(v) for k, v in values.items() if ran is None or bool(np.asarray(ran[k]))}
+
+
+def _is_number(value):
+    """Whether a step function's return value is a loss: a number or a numeric tensor."""
+    if isinstance(value, bool):
+        return False
+    try:
+        return np.asarray(value).dtype.kind in "iuf" if not tf.is_tensor(value) else value.dtype.is_floating or \
+            value.dtype.is_integer
+    except (TypeError, ValueError):
+        return False
 
 
 def _scalar_or_array(value):
