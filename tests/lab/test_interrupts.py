@@ -426,3 +426,28 @@ def test_an_interrupt_in_a_callback_after_the_lab_keeps_the_rows_on_disk(fit_kee
     recorder = lab.Recorder(path=str(tmp_path / "run.h5"), flush_every=3600)
     interrupted_fit(model, recorder, [RaiseInCallback("batch", 4, KeyboardInterrupt())])
     assert_left_interrupted(recorder, model, 5, tmp_path / "run.h5", where="on_train_batch_end")
+
+
+@pytest.mark.parametrize("how, status, kind", [("interrupt-in-keras", "interrupted", "interrupt"),
+                                               ("error-in-keras", "failed", "error"),
+                                               ("interrupt-in-generator", "interrupted", "interrupt")])
+def test_a_script_ended_by_its_fit_keeps_every_row_in_its_run_file(how, status, kind, tmp_path):
+    # Nothing is read or saved on a timer: every row is still on the device
+    # when the script ends, and no one calls anything after.
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = tmp_path / "run.h5"
+    script = Path(__file__).parent / "_scripts" / "ended_script.py"
+    out = subprocess.run([sys.executable, str(script), str(path), how], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode != 0, out.stdout[-2000:]
+    assert ("KeyboardInterrupt" if "interrupt" in how else "RuntimeError") in out.stderr
+    [line] = [line for line in out.stdout.splitlines() if line.startswith("{")] or [out.stderr[-2000:]]
+    saved = lab.Run.load(path)
+    assert len(saved) == json.loads(line)["rows"]
+    assert np.isfinite(saved.batches()["grad_norm"]).all()
+    assert saved.metadata["status"] == status
+    assert saved.events()["kind"].tolist() == [kind]
