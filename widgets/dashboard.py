@@ -37,11 +37,12 @@ import lab
 from lab.arguments import GRADIENTS_EXAMPLE, WEIGHTS_EXAMPLE, check_flag, check_number, check_seconds
 from lab.backend import Recorder
 from widgets import static
-from widgets.charts import LiveFigure
+from widgets.charts import GHOST_COLOR, LiveFigure
 from widgets.display import show, view_bundle
 from widgets.downsampling import downsample
 from widgets.html_view import HtmlView
 from widgets.series import ChartState, Series, metric_names
+from widgets.smoothing import DEFAULT_WEIGHT, check_weight
 from widgets.views import PlotlyView, check_view, choose_view
 
 _TERMINAL = ("finished", "stopped", "failed", "interrupted")
@@ -106,6 +107,12 @@ class Dashboard(keras.callbacks.Callback):
             refresh that overdraws waits until training time has paid it
             back.
         max_points: int, the most points a line sends per refresh.
+        smoothing: float in [0, 1), the weight of the exponential moving
+            average drawn over the per-batch loss and metric lines (the raw
+            line stays, faint, behind it), TensorBoard's debiased smoothing
+            (`widgets.smoothing`); 0 turns it off. The Dashboard's "smooth"
+            checkbox and weight slider change it, as does setting
+            `dashboard.smoothing`; the run's values are never changed.
         ghost: `lab.Run`, or the path of a saved one, drawn faintly behind the
             live loss for comparison (a baseline, yesterday's run).
         view: str, where the charts render: `"plotly"` (a plotly
@@ -127,8 +134,9 @@ class Dashboard(keras.callbacks.Callback):
 
     def __init__(self, gradients=True, weights=False, breakpoints=(), path=None, run=None,
                  refresh_every=0.25, refresh_budget=0.01, max_points=2000, ghost=None, view="auto",
-                 **recorder_options):
+                 smoothing=DEFAULT_WEIGHT, **recorder_options):
         self.requested_view = check_view(view)
+        weight = check_weight("widgets.Dashboard", smoothing)
         check_flag("widgets.Dashboard", "gradients", gradients, GRADIENTS_EXAMPLE)
         check_flag("widgets.Dashboard", "weights", weights, WEIGHTS_EXAMPLE)
         check_seconds("widgets.Dashboard", "refresh_every", refresh_every, "0.25: at most four refreshes a second")
@@ -155,14 +163,19 @@ class Dashboard(keras.callbacks.Callback):
         # The plotly figure is built unless only the HTML view was asked for.
         self.chart = LiveFigure(gradients=gradients, weights=weights) if view != "html" else None
         self.live_view = None  # the view drawing, chosen when training begins
-        self._series = ChartState(self.run, max_points)
+        self._series = ChartState(self.run, max_points, smoothing=weight)
+        self.smoothing_controls = _smoothing_controls(weight)
+        self._syncing_controls = False
+        for control in self.smoothing_controls.children:
+            control.observe(self._on_smoothing_control, names="value")
         self._ghost = None
         if ghost is not None:
             saved = ghost if isinstance(ghost, lab.Run) else lab.Run.load(ghost)
             if self.chart is not None:
                 self.chart.show_ghost(saved, max_points)
             self._ghost = _ghost_series(saved, max_points)
-        self.widget = ipywidgets.VBox([self.header, self.chart.figure] if self.chart is not None else [self.chart_html])
+        self.widget = ipywidgets.VBox([self.header, self.smoothing_controls, self.chart.figure]
+                                      if self.chart is not None else [self.smoothing_controls, self.chart_html])
         self._handles = []
         self._final_views = []
         self._next_refresh = 0.0
@@ -191,6 +204,36 @@ class Dashboard(keras.callbacks.Callback):
         """str, what the status says more (the exception's message when a step failed)."""
         source = self._followed if self._followed is not None else self.recorder
         return getattr(source, "status_detail", "")
+
+    @property
+    def smoothing(self):
+        """float, the smoothing weight of the per-batch lines (0: off); setting it redraws the charts."""
+        return self._series.smoothing
+
+    @smoothing.setter
+    def smoothing(self, weight):
+        weight = check_weight("widgets.Dashboard", weight)
+        on, slider = self.smoothing_controls.children
+        self._syncing_controls = True
+        try:
+            on.value, slider.disabled = bool(weight), not weight
+            if weight:  # off, the slider keeps the last weight, to turn it back on with
+                slider.value = weight
+        finally:
+            self._syncing_controls = False
+        self._apply_smoothing(weight)
+
+    def _on_smoothing_control(self, change):
+        if self._syncing_controls:
+            return
+        on, slider = self.smoothing_controls.children
+        slider.disabled = not on.value
+        self._apply_smoothing(slider.value if on.value else 0.0)
+
+    def _apply_smoothing(self, weight):
+        if weight != self._series.smoothing:
+            self._series.smoothing = weight
+            self.refresh(final=True)
 
     @property
     def gradients(self):
@@ -332,7 +375,7 @@ class Dashboard(keras.callbacks.Callback):
         ```
         """
         self._followed = run
-        self._series = ChartState(run, self.max_points)
+        self._series = ChartState(run, self.max_points, smoothing=self.smoothing)
         self._progress = dict(epoch=0, batch=-1, done=0)
         self._rate_samples.clear()
         self._rate_samples.append((time.monotonic(), 0))
@@ -396,13 +439,13 @@ class Dashboard(keras.callbacks.Callback):
             return self.live_view
         if kind == "plotly":
             self.live_view = PlotlyView(self.chart, self.header)
-            self.widget.children = (self.header, self.chart.figure)
+            self.widget.children = (self.header, self.smoothing_controls, self.chart.figure)
         else:
             # Into the Dashboard's own output when it has one, else into
             # chart_html (inside a container such as the Lab panel).
             self.live_view = HtmlView(handles=self._handles, widget=self.chart_html, text=self.summary,
                                       update_every=self.refresh_every)
-            self.widget.children = (self.chart_html,)
+            self.widget.children = (self.smoothing_controls, self.chart_html)
         return self.live_view
 
     def refresh(self, final=False):
@@ -557,6 +600,15 @@ class Dashboard(keras.callbacks.Callback):
         return bundle
 
     def _ipython_display_(self):
+        if self._html_view():
+            # The HTML view's output is replaced at every refresh: its control
+            # is an output of its own, just above (a core widget, which renders
+            # where plotly's does not).
+            from IPython.display import display
+
+            weight = self.smoothing
+            text = f"smoothing: {weight:g}" if weight else "smoothing: off"
+            display(view_bundle(self.smoothing_controls.model_id, text, html.escape(text)), raw=True, display_id=True)
         show(self, self._handles)
 
     def __repr__(self):
@@ -576,12 +628,27 @@ def _forward_batch_hooks(dashboard, recorder):
             setattr(dashboard, name, hook)
 
 
+def _smoothing_controls(weight):
+    """The "smooth" checkbox and weight slider of the per-batch lines, in one row."""
+    on = ipywidgets.Checkbox(value=bool(weight), description="smooth", indent=False,
+                             layout=ipywidgets.Layout(width="auto"))
+    slider = ipywidgets.FloatSlider(
+        value=weight or DEFAULT_WEIGHT, min=0.0, max=0.99, step=0.01, description="weight",
+        disabled=not weight, readout_format=".2f", continuous_update=False,
+        tooltip="exponential moving average of the per-batch loss and metrics "
+                            "(TensorBoard's smoothing); the raw line stays, faint",
+        style={"description_width": "initial"})
+    row = ipywidgets.HBox([on, slider])
+    row.add_class("training-lab-smoothing")
+    return row
+
+
 def _ghost_series(run, max_points):
     """A saved run's loss as a line for the HTML view (the plotly view draws its own)."""
     if "loss" not in run.columns:
         raise ValueError(f"The ghost run {run.name!r} has no loss column to draw.")
     x, y = downsample(run.column("step"), run.column("loss"), max_points)
-    return Series(f"{run.name} (saved)", x, y)
+    return Series(f"{run.name} (saved)", x, y, color=GHOST_COLOR)
 
 
 def _series_names(run):

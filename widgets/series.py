@@ -13,6 +13,13 @@ Every array is 1-D float32: plotly's widget serializer sends those as binary
 buffers (2-D arrays and lists go as JSON, about 5x larger and far slower to
 encode), which is why the heatmap is three columns (step, layer index,
 value) rather than a matrix.
+
+With a smoothing weight (`widgets.smoothing`, TensorBoard's debiased
+exponential moving average), each per-batch loss and metric line gets a
+smoothed companion, `<name> (smoothed)`, folded in from the new rows only
+like the line itself; the raw line is then marked faint. Every line carries
+its colour: the loss one, the metrics others, a validation series its
+line's, so both views draw a run in the same colours.
 """
 
 import dataclasses
@@ -20,11 +27,17 @@ import dataclasses
 import numpy as np
 
 from lab import schema
+from widgets import smoothing as smoothing_module
 from widgets.downsampling import MAX_POINTS, Envelope, StepBins, downsample
+from widgets.static import PALETTE
 
 HEATMAP_BINS = 200
 MAX_EVENTS = 200
 MARKED_EVENTS = ("nonfinite", "breakpoint", "error", "interrupt")
+LOSS_COLOR = PALETTE[0]
+METRIC_COLORS = PALETTE[1:]  # never the loss's colour
+# The panels whose per-batch lines get a smoothed companion.
+SMOOTHED_PANELS = ("loss", "metrics")
 
 # Columns of a batch row that say how a step ran, not what it measured:
 # never charted nor compared (`updated/<optimizer>` is 1.0 at every step
@@ -38,13 +51,20 @@ _NOT_METRIC_PREFIXES = (schema.GRAD_NORM, schema.WEIGHT_NORM_PREFIX, schema.UPDA
 
 @dataclasses.dataclass
 class Series:
-    """One line or set of markers: float32 `x` (steps) and `y`, at most a few thousand points."""
+    """One line or set of markers: float32 `x` (steps) and `y`, at most a few thousand points.
+
+    `color` is the series' colour (None: the view picks one); `faint`
+    marks a raw line drawn faintly behind its smoothed companion, which
+    carries the legend entry.
+    """
 
     name: str
     x: np.ndarray
     y: np.ndarray
     markers: bool = False
     text: tuple = ()
+    color: str = None
+    faint: bool = False
 
 
 @dataclasses.dataclass
@@ -129,6 +149,8 @@ class ChartState:
             while a bin fills).
         follow: bool, subscribe to the run to learn when epochs and events
             change (off for a one-off reading).
+        smoothing: float in [0, 1), the weight of the smoothed companions
+            of the loss and metric lines (`widgets.smoothing`); 0: none.
 
     Example:
 
@@ -138,14 +160,16 @@ class ChartState:
     ```
     """
 
-    def __init__(self, run, max_points=MAX_POINTS, heatmap_bins=HEATMAP_BINS, follow=True):
+    def __init__(self, run, max_points=MAX_POINTS, heatmap_bins=HEATMAP_BINS, follow=True, smoothing=0.0):
         if max_points < 8:
             raise ValueError(f"max_points must be at least 8; got {max_points}.")
         self.run = run
         self.max_points = max_points
         self.heatmap_bins = heatmap_bins
+        self._smoothing = smoothing_module.check_weight("ChartState", smoothing)
         self._read = 0
         self._lines = {}  # (panel, name) -> (columns, combine, Envelope)
+        self._smoothed = {}  # (panel, name) -> (Smoother, Envelope) of a line's smoothed companion
         self._bins = None
         self._bin_layers = ()
         # Epoch rows and events change rarely; building their DataFrames
@@ -153,6 +177,19 @@ class ChartState:
         self._tables = {}
         if follow:
             run.subscribe(self._on_rows)
+
+    @property
+    def smoothing(self):
+        """float, the smoothing weight (0: none); set it to redraw the smoothed lines at the next update."""
+        return self._smoothing
+
+    @smoothing.setter
+    def smoothing(self, weight):
+        weight = smoothing_module.check_weight("ChartState", weight)
+        if weight != self._smoothing:
+            self._smoothing = weight
+            self._smoothed = {}  # rebuilt from the first row at the next update
+            self._tables.pop("data", None)
 
     def _on_rows(self, run, table, start, stop):
         # What is built from a table goes with it: "validation" from the
@@ -205,15 +242,17 @@ class ChartState:
         run = self.run
         stop = len(run)
         if stop < self._read:  # not the run this state followed: start over
-            self.__init__(run, self.max_points, self.heatmap_bins, follow=False)
+            self.__init__(run, self.max_points, self.heatmap_bins, follow=False, smoothing=self._smoothing)
         if self._plan(run.columns):
             # A line or layer appeared: rebuild every summary from row 0 so
             # all of them (and the heatmap's bins) cover the same rows.
             for key, (group, combine, _) in list(self._lines.items()):
                 self._lines[key] = (group, combine, Envelope(2 * self.max_points))
+            self._smoothed = {}
             self._bins = StepBins(len(self._bin_layers), self.heatmap_bins)
             self._read = 0
             self._tables.pop("data", None)
+        self._smooth_rows_read()
         start = self._read
         if stop > start:
             steps = read_rows(run, "step", start, stop).astype(np.float64)
@@ -222,6 +261,9 @@ class ChartState:
                 values = [read_rows(run, c, start, stop) for c in group]
                 values = values[0] if combine is None else combine(values)
                 envelope.extend(steps, values)
+                if (panel, name) in self._smoothed:
+                    smoother, smoothed = self._smoothed[(panel, name)]
+                    smoothed.extend(steps, smoother.extend(values))
                 if panel == "gradients":
                     layer_values[name] = values
             if self._bin_layers:
@@ -232,11 +274,50 @@ class ChartState:
         data = self._tables["data"] = self._data(stop)
         return data
 
+    def _smooth_rows_read(self):
+        """Starts the smoothed companions that are missing (a new line, a new weight) from the first row.
+
+        The one step whose cost grows with the run, taken once per change of
+        the weight, not per refresh; only the loss and metric columns are read.
+        """
+        if not self._smoothing:
+            return
+        for key, (group, _, _) in self._lines.items():
+            if key[0] not in SMOOTHED_PANELS or key in self._smoothed:
+                continue
+            smoother, envelope = smoothing_module.Smoother(self._smoothing), Envelope(2 * self.max_points)
+            if self._read:
+                steps = read_rows(self.run, "step", 0, self._read).astype(np.float64)
+                envelope.extend(steps, smoother.extend(read_rows(self.run, group[0], 0, self._read)))
+            self._smoothed[key] = (smoother, envelope)
+
+    def _colors(self):
+        """The colour of each line by (panel, name): the loss its own, metrics and layers from the palette."""
+        colors = {("loss", "loss"): LOSS_COLOR}
+        metrics = [name for panel, name in self._lines if panel == "metrics"]
+        colors.update({("metrics", name): METRIC_COLORS[i % len(METRIC_COLORS)] for i, name in enumerate(metrics)})
+        # Layers start past the loss's and the first metric's colours, so a
+        # glance down the charts does not pair a layer with the loss.
+        layer_colors = PALETTE[2:] + PALETTE[:2]
+        for panel in ("gradients", "update_ratios"):
+            layers = [name for p, name in self._lines if p == panel]
+            colors.update({(panel, name): layer_colors[i % len(layer_colors)] for i, name in enumerate(layers)})
+        return colors
+
     def _data(self, stop):
         panels = {"loss": [], "metrics": [], "gradients": [], "update_ratios": []}
+        colors = self._colors()
         for (panel, name), (_, _, envelope) in self._lines.items():
-            panels[panel].append(Series(name, *envelope.points(self.max_points)))
+            color = colors.get((panel, name))
+            smoothed = self._smoothed.get((panel, name))
+            panels[panel].append(Series(name, *envelope.points(self.max_points), color=color,
+                                        faint=smoothed is not None))
+            if smoothed is not None:
+                panels[panel].append(Series(name + smoothing_module.SUFFIX, *smoothed[1].points(self.max_points),
+                                            color=color))
         for panel, series in self._validation():
+            line = (panel, series.name[len("val_"):])
+            series = dataclasses.replace(series, color=colors.get(line) or _unused_color(colors, panel))
             panels[panel].append(series)
         anchor = self._anchor()
         panels[anchor[0] if anchor else "loss"].append(self._events(stop, anchor))
@@ -299,8 +380,18 @@ class ChartState:
         return marked
 
 
-def chart_data(run, max_points=MAX_POINTS, heatmap_bins=HEATMAP_BINS):
+def _unused_color(colors, panel):
+    """A colour for a validation series without a per-batch line: one no line of its panel has."""
+    palette = (LOSS_COLOR,) if panel == "loss" else METRIC_COLORS
+    taken = {color for (p, _), color in colors.items() if p == panel}
+    return next((c for c in palette if c not in taken), palette[len(taken) % len(palette)])
+
+
+def chart_data(run, max_points=MAX_POINTS, heatmap_bins=HEATMAP_BINS, smoothing=0.0):
     """Every series the Dashboard draws for `run`, each bounded in size (one-off form of `ChartState`).
+
+    With `smoothing` (a weight in [0, 1)), the loss and metric lines get
+    their smoothed companions (`widgets.smoothing`).
 
     Example:
 
@@ -309,4 +400,4 @@ def chart_data(run, max_points=MAX_POINTS, heatmap_bins=HEATMAP_BINS):
     data.loss[0].y  # the per-batch loss, downsampled
     ```
     """
-    return ChartState(run, max_points, heatmap_bins, follow=False).update()
+    return ChartState(run, max_points, heatmap_bins, follow=False, smoothing=smoothing).update()

@@ -60,6 +60,11 @@ class _Scale:
 def line_chart(series, title, width=640, height=200, log_y=False, right=()):
     """An SVG line chart of `widgets.series.Series` (markers where `series.markers`).
 
+    Each series is drawn in its `color` (from the palette where it has
+    none) and named in the chart's own legend, above the plot; a `faint`
+    series (a raw line under its smoothed one) is drawn thin and pale and
+    has no legend entry.
+
     Args:
         series: list of `Series`.
         title: str, drawn above the plot.
@@ -80,7 +85,7 @@ def line_chart(series, title, width=640, height=200, log_y=False, right=()):
     ```
     """
     series = [s for s in series if len(s.x)]
-    legend_rows = -(-len(series) // 4)
+    legend_rows = -(-sum(not s.faint for s in series) // 4)
     x0, x1 = _MARGIN["left"], width - _MARGIN["right"] - (40 if right else 0)
     y0, y1 = height - _MARGIN["bottom"], 26 + 12 * max(legend_rows, 1)
     parts = [_open(width, height, title)]
@@ -94,8 +99,9 @@ def line_chart(series, title, width=640, height=200, log_y=False, right=()):
     ys_right = _Scale(np.concatenate([s.y for s in other]), y0, y1) if other else None
     parts.append(_frame(x0, x1, y0, y1, xs, ys, ys_right))
     colors = iter(PALETTE * (1 + len(series) // len(PALETTE)))
-    for i, s in enumerate(series):
-        color = "crimson" if s.name == "events" else next(colors)
+    legend = 0
+    for s in series:
+        color = "crimson" if s.name == "events" else s.color or next(colors)
         scale = ys_right if s.name in right else ys
         x, y = downsample(s.x, s.y, POINTS) if len(s.x) > POINTS else (s.x, s.y)
         px, py = xs(x), scale(y)
@@ -112,9 +118,13 @@ def line_chart(series, title, width=640, height=200, log_y=False, right=()):
             points = " ".join(f"{a:.1f},{b:.1f}" for a, b in zip(px, py))
             # The series' name and last value, for a test (or a reader) to check the line against the run.
             last = float(y[keep][-1])
+            # A raw line under its smoothed one is drawn faint and left out of the legend.
+            style = 'stroke-width="1" stroke-opacity="0.3"' if s.faint else 'stroke-width="1.5"'
             parts.append(f'<polyline data-name="{html.escape(s.name)}" data-last="{last:.7g}" fill="none" '
-                         f'stroke="{color}" stroke-width="1.2" points="{points}"/>')
-        parts.append(_legend(i, s.name + (" (right)" if s.name in right else ""), color, x0))
+                         f'stroke="{color}" {style} points="{points}"/>')
+        if not s.faint:
+            parts.append(_legend(legend, s.name + (" (right)" if s.name in right else ""), color, x0, s.markers))
+            legend += 1
     return "".join(parts + ["</svg>"])
 
 
@@ -176,9 +186,14 @@ def charts_html(data, width=640, raster=False):
         width: int, pixels per chart.
         raster: bool, the heatmap's cells as one PNG (see `heatmap_chart`).
     """
-    metrics = [s.name for s in data.metrics]
-    parts = [line_chart(data.loss + data.metrics, "loss and metrics per batch (points: validation)",
-                        width=width, right=metrics)]
+    # The loss and the metrics each on a chart of their own: their scales differ
+    # (a loss of 2.3 falling, an accuracy of 0.1 rising), and two axes on one chart read badly.
+    drawn = [s for s in data.metrics if len(s.x)]
+    parts = []
+    if any(len(s.x) for s in data.loss) or not drawn:
+        parts.append(line_chart(data.loss, "loss per batch (points: validation)", width=width))
+    if drawn:
+        parts.append(line_chart(data.metrics, "metrics per batch (points: validation)", width=width))
     if data.gradients:
         parts.append(line_chart(data.gradients, "gradient norm per layer (log scale)", width=width, log_y=True))
         parts.append(heatmap_chart(data.heatmap, "log10 gradient norm, layer x step", width=width, raster=raster))
@@ -206,11 +221,13 @@ def _frame(x0, x1, y0, y1, xs, ys, ys_right):
     return "".join(parts)
 
 
-def _legend(i, name, color, x0):
+def _legend(i, name, color, x0, markers=False):
     x = x0 + 8 + (i % 4) * 130
     y = 30 + (i // 4) * 12
-    return (f'<rect x="{x}" y="{y - 7}" width="8" height="8" fill="{color}"/>'
-            f'<text x="{x + 11}" y="{y}" font-size="10">{html.escape(name[:20])}</text>')
+    swatch = (f'<circle cx="{x + 4}" cy="{y - 3}" r="3" fill="{color}"/>' if markers
+              else f'<rect x="{x}" y="{y - 7}" width="8" height="8" fill="{color}"/>')
+    return f'{swatch}<text x="{x + 11}" y="{y}" font-size="10">{html.escape(name[:20])}</text>'
+
 
 
 def _cells_image(heat, columns, lo, span, x0, x1, y_top, height):

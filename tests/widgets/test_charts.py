@@ -310,3 +310,145 @@ def test_bookkeeping_columns_are_not_charted_as_metrics():
     data = series.chart_data(gan_run())
     assert [s.name for s in data.metrics] == ["d_loss", "g_loss", "events"]
     assert [s.name for s in data.loss] == []
+
+
+# ---- smoothing, legends and colours ------------------------------------------------
+
+
+def tensorboard_ema(values, weight):
+    """TensorBoard's smoothing, written out as its scalar dashboard does it: a
+    debiased exponential moving average that skips non-finite values."""
+    last, count, smoothed = 0.0, 0, []
+    for value in values:
+        if not np.isfinite(value):
+            smoothed.append(np.nan)
+            continue
+        last = last * weight + (1 - weight) * float(value)
+        count += 1
+        smoothed.append(last / (1 - weight ** count))
+    return np.array(smoothed)
+
+
+def noisy_run(steps, seed=0):
+    import lab
+
+    rng = np.random.default_rng(seed)
+    t = np.arange(steps)
+    loss = (2 * np.exp(-t / 300) + 0.3 * rng.random(steps)).astype(np.float32)
+    loss[[7, 8, 150]] = [np.nan, np.inf, np.nan]  # a nonfinite step or three
+    run = lab.Run()
+    run.append_batches({"loss": loss, "accuracy": (1 - np.exp(-t / 300) + 0.1 * rng.random(steps)).astype(np.float32)})
+    return run
+
+
+def test_smoothing_is_tensorboards_debiased_ema_drawn_over_a_faint_raw_line_and_leaves_the_run_alone():
+    import pandas as pd
+
+    import lab
+
+    source = noisy_run(1_000)
+    before = source.batches()
+    run = lab.Run()
+    state = series.ChartState(run, smoothing=0.6)
+    for start in range(0, 1_000, 37):  # refreshes between blocks of rows, as while training
+        run.append_batches({c: source.column(c)[start:start + 37] for c in ("loss", "accuracy")})
+        data = state.update()
+    pd.testing.assert_frame_equal(source.batches(), before)  # display-only
+    for panel, name in (("loss", "loss"), ("metrics", "accuracy")):
+        lines = {s.name: s for s in getattr(data, panel)}
+        raw, smoothed = lines[name], lines[f"{name} (smoothed)"]
+        values = run.column(name)
+        reference = tensorboard_ema(values, 0.6)
+        # The same numbers as pandas' adjusted ewm over the finite values: the
+        # debiasing makes the line start at the first value, not at 0.
+        finite = np.isfinite(values)
+        ewm = pd.Series(values[finite].astype(np.float64)).ewm(alpha=0.4, adjust=True).mean()
+        np.testing.assert_allclose(reference[finite], ewm, rtol=1e-12)
+        assert smoothed.x.tolist() == np.flatnonzero(finite).tolist()  # 997 points: nothing downsampled
+        np.testing.assert_allclose(smoothed.y, reference[finite], rtol=1e-6)
+        assert smoothed.y[0] == values[0]
+        np.testing.assert_array_equal(raw.y, values[finite])  # the raw line is the run's own values
+        assert raw.faint and not smoothed.faint and raw.color == smoothed.color
+        assert np.std(np.diff(smoothed.y)) < 0.5 * np.std(np.diff(raw.y))  # it is smoother
+
+    state.smoothing = 0.9  # a new weight: redrawn from the first row
+    data = state.update()
+    np.testing.assert_allclose(data.loss[1].y, tensorboard_ema(run.column("loss"), 0.9)[np.isfinite(run.column("loss"))],
+                               rtol=1e-6)
+    state.smoothing = 0
+    data = state.update()
+    assert [s.name for s in data.loss] == ["loss", "events"] and not data.loss[0].faint
+    with pytest.raises(ValueError, match=r"smoothing=...\) must be a weight in \[0, 1\)"):
+        state.smoothing = 1.0
+
+
+def test_a_long_runs_smoothed_line_is_bounded_and_each_point_is_the_ema_at_its_step():
+    run = noisy_run(60_000, seed=2)
+    state = series.ChartState(run, max_points=1000, smoothing=0.99)
+    state.update()
+    run.append_batches({"loss": np.full(500, 0.1, np.float32), "accuracy": np.full(500, 0.9, np.float32)})
+    smoothed = state.update().loss[1]
+    assert smoothed.name == "loss (smoothed)" and len(smoothed.x) <= 1000
+    reference = tensorboard_ema(run.column("loss"), 0.99)
+    np.testing.assert_allclose(smoothed.y, reference[smoothed.x.astype(np.int64)], rtol=1e-5)
+    assert smoothed.x[-1] == len(run) - 1
+
+
+def test_each_plotly_row_has_its_own_legend_and_loss_and_metrics_differ_in_colour(comm_log):
+    run = noisy_run(300)
+    run.append_epoch(0, {"loss": 1.0, "val_loss": 1.1, "val_accuracy": 0.5})
+    run.append_batches({"grad_norm/m/d/kernel": np.ones(3, np.float32), "loss": np.ones(3, np.float32)})
+    live = charts.LiveFigure(gradients=True)
+    state = series.ChartState(run, smoothing=0.6)
+    live.update(state.update())
+    layout = live.figure.layout
+    rows = {"loss": "y", "metrics": "y2", "gradients": "y3"}
+    assert set(live.legends) == set(rows)  # none for the heatmap, which has its colour bar
+    for panel, axis in rows.items():
+        legend = live.legends[panel]
+        top = layout[f"yaxis{axis[1:]}"].domain[1]
+        # Beside its own row: right of the plot, level with the row's top.
+        assert layout[legend].x > 1 and layout[legend].y == top and layout[legend].yanchor == "top"
+        for trace in live.figure.data:
+            if trace.type == "scatter" and trace.yaxis == axis:
+                assert trace.legend == legend, (trace.name, panel)
+    loss, accuracy = live.trace("loss (smoothed)"), live.trace("accuracy (smoothed)", "metrics")
+    assert loss.line.color != accuracy.line.color
+    assert live.trace("val_loss").marker.color == loss.line.color
+    assert live.trace("val_accuracy", "metrics").marker.color == accuracy.line.color
+    assert live.trace("m/d", "gradients").line.color not in (loss.line.color, accuracy.line.color)
+    raw = live.trace("loss")
+    assert raw.opacity < 0.5 and raw.showlegend is False and raw.line.color == loss.line.color
+    assert loss.showlegend is not False and loss.opacity == 1
+
+    state.smoothing = 0  # off: the smoothed lines go, the raw ones come back in full
+    comm_log.clear()
+    live.update(state.update())
+    assert len(comm_log.updates_to(live.figure)) == 1
+    assert len(live.trace("loss (smoothed)").y) == 0 and len(live.trace("accuracy (smoothed)", "metrics").y) == 0
+    assert live.trace("loss").opacity == 1 and live.trace("loss").showlegend is True
+
+
+def test_the_svg_charts_give_loss_and_metrics_a_chart_and_a_legend_each():
+    import re
+
+    from widgets import static
+
+    run = noisy_run(200)
+    run.append_epoch(0, {"loss": 1.0, "val_loss": 1.1, "val_accuracy": 0.5})
+    page = static.charts_html(series.chart_data(run, smoothing=0.6))
+    loss_chart, metrics_chart = re.findall(r"<svg[\s\S]*?</svg>", page)
+    assert "loss per batch" in loss_chart and "metrics per batch" in metrics_chart
+
+    def legend(svg):
+        return re.findall(r'<text x="[^"]+" y="[^"]+" font-size="10">([^<]+)</text>', svg)
+
+    def stroke(svg, name):
+        return re.search(rf'data-name="{re.escape(name)}"[^>]* stroke="([^"]+)"', svg).group(1)
+
+    assert legend(loss_chart) == ["loss (smoothed)", "val_loss"]  # the faint raw line has no entry
+    assert legend(metrics_chart) == ["accuracy (smoothed)", "val_accuracy"]
+    assert stroke(loss_chart, "loss") == stroke(loss_chart, "loss (smoothed)") != stroke(metrics_chart, "accuracy")
+    assert 'data-name="loss" data-last' in loss_chart and 'stroke-opacity="0.3"' in loss_chart
+    # A run without metrics draws the loss chart alone; one without a loss (a GAN's d_loss, g_loss), the metrics.
+    assert static.charts_html(series.chart_data(gan_run())).count("<svg") == 1

@@ -17,8 +17,8 @@ def test_dashboard_is_a_callback_over_a_recorder_and_a_widget():
     assert dashboard.run is dashboard.recorder.run
     assert dashboard.gradients is True and dashboard.weights is False
     assert dashboard.recorder.gradients is True and len(dashboard.recorder.breakpoints) == 1
-    header, figure = dashboard.widget.children
-    assert figure is dashboard.chart.figure
+    header, controls, figure = dashboard.widget.children
+    assert figure is dashboard.chart.figure and controls is dashboard.smoothing_controls
     assert figure.data[0].name == "loss"  # the browser test reads data[0].y
 
 
@@ -35,9 +35,9 @@ def test_live_fit_draws_loss_metrics_validation_and_gradients(digits, make_model
     np.testing.assert_allclose(loss.y, dashboard.run.column("loss"), rtol=1e-6)
     assert len(dashboard.chart.trace("val_loss").x) == 2
     assert len(dashboard.chart.trace("accuracy", "metrics").y) == 20
-    layers = [t.name for t in figure.data if t.legendgroup == "gradients"]
+    layers = [t.name for t in figure.data if t.legend == dashboard.chart.legends["gradients"]]
     assert len(layers) == 2  # two Dense layers, kernel and bias combined
-    ratios = [t for t in figure.data if t.legendgroup == "update_ratios"]
+    ratios = [t for t in figure.data if t.legend == dashboard.chart.legends["update_ratios"]]
     assert len(ratios) == 2 and all(np.all(t.y > 0) for t in ratios)
     heat = [t for t in figure.data if t.type == "heatmap"][0]
     assert len(heat.z) == 2 * 20
@@ -60,7 +60,7 @@ def test_live_fit_draws_loss_metrics_validation_and_gradients(digits, make_model
     assert "application/vnd.jupyter.widget-view+json" in final
     assert "running" in first["text/plain"] and "(finished)" in final["text/plain"]
     assert "20 steps, 2 epochs" in final["text/plain"]
-    assert final["text/html"].count("<svg") == 4  # loss, gradient norms, heatmap, update ratios
+    assert final["text/html"].count("<svg") == 5  # loss, metrics, gradient norms, heatmap, update ratios
 
 
 def test_refreshes_are_rate_limited(digits, make_model):
@@ -352,7 +352,7 @@ def test_the_html_view_draws_the_ghost_once_however_often_it_refreshes(comm_log,
     dash.live_view.send = lambda data, status, final=False: sent.append([s.name for s in data.loss])
     for _ in range(3):
         dash.refresh(final=True)
-    assert sent == [["loss", "baseline (saved)", "events"]] * 3
+    assert sent == [["loss", "baseline (saved)", "loss (smoothed)", "events"]] * 3
     assert dash._series.update() is dash._series.update()  # nothing new: nothing recomputed
 
 def test_prediction_progress_shows_in_the_header(comm_log, digits, make_model):
@@ -402,3 +402,59 @@ def test_the_header_counts_steps_not_executions_at_several_steps_per_execution(d
     assert "batch 10/10" in dashboard.progress_text()
     assert dashboard._progress["done"] == len(dashboard.run) == 20
     assert not any("-" in text for text in seen)
+
+
+def test_the_smoothing_control_is_remembered_across_refreshes_and_fits_and_changes_only_the_display(
+        digits, make_model, comm_log):
+    import pandas as pd
+
+    (x, y), _ = digits
+    model = make_model()
+    dashboard = widgets.Dashboard(gradients=False, refresh_every=0)
+    on, weight = dashboard.smoothing_controls.children
+    assert dashboard.smoothing == 0.6 and on.value and weight.value == 0.6  # TensorBoard's default
+    model.fit(x, y, epochs=1, batch_size=32, callbacks=[dashboard], verbose=0)
+    raw = dashboard.run.column("loss")
+    chart = dashboard.chart
+    expected = pd.Series(raw.astype(np.float64)).ewm(alpha=0.4, adjust=True).mean()
+    np.testing.assert_allclose(chart.trace("loss (smoothed)").y, expected, rtol=1e-6)
+    np.testing.assert_allclose(chart.trace("loss").y, raw, rtol=1e-6)
+    assert chart.trace("loss").opacity < 0.5  # the raw line, faint behind
+
+    weight.value = 0.9  # the slider: redrawn at once, from the first step
+    expected = pd.Series(raw.astype(np.float64)).ewm(alpha=0.1, adjust=True).mean()
+    np.testing.assert_allclose(chart.trace("loss (smoothed)").y, expected, rtol=1e-6)
+    on.value = False
+    assert dashboard.smoothing == 0 and weight.disabled
+    assert len(chart.trace("loss (smoothed)").y) == 0 and chart.trace("loss").opacity == 1
+    before = dashboard.run.batches()
+    model.fit(x, y, epochs=1, batch_size=32, callbacks=[dashboard], verbose=0)
+    assert dashboard.refreshes > 3 and dashboard.smoothing == 0  # every refresh of the second fit kept it off
+    assert len(chart.trace("loss (smoothed)").y) == 0 and len(chart.trace("loss").y) == 20
+    pd.testing.assert_frame_equal(dashboard.run.batches().iloc[:10], before)  # display-only
+    on.value = True
+    assert dashboard.smoothing == 0.9 and len(chart.trace("loss (smoothed)").y) == 20  # back with its weight
+    dashboard.smoothing = 0.5
+    assert (on.value, weight.value, weight.disabled) == (True, 0.5, False)
+    with pytest.raises(ValueError, match=r"widgets.Dashboard\(smoothing=...\) must be a weight in \[0, 1\)"):
+        widgets.Dashboard(smoothing=1)
+    with pytest.raises(TypeError, match="0.6, TensorBoard's default"):
+        widgets.Dashboard(smoothing="on")
+
+
+def test_the_html_view_keeps_the_smoothing_setting_across_its_re_renders(digits, make_model, notebook):
+    (x, y), _ = digits
+    model = make_model()
+    dashboard = widgets.Dashboard(gradients=False, view="html", refresh_every=0, smoothing=0)
+    model.fit(x, y, epochs=1, batch_size=32, callbacks=[dashboard], verbose=0)
+    controls, page = notebook
+    assert "smoothing: off" in controls.shown[0]["text/plain"]
+    assert all("(smoothed)" not in b["text/html"] for b in page.shown)
+    on, weight = dashboard.smoothing_controls.children
+    on.value = True
+    shown = len(page.shown)
+    assert 'data-name="loss (smoothed)"' in page.shown[-1]["text/html"]  # redrawn at once
+    model.fit(x, y, epochs=1, batch_size=32, callbacks=[dashboard], verbose=0)
+    later = [b["text/html"] for b in page.shown[shown:]]
+    assert len(later) >= 3 and all('data-name="loss (smoothed)"' in p and 'data-name="accuracy (smoothed)"' in p
+                                   for p in later)

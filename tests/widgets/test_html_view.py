@@ -66,7 +66,10 @@ def test_a_dashboard_built_before_colab_is_seen_draws_html_when_training_begins(
     plain_jupyter.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
     make_model().fit(x, y, epochs=1, batch_size=64, callbacks=[dashboard], verbose=0)
     assert dashboard.live_view.kind == "html"
-    shown = notebook[0].shown
+    controls, page = notebook  # the smoothing control, then the charts' page
+    assert controls.shown[0]["application/vnd.jupyter.widget-view+json"]["model_id"] == \
+        dashboard.smoothing_controls.model_id
+    shown = page.shown
     assert all("application/vnd.jupyter.widget-view+json" not in b for b in shown)  # no widget front end needed
     assert "<svg" in shown[-1]["text/html"] and "Dashboard (finished)" in shown[-1]["text/plain"]
 
@@ -80,8 +83,9 @@ def test_view_html_updates_one_output_in_place_and_ends_on_the_run(digits, make_
     dashboard = widgets.Dashboard(gradients=True, view="html", refresh_every=0)
     assert dashboard.chart is None  # no plotly figure is built for the HTML view
     model.fit(x, y, epochs=2, batch_size=32, validation_data=validation, callbacks=[dashboard], verbose=0)
-    assert len(notebook) == 1  # one output, displayed once with a display id
-    shown = notebook[0].shown
+    # One output for the charts, displayed once with a display id (the smoothing control has its own).
+    assert len(notebook) == 2 and len(notebook[0].shown) == 1
+    shown = notebook[1].shown
     assert len(shown) >= 3  # updated in place while training ran
     running = [b["text/html"] for b in shown if "running" in b["text/html"]]
     assert running and "epoch" in running[-1]
@@ -93,7 +97,7 @@ def test_view_html_updates_one_output_in_place_and_ends_on_the_run(digits, make_
     points, last = polyline(final, "accuracy")
     assert points == 20 and last == pytest.approx(float(run["accuracy"].iloc[-1]), rel=1e-6)
     assert "(finished), 20 steps" in final and "steps/s" not in final  # no timings in the final page
-    assert final.count("<svg") == 3  # loss, gradient norms, heatmap
+    assert final.count("<svg") == 4  # loss, metrics, gradient norms, heatmap
     assert "<script" not in final
 
 
@@ -102,7 +106,7 @@ def test_inside_a_container_the_html_view_draws_into_its_widget(digits, make_mod
     received = []
     dashboard = widgets.Dashboard(gradients=False, view="html", refresh_every=0).show_inside(received.append)
     make_model().fit(x, y, epochs=1, batch_size=64, callbacks=[dashboard], verbose=0)
-    assert dashboard.widget.children == (dashboard.chart_html,)
+    assert dashboard.widget.children == (dashboard.smoothing_controls, dashboard.chart_html)
     assert polyline(dashboard.chart_html.value, "loss")[0] == len(dashboard.run) == 5
     assert "widget-view" not in " ".join(received[0]) and "<svg" in received[0]["text/html"]
 
@@ -114,7 +118,8 @@ def test_the_lab_panel_charts_through_the_html_view(plain_jupyter, digits, make_
     panel.start()
     assert panel.wait(120) and panel.state == "finished"
     chart = panel.tabs.children[0]
-    assert chart is panel.dashboard.widget and chart.children == (panel.dashboard.chart_html,)
+    assert chart is panel.dashboard.widget
+    assert chart.children == (panel.dashboard.smoothing_controls, panel.dashboard.chart_html)
     assert polyline(panel.dashboard.chart_html.value, "loss")[0] == len(panel.run) == 5
     assert widgets.Lab(make_model(), (x, y), view="html", breakpoints=()).dashboard.chart is None
     with pytest.raises(ValueError, match="'auto', 'plotly', 'html'"):
@@ -194,7 +199,7 @@ def test_a_status_change_shows_at_once_in_the_html_view(digits, make_model, note
     at_step_5 = lab.Breakpoint(lambda row: row["step"] >= 5, name="step 5")
     dashboard = widgets.Dashboard(gradients=False, view="html", breakpoints=[at_step_5], refresh_every=60)
     make_model().fit(x, y, epochs=2, batch_size=32, callbacks=[dashboard], verbose=0)
-    pages = [b["text/html"] for b in notebook[0].shown]
+    pages = [b["text/html"] for b in notebook[-1].shown]
     # Throttled to one update a minute, yet the hit and the stop each showed when they happened.
     assert any("breakpoint" in p and "step 5 at step 5" in p for p in pages)
     assert "(stopped: step 5 at step 5), 6 steps" in pages[-1]

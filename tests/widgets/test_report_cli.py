@@ -15,7 +15,7 @@ def test_report_is_one_offline_page_with_charts_epochs_and_events(tmp_path, make
     path = report.write_report(run, tmp_path / "sub" / "report.html")
     page = open(path, encoding="utf-8").read()
     assert page.startswith("<!DOCTYPE html>")
-    assert page.count("<svg") == 3  # loss and metrics, gradient norms, heatmap
+    assert page.count("<svg") == 4  # loss, metrics, gradient norms, heatmap
     assert "<script" not in page and "http" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
     assert "val_loss" in page and "grad_norm of m/out/kernel is inf" in page and "Adam" in page
     assert len(page) < 200_000
@@ -38,7 +38,7 @@ def test_demo_writes_a_loadable_run_and_a_report(tmp_path, capsys):
     assert any(c.startswith("grad_norm/") for c in batches.columns)
     assert "val_accuracy" in run.epochs().columns
     page = report_path.read_text(encoding="utf-8")
-    assert page.count("<svg") == 3 and "gradient norm per layer" in page
+    assert page.count("<svg") == 4 and "gradient norm per layer" in page
 
 
 def test_help_and_bad_arguments(capsys):
