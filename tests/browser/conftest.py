@@ -210,6 +210,13 @@ def copy_without_outputs(source, folder):
 
 
 @pytest.fixture(scope="session")
+def write_lab_settings():
+    """`write_lab_settings(folder)`: LAB_SETTINGS in a JupyterLab user settings
+    folder, for a server a test starts its own way (as `make lab` does)."""
+    return _write_settings
+
+
+@pytest.fixture(scope="session")
 def artifacts():
     """The folder where a browser test leaves its screenshots."""
     return artifacts_dir()

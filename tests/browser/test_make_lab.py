@@ -7,10 +7,14 @@ folders, on a free port. It reads the URL with its token from what the
 server prints, as a person on a headless machine would, and asks that URL's
 server for `/api/status`.
 
-No browser is needed; it lives beside the browser tests because it needs the
-installed JupyterLab and starts a real server.
+Those tests need no browser; they live beside the browser tests because they
+need the installed JupyterLab and start a real server. One opens the
+quickstart from that server in headless Chromium and runs its first cells, to
+see what a newcomer's first cells show.
 """
 
+import contextlib
+import json
 import os
 import pathlib
 import re
@@ -25,11 +29,14 @@ import time
 import urllib.error
 import urllib.request
 
+import nbformat
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "lab.sh"
+QUICKSTART = "01_quickstart.ipynb"
 ANSWER_SECONDS = 60
+SET_UP_SECONDS = 300  # TensorFlow's import and the first model, on a busy 2-core machine
 NOBODY = 65534
 
 pytestmark = pytest.mark.browser
@@ -41,6 +48,22 @@ def _free_port():
         return sock.getsockname()[1]
 
 
+def _capture_fd_output_off(spec):
+    """Whether a kernel spec's kernel leaves what C++ code writes to stdout and
+    stderr on the server's terminal instead of sending it into cells."""
+    return "--IPKernelApp.capture_fd_output=False" in spec["argv"]
+
+
+def _venv_kernel_as_ipykernel_installs_it():
+    """Puts back the venv's python3 kernel spec as a fresh venv has it
+    (ipykernel's own), so what a test sees of it next is `make lab`'s doing."""
+    kernels = pathlib.Path(sys.prefix) / "share" / "jupyter" / "kernels"
+    if not os.access(kernels, os.W_OK):
+        pytest.skip(f"{kernels} is not writable by this user")
+    subprocess.run([sys.executable, "-m", "ipykernel", "install", "--sys-prefix"], check=True,
+                   capture_output=True)
+
+
 def _make_lab_args(extra_lab_args=""):
     """`make lab` for this interpreter's environment, without its install step."""
     venv = pathlib.Path(sys.prefix)
@@ -49,8 +72,11 @@ def _make_lab_args(extra_lab_args=""):
 
 
 def _environment(base):
+    # A user's environment: among what goes, PYTEST_CURRENT_TEST, under which
+    # ipykernel never sends C++ output into cells, whatever the kernel spec says.
     env = {key: value for key, value in os.environ.items()
-           if key not in ("DISPLAY", "WAYLAND_DISPLAY", "JUPYTER_PATH", "JUPYTER_TOKEN", "MAKEFLAGS", "MFLAGS")}
+           if key not in ("DISPLAY", "WAYLAND_DISPLAY", "JUPYTER_PATH", "JUPYTER_TOKEN", "MAKEFLAGS", "MFLAGS",
+                          "PYTEST_CURRENT_TEST")}
     for name, relative in {"HOME": "home", "JUPYTER_CONFIG_DIR": "config", "JUPYTER_DATA_DIR": "data",
                            "JUPYTER_RUNTIME_DIR": "runtime", "JUPYTERLAB_SETTINGS_DIR": "settings",
                            "JUPYTERLAB_WORKSPACES_DIR": "workspaces", "IPYTHONDIR": "ipython",
@@ -62,10 +88,13 @@ def _environment(base):
     return env
 
 
-def _status(url, token):
-    request = urllib.request.Request(f"{url}/api/status", headers={"Authorization": f"token {token}"})
+def _api(url, token, method, path):
+    """The server's answer to `method /api/path`, parsed (None if empty)."""
+    request = urllib.request.Request(f"{url}/api/{path}", method=method,
+                                     headers={"Authorization": f"token {token}"})
     with urllib.request.urlopen(request, timeout=10) as response:
-        return response.status
+        body = response.read()
+    return json.loads(body) if body else None
 
 
 def _page(url):
@@ -77,18 +106,47 @@ def _page(url):
         return response.status, response.read().decode(errors="replace")
 
 
-def _shutdown(url, token):
-    request = urllib.request.Request(f"{url}/api/shutdown", method="POST",
-                                     headers={"Authorization": f"token {token}"})
-    urllib.request.urlopen(request, timeout=10).read()
+class MakeLab:
+    """A running `make lab`: the URL it printed, its token, what it printed so
+    far, and what the browser fixtures (`page`, `open_notebook`) ask of a server."""
+
+    def __init__(self, env, url, token, printed_url, seconds, lines):
+        self.env = env
+        self.url = url
+        self.token = token
+        self.printed_url = printed_url
+        self.seconds = seconds
+        self._lines = lines
+
+    def printed(self):
+        return b"".join(self._lines).decode(errors="replace")
+
+    def api(self, method, path):
+        return _api(self.url, self.token, method, path)
+
+    def page_url(self, notebook):
+        """The URL `make lab` printed; it opens the quickstart (`notebook`) itself."""
+        assert self.printed_url.split("?")[0].endswith(f"/lab/tree/{notebook}"), self.printed_url
+        return self.printed_url
+
+    def delete_sessions(self):
+        for session in self.api("GET", "sessions"):
+            self.api("DELETE", f"sessions/{session['id']}")
+
+    def reset_workspaces(self):
+        """Nothing to do: each test starts `make lab` afresh, with no saved tabs."""
 
 
-def _run_make_lab(base, prefix=(), owner=None):
+@contextlib.contextmanager
+def _make_lab(base, prefix=(), owner=None, lab_args="", settings=None):
     """Starts `make lab`, waits for the printed URL and for /api/status on it;
-    returns (seconds to answer, the URL printed, everything printed); stops it."""
+    yields a MakeLab; stops it. `settings(folder)` may write JupyterLab user
+    settings first."""
     port = _free_port()
-    command = [*prefix, *_make_lab_args(f"--ServerApp.port={port} --ServerApp.port_retries=0")]
+    command = [*prefix, *_make_lab_args(f"--ServerApp.port={port} --ServerApp.port_retries=0 {lab_args}")]
     env = _environment(base)
+    if settings is not None:
+        settings(pathlib.Path(env["JUPYTERLAB_SETTINGS_DIR"]))
     if owner is not None:
         for path in [base, *base.rglob("*")]:
             os.chown(path, owner, owner)
@@ -98,7 +156,7 @@ def _run_make_lab(base, prefix=(), owner=None):
     reader = threading.Thread(target=lambda: lines.extend(iter(process.stdout.readline, b"")), daemon=True)
     reader.start()
     started = time.monotonic()
-    url = token = None
+    url = token = lab = None
     try:
         while time.monotonic() - started < ANSWER_SECONDS:
             printed = b"".join(lines).decode(errors="replace")
@@ -111,20 +169,22 @@ def _run_make_lab(base, prefix=(), owner=None):
                 assert int(found.group(1)) == port, found.group(0)
                 url, token = f"http://127.0.0.1:{port}", found.group(2)
                 try:
-                    if _status(url, token) == 200:
-                        seconds = time.monotonic() - started
-                        status, body = _page(found.group(0))
-                        assert status == 200 and "jupyter-config-data" in body, (status, body[:500])
-                        return seconds, found.group(0), printed
+                    _api(url, token, "GET", "status")
+                    lab = MakeLab(env, url, token, found.group(0), time.monotonic() - started, lines)
+                    break
                 except (urllib.error.URLError, ConnectionError):
                     pass
             time.sleep(0.25)
-        pytest.fail(f"`make lab` did not answer /api/status within {ANSWER_SECONDS} s:\n"
-                    + b"".join(lines).decode(errors="replace")[-4000:])
+        else:
+            pytest.fail(f"`make lab` did not answer /api/status within {ANSWER_SECONDS} s:\n"
+                        + b"".join(lines).decode(errors="replace")[-4000:])
+        status, body = _page(lab.printed_url)
+        assert status == 200 and "jupyter-config-data" in body, (status, body[:500])
+        yield lab
     finally:
         try:
             if url and process.poll() is None:
-                _shutdown(url, token)
+                _api(url, token, "POST", "shutdown")
                 process.wait(timeout=30)
         except (urllib.error.URLError, ConnectionError, subprocess.TimeoutExpired):
             pass
@@ -175,7 +235,8 @@ def test_lab_sh_adds_allow_root_only_as_root_and_no_browser_only_without_a_displ
 
 
 def test_make_lab_answers_within_a_minute_as_this_user_and_prints_its_url(lab_home):
-    seconds, url, printed = _run_make_lab(lab_home)
+    with _make_lab(lab_home) as lab:
+        seconds, url, printed = lab.seconds, lab.printed_url, lab.printed()
     assert "Running as root is not recommended" not in printed
     assert ("--allow-root" in printed) == (os.getuid() == 0), printed[-2000:]
     assert "--no-browser" in printed or sys.platform == "darwin", printed[-2000:]
@@ -185,8 +246,9 @@ def test_make_lab_answers_within_a_minute_as_this_user_and_prints_its_url(lab_ho
 
 def test_make_lab_answers_as_a_normal_user(lab_home):
     if os.getuid() != 0:
-        seconds, _, printed = _run_make_lab(lab_home)
-        assert "--allow-root" not in printed
+        with _make_lab(lab_home) as lab:
+            assert "--allow-root" not in lab.printed()
+            assert _capture_fd_output_off(lab.api("GET", "kernelspecs/python3")["spec"])
         return
     setpriv = shutil.which("setpriv")
     if setpriv is None:
@@ -198,6 +260,68 @@ def test_make_lab_answers_as_a_normal_user(lab_home):
                            capture_output=True, text=True)
     if probe.returncode != 0:
         pytest.skip(f"user {NOBODY} cannot run {jupyter}: {probe.stderr.strip()[-300:]}")
-    seconds, url, printed = _run_make_lab(lab_home, prefix=as_nobody, owner=NOBODY)
-    assert "--allow-root" not in printed, printed[-2000:]
-    print(f"`make lab` as uid {NOBODY} answered /api/status after {seconds:.1f} s at {url}")
+    with _make_lab(lab_home, prefix=as_nobody, owner=NOBODY) as lab:
+        printed = lab.printed()
+        assert "--allow-root" not in printed, printed[-2000:]
+        # The venv is root's: this server reads the tutorials' kernel from the repository.
+        spec = lab.api("GET", "kernelspecs/python3")["spec"]
+        assert _capture_fd_output_off(spec), (spec, printed[-2000:])
+    print(f"`make lab` as uid {NOBODY} answered /api/status after {lab.seconds:.1f} s at {lab.printed_url}")
+
+
+def test_make_lab_installs_the_tutorials_kernel_where_the_venvs_own_jupyter_finds_it(lab_home):
+    _venv_kernel_as_ipykernel_installs_it()
+    with _make_lab(lab_home) as lab:
+        printed = lab.printed()
+    # Later, `jupyter lab` started from the venv by hand, without make or JUPYTER_PATH.
+    listed = subprocess.run([str(pathlib.Path(sys.prefix) / "bin" / "jupyter"), "kernelspec", "list", "--json"],
+                            env=_environment(lab_home / "later"), capture_output=True, text=True, check=True)
+    python3 = json.loads(listed.stdout)["kernelspecs"]["python3"]
+    assert pathlib.Path(python3["resource_dir"]).is_relative_to(sys.prefix), (python3, printed[-2000:])
+    assert _capture_fd_output_off(python3["spec"]), (python3, printed[-2000:])
+
+
+# The first cells up to `count`: run as a person runs them (the active cell
+# below them, then "Run All Above"), and what they showed once the kernel is
+# idle again, each output with its MIME type.
+RUN_ABOVE_JS = """(count) => {
+    window.jupyterapp.shell.currentWidget.content.activeCellIndex = count;
+    window.jupyterapp.commands.execute('notebook:run-all-above');
+}"""
+RAN_ABOVE_JS = """(count) => {
+    const widget = window.jupyterapp.shell.currentWidget;
+    const kernel = widget.sessionContext.session && widget.sessionContext.session.kernel;
+    const prompts = [...document.querySelectorAll('.jp-Notebook .jp-Cell')].slice(0, count)
+        .filter(cell => cell.classList.contains('jp-CodeCell'))
+        .map(cell => cell.querySelector('.jp-InputArea-prompt').textContent);
+    return !!kernel && kernel.status === 'idle' && prompts.every(p => /\\[\\d+\\]/.test(p));
+}"""
+OUTPUTS_ABOVE_JS = """(count) => [...document.querySelectorAll('.jp-Notebook .jp-Cell')].slice(0, count)
+    .flatMap((cell, index) => [...cell.querySelectorAll('.jp-OutputArea-output')].map(output => ({
+        cell: index, mime: output.getAttribute('data-mime-type'), text: output.textContent})))"""
+
+
+@pytest.fixture
+def lab_server(chromium_path, lab_home, write_lab_settings):
+    """`make lab` itself, from a venv whose kernel spec is ipykernel's own, for
+    the `page` and `open_notebook` fixtures (the app exposed to the page's
+    scripts, JupyterLab settings that never save the repository's notebook)."""
+    _venv_kernel_as_ipykernel_installs_it()
+    with _make_lab(lab_home, lab_args="--LabApp.expose_app_in_browser=True",
+                   settings=write_lab_settings) as lab:
+        yield lab
+
+
+def test_the_quickstarts_first_cells_show_no_stderr_when_started_by_make_lab(lab_server, page, open_notebook):
+    cells = nbformat.read(ROOT / "notebooks" / QUICKSTART, as_version=4).cells
+    training = next(index for index, cell in enumerate(cells)
+                    if cell.cell_type == "code" and ".fit(" in cell.source)
+    open_notebook(QUICKSTART)
+    page.evaluate(RUN_ABOVE_JS, training)
+    page.wait_for_function(RAN_ABOVE_JS, arg=training, timeout=SET_UP_SECONDS * 1000)
+    outputs = page.evaluate(OUTPUTS_ABOVE_JS, training)
+    stderr = [output for output in outputs if output["mime"] == "application/vnd.jupyter.stderr"]
+    assert not stderr, ("the quickstart's first cells, as `make lab` runs them, show stderr:\n"
+                        + "\n".join(f"cell {o['cell']}: {o['text']}" for o in stderr)[-3000:])
+    # The cells' own results did reach the page (the data's shapes).
+    assert any(output["mime"] == "text/plain" for output in outputs), outputs
