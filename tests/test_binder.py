@@ -6,6 +6,8 @@ against the bounds in pyproject.toml with `packaging`.
 
 import pathlib
 import re
+import subprocess
+import sys
 import tomllib
 
 import pytest
@@ -78,6 +80,19 @@ def test_the_project_itself_is_installed_by_post_build():
     assert post_build.stat().st_mode & 0o111, "binder/postBuild must be executable"
     assert re.search(r"pip install\b.*-e \.", post_build.read_text())
     assert "training-lab" not in PINS, "the project must come from this checkout, not a pin"
+
+
+def test_post_build_installs_the_tutorials_kernel_that_make_lab_installs(tmp_path):
+    """Binder's python3 kernel is the one `make lab` gives: TensorFlow's C++
+    start-up lines go to the server's log, not into the first cell."""
+    kernelspec = pytest.importorskip("jupyter_client.kernelspec")
+    found = re.search(r"^jupyter (kernelspec install .*--sys-prefix.*)$", (BINDER / "postBuild").read_text(), re.M)
+    assert found, "binder/postBuild should install the tutorials' kernel spec (jupyter/kernels/python3)"
+    arguments = found.group(1).replace("--sys-prefix", f"--prefix={tmp_path}").split()
+    subprocess.run([sys.executable, "-m", "jupyter", *arguments], cwd=ROOT, check=True, capture_output=True)
+    manager = kernelspec.KernelSpecManager(kernel_dirs=[str(tmp_path / "share" / "jupyter" / "kernels")])
+    spec = manager.get_kernel_spec("python3")
+    assert "--IPKernelApp.capture_fd_output=False" in spec.argv, spec.argv
 
 
 def test_start_script_passes_the_command_on():
