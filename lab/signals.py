@@ -82,3 +82,50 @@ def interrupt_detail(error, where=None):
         detail += (f"; the backend's runtime reported it as {type(error).__name__} (a Ctrl-C inside a data "
                    "generator it ran), which is what was raised")
     return detail
+
+
+def notice_interrupts(landed):
+    """Calls `landed(error)` when a Ctrl-C arrives, before `error` (a
+    KeyboardInterrupt) is raised where it landed, as Python's own handler
+    raises it.
+
+    For a recording that must hear of an interrupt landing where no guard of
+    the lab will see it pass (a line of Keras' fit() between two calls).
+    Installed only on the main thread, where Python delivers signals, and
+    only over Python's default handler: a handler of the user's (or of an
+    embedding) stays as it is.
+
+    Args:
+        landed: callable `landed(error)`; what it raises is ignored.
+
+    Returns:
+        A callable that puts the previous handler back, where this one is
+        still installed.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return _nothing
+    try:
+        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            return _nothing
+
+        def handler(number, frame):
+            error = KeyboardInterrupt()
+            try:
+                landed(error)
+            except Exception:  # noqa: BLE001 - the interrupt is what the user asked for
+                pass
+            raise error
+
+        signal.signal(signal.SIGINT, handler)
+    except ValueError:  # an embedding that owns the signals
+        return _nothing
+
+    def restore():
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is handler:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    return restore
+
+
+def _nothing():
+    return None

@@ -451,3 +451,44 @@ def test_a_script_ended_by_its_fit_keeps_every_row_in_its_run_file(how, status, 
     assert np.isfinite(saved.batches()["grad_norm"]).all()
     assert saved.metadata["status"] == status
     assert saved.events()["kind"].tolist() == [kind]
+
+
+@pytest.mark.parametrize("window", ["validation's turn", "making the validation data's iterator"])
+def test_a_ctrl_c_landing_on_a_line_of_fit_itself_is_recorded_before_fit_ends(window, monkeypatch, tmp_path):
+    # A real SIGINT, sent deterministically from where no guard of the lab
+    # runs: Python raises its KeyboardInterrupt from the frame it lands in.
+    import signal
+
+    model = model_with()
+    x, y = data()
+    seen_by_the_user = []
+
+    def ctrl_c(*args, **kwargs):
+        signal.raise_signal(signal.SIGINT)
+
+    if window == "validation's turn":
+        monkeypatch.setattr(model, "_should_eval", ctrl_c, raising=False)
+    else:
+        from keras.src.backend.tensorflow import trainer
+
+        made = trainer.TFEpochIterator.__init__
+
+        def make(self, *args, **kwargs):
+            made(self, *args, **kwargs)
+            if kwargs.get("shuffle") is False:  # fit()'s validation data, after the first epoch's steps
+                ctrl_c()
+
+        monkeypatch.setattr(trainer.TFEpochIterator, "__init__", make)
+    recorder = lab.Recorder(path=str(tmp_path / "run.h5"), flush_every=3600)
+    recorder.add_status_listener(lambda status, detail: seen_by_the_user.append(status))
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0, validation_data=(x, y), callbacks=[recorder])
+
+    rows = int(model.optimizer.iterations)
+    assert rows == 6
+    assert seen_by_the_user == ["running", "interrupted"]
+    assert recorder.status == "interrupted" and len(recorder.run) == rows
+    assert lab.Run.load(tmp_path / "run.h5").metadata["status"] == "interrupted"
+    assert recorder.run.events()["kind"].tolist() == ["interrupt"]
+    assert not lab.hooks.attached(model) and _attached_names(model) == []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -23,7 +23,7 @@ from lab.breakpoints import as_breakpoints
 from lab.hooks import CompiledState, hooks_for, release_all
 from lab.observers import Observers
 from lab.run import Run
-from lab.signals import interrupt_detail, is_interrupt
+from lab.signals import interrupt_detail, is_interrupt, notice_interrupts
 from lab.status import StatusReporter
 from lab.step_logs import add_note, not_logs_message
 
@@ -172,6 +172,8 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self._epoch_logs = None  # the last epoch's logs, which callbacks after this one may add to
         self._fit_thread = None
         self._weights_put = []  # (method, step after which) of weights a callback put in the model
+        self._guarded = 0  # guards of this fit() running now (an exception raised inside passes one)
+        self._stop_noticing = None  # puts back the SIGINT handler that was there before this fit()
 
     # ---- the model's lifecycle --------------------------------------------
 
@@ -271,6 +273,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._active = True
         self._failure = None
+        self._stop_noticing = notice_interrupts(self._interrupt_landed)
         _watch_cells(self)
         if self.path:
             settle_at_exit(self)
@@ -739,6 +742,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
             # The function's own: Keras keeps running a function made before
             # `run_eagerly` or `jit_compile` was set by hand.
             recorder._step_mode = modes.running_mode(recorder.model)
+            recorder._guarded += 1
             try:
                 return function(iterator)
             except _END_OF_DATA:
@@ -746,6 +750,8 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
             except BaseException as error:
                 recorder._on_failure(error)
                 raise
+            finally:
+                recorder._guarded -= 1
 
         return guarded
 
@@ -778,11 +784,14 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
             def evaluate(*args, **kwargs):
                 if not (recorder._active and compat.is_fits_validation(kwargs)):
                     return inner(*args, **kwargs)  # a callback's own evaluate(): its errors are its own
+                recorder._guarded += 1
                 try:
                     return inner(*args, **kwargs)
                 except BaseException as error:
                     recorder._on_failure(error, where="validation")
                     raise
+                finally:
+                    recorder._guarded -= 1
 
             return evaluate
 
@@ -844,6 +853,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
 
         def factory(inner):
             def guarded(*args, **kwargs):
+                recorder._guarded += 1
                 try:
                     return inner(*args, **kwargs)
                 except _END_OF_DATA:
@@ -853,6 +863,8 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
                     if not only_from_fit or (frame is not None and compat.called_from(frame)):
                         recorder._on_failure(error, where=where)
                     raise
+                finally:
+                    recorder._guarded -= 1
 
             return guarded
 
@@ -872,6 +884,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
             def loop_factory(inner):
                 @contextlib.contextmanager
                 def catch_stop_iteration(*args, **kwargs):
+                    recorder._guarded += 1
                     try:
                         with inner(*args, **kwargs):
                             yield
@@ -880,6 +893,8 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
                     except BaseException as error:
                         recorder._on_failure(error, where="fit()'s loop over the epoch's batches")
                         raise
+                    finally:
+                        recorder._guarded -= 1
 
                 return catch_stop_iteration
 
@@ -887,6 +902,13 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         for target, name in compat.fits_calls_between_steps(model):
             self._hooks.wrap(self, target, name, self._failing_into(f"fit()'s {name}()", only_from_fit=True),
                              role="guard")
+
+    def _interrupt_landed(self, error):
+        """A Ctrl-C arrived during this fit(): where it lands outside every
+        guard (a line of fit() between two calls), it ends fit() unseen, so
+        it is recorded now, before it is raised."""
+        if self._active and self._guarded == 0 and not self._fit_gone():
+            self._on_failure(error, where="fit()")
 
     def _on_failure(self, error, where=None):
         """Records what stopped training and takes every hook off; never raises.
@@ -919,6 +941,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
             self._active = False
             self._fit_frame = None
             self._release()
+            self._put_back_interrupt_handler()
             if self.model is not None:
                 release_all(self.model)  # fit() is over: no wrapper of the lab stays on
 
@@ -938,10 +961,16 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
             self._active = False
             self._weights_put = []
             self._release()
+            self._put_back_interrupt_handler()
             if self.model is not None:
                 modes.training_ended(self.model)
         if self.path:
             self._save()
+
+    def _put_back_interrupt_handler(self):
+        stop, self._stop_noticing = self._stop_noticing, None
+        if stop is not None:
+            stop()
 
     def _release(self):
         """Leaves no trace: every hook this recorder and its probe put on comes
