@@ -1,4 +1,5 @@
-"""`make lab` starts a JupyterLab that answers, as root and as a normal user.
+"""`make lab` starts a JupyterLab that answers, as root and as a normal user,
+with a kernel that keeps TensorFlow's C++ start-up lines out of the tutorials' cells.
 
 The test runs `make lab` itself (the Makefile's own recipe, which calls
 scripts/lab.sh), with this interpreter's environment as the venv and its
