@@ -19,6 +19,7 @@ import numpy as np
 from jax import lax
 
 from lab.backend.jax import compat
+from lab.backend.jax.norms import sum_of_squares
 
 _HELD, _AVERAGE, _SEEN = 0, 1, 2
 
@@ -174,7 +175,7 @@ class Tally:
             place = self.index.get(key)
             if place is None or grad is None:
                 continue
-            square = jnp.sum(jnp.square(grad.astype(jnp.float32)))
+            square = sum_of_squares(grad)
             current = tally[place]
             tally = tally.at[place].set(jnp.where(jnp.isnan(current), square, current + square))
         self.variable.assign(tally)

@@ -13,7 +13,7 @@ gradients):
 - `_backend_update_step`, which Keras calls with the gradients it applies
   (after unscaling, clipping and accumulation) and the learning rate of
   that step: the wrapper keeps, for the `apply` that called it, each
-  gradient's sum of squares (float32, as `jnp.sum(jnp.square(g))`), the
+  gradient's sum of squares (float32, as `norms.sum_of_squares`), the
   learning rate and, with a `nonfinite()` breakpoint, whether any gradient
   element is not finite;
 - `apply`, which `stateless_apply` runs inside its `StatelessScope`: after
@@ -48,6 +48,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from lab.backend.jax import compat
+from lab.backend.jax.norms import sum_of_squares
 from lab.hooks import hooks_for
 from lab.variables import variable_keys
 
@@ -204,7 +205,7 @@ class LoopProbe:
     def _measure_grads(self, grads, variables, learning_rate):
         """(variables, rate, [sum of squares per gradient], bad or None), as arrays of the step."""
         rate = jnp.asarray(getattr(learning_rate, "value", learning_rate), jnp.float32).reshape(())
-        squares = [jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads] if self.gradients else []
+        squares = [sum_of_squares(g) for g in grads] if self.gradients else []
         bad = None
         if self.gate and grads:
             bad = jnp.logical_not(jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grads])))
@@ -250,8 +251,8 @@ class LoopProbe:
         if self.weights and before is not None:
             olds = [before[id(v)][1] if id(v) in before else v.value for v in variables]
             news = [v.value for v in variables]
-            values += [_squares(old) for old in olds] + [_squares(new) for new in news]
-            values += [_squares(new.astype(jnp.float32) - old.astype(jnp.float32)) for old, new in zip(olds, news)]
+            values += [sum_of_squares(old) for old in olds] + [sum_of_squares(new) for new in news]
+            values += [sum_of_squares(new.astype(jnp.float32) - old.astype(jnp.float32)) for old, new in zip(olds, news)]
             has += ("weights",)
         tracing = _tracing(rate) or any(_tracing(v) for v in values)
         if tracing and not self.sends:
@@ -316,9 +317,6 @@ class LoopProbe:
         if message not in self.errors:
             self.errors.append(message)
 
-
-def _squares(value):
-    return jnp.sum(jnp.square(jnp.asarray(value).astype(jnp.float32)))
 
 
 def _tracing(value):

@@ -29,6 +29,7 @@ import numpy as np
 
 from lab import schema
 from lab.backend.jax import compat
+from lab.backend.jax.norms import sum_of_squares
 from lab.backend.jax.buffer import Ring, Tally
 from lab.breakpoints import DeviceBreakpoint
 from lab.hooks import hooks_for
@@ -246,7 +247,7 @@ class Probe:
         values[schema.UPDATED] = jnp.where(held, jnp.float32(0.0), jnp.float32(1.0))
         if self.gradients:
             for key, parts in grads.items():
-                squares = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in parts)
+                squares = sum(sum_of_squares(g) for g in parts)
                 values[schema.variable_column(schema.GRAD_NORM_PREFIX, key)] = jnp.sqrt(squares)
         if self.device_points:
             new_trainable = _kept(held, trainable, new_trainable)
@@ -255,9 +256,9 @@ class Probe:
         if self.weights:
             for key, before, after in zip(self.keys.values(), trainable, new_trainable):
                 after32 = after.astype(jnp.float32)
-                values[schema.variable_column(schema.WEIGHT_NORM_PREFIX, key)] = jnp.sqrt(jnp.sum(jnp.square(after32)))
+                values[schema.variable_column(schema.WEIGHT_NORM_PREFIX, key)] = jnp.sqrt(sum_of_squares(after32))
                 change = after32 - before.astype(jnp.float32)
-                values[UPDATE_NORM + key] = jnp.sqrt(jnp.sum(jnp.square(change)))
+                values[UPDATE_NORM + key] = jnp.sqrt(sum_of_squares(change))
         row = jnp.stack([jnp.asarray(values.get(c, jnp.nan), jnp.float32).reshape(()) for c in self.columns])
         new_optimizer_vars = ring.written(new_optimizer_vars, row, ring.set_held(flags, held))
         return (new_trainable, new_non_trainable, new_optimizer_vars, new_metric_vars)
@@ -305,3 +306,4 @@ class Probe:
 def _kept(held, before, after):
     """`before` where the step is held, `after` otherwise, leaf by leaf."""
     return [jnp.where(held, b, a) for b, a in zip(before, after)]
+
