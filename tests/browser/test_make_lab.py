@@ -306,10 +306,11 @@ OUTPUTS_ABOVE_JS = """(count) => [...document.querySelectorAll('.jp-Notebook .jp
 def lab_server(chromium_path, lab_home, write_lab_settings):
     """`make lab` itself, from a venv whose kernel spec is ipykernel's own, for
     the `page` and `open_notebook` fixtures (the app exposed to the page's
-    scripts, JupyterLab settings that never save the repository's notebook)."""
+    scripts; nothing written beside the repository's notebook: no autosave, and
+    the checkpoint JupyterLab makes when it opens a notebook kept in lab_home)."""
     _venv_kernel_as_ipykernel_installs_it()
-    with _make_lab(lab_home, lab_args="--LabApp.expose_app_in_browser=True",
-                   settings=write_lab_settings) as lab:
+    lab_args = f"--LabApp.expose_app_in_browser=True --FileCheckpoints.checkpoint_dir={lab_home / 'checkpoints'}"
+    with _make_lab(lab_home, lab_args=lab_args, settings=write_lab_settings) as lab:
         yield lab
 
 
