@@ -24,6 +24,7 @@ from lab.breakpoints import as_breakpoints
 from lab.hooks import CompiledState, hooks_for
 from lab.observers import Observers
 from lab.run import Run
+from lab.signals import interrupt_detail, is_interrupt
 from lab.status import StatusReporter
 
 RECORDING_THIS_FIT = (
@@ -313,8 +314,9 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
             self.flush()
         except Exception:  # noqa: BLE001 - the state may be gone with the step that failed
             pass
-        kind = "interrupt" if isinstance(error, KeyboardInterrupt) else "error"
-        self.run.add_event(kind, f"{type(error).__name__}: {error}".strip(), step=self.run.next_step)
+        kind = "interrupt" if is_interrupt(error) else "error"
+        detail = interrupt_detail(error) if kind == "interrupt" else f"{type(error).__name__}: {error}".strip()
+        self.run.add_event(kind, detail, step=self.run.next_step)
         self._pending = []
         self._finish("interrupted" if kind == "interrupt" else "failed", f"{type(error).__name__}: {error}")
 
@@ -324,9 +326,11 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         try:
             self._release()
         finally:
-            if self.path:
-                self._save()
-            self._set_status(status, detail)
+            try:
+                self._set_status(status, detail)  # first: the file keeps it
+            finally:
+                if self.path:
+                    self._save()
 
     def _release(self):
         if self._probe is not None:
@@ -337,10 +341,31 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
     def release_hooks(self):
         self._release()
 
+    def _status_kept_in(self):
+        return self.run.metadata
+
     def detach(self):
         """Takes the recorder's hooks off the model (a later fit() without it
         runs as without the lab)."""
         self._release()
+
+    def resume_after_breakpoint(self):
+        """When training paused at a hit goes on (between batches, the state in
+        the model's variables): lets updates through again (a device breakpoint
+        holds every update after its hit until then) and sets the status back
+        to "running"."""
+        if self._probe is not None:
+            self._probe.ring.release_hold()
+        if self.status == "breakpoint":
+            self._set_status("running")
+
+    def lab_variables(self):
+        """The variables the probe added to the optimizer's state for this
+        fit() (its ring and tallies): the lab's, not the model's."""
+        if self._probe is None:
+            return []
+        ring = list(self._probe.ring.variables)
+        return ring + [t.variable for t in self._probe.tallies.values() if t.variable is not None]
 
     def add_breakpoint_listener(self, fn):
         """Calls `fn(step, detail)` when a breakpoint hits."""
