@@ -197,7 +197,7 @@ class LiveFigure:
                 relayout[f"{axis}.tickvals"] = list(range(len(self._layers)))
                 relayout[f"{axis}.ticktext"] = list(self._layers)
         if edits or relayout:
-            restyle, indexes = _update_params(edits)
+            restyle, indexes = _update_params(edits, self.figure.data)
             self.figure.plotly_update(restyle_data=restyle, relayout_data=relayout, trace_indexes=indexes)
 
     def _changed(self, key, x, y):
@@ -246,18 +246,27 @@ def _values(array):
     return array
 
 
-def _update_params(edits):
+def _update_params(edits, traces):
     """`plotly_update`'s restyle data and trace indexes for {trace index: {property: value}}.
 
-    One list per property, a value per trace; a trace that does not change
-    a property gets plotly's `Undefined` there (what `batch_update()` sends).
+    One list per property, a value per trace. A trace that does not change
+    a property is sent the value it has: plotly's front end resets a
+    property sent as `Undefined` (what `batch_update()` sends) to its
+    default, which showed a faint line in full and put it back in the
+    legend. A property its type has not (`z` of a line) stays `Undefined`.
     """
-    from plotly.basedatatypes import Undefined
-
     indexes = sorted(edits)
     names = sorted({name for edit in edits.values() for name in edit})
-    restyle = {name: [edits[i].get(name, Undefined) for i in indexes] for name in names}
+    restyle = {name: [edits[i][name] if name in edits[i] else _own(traces[i], name) for i in indexes]
+               for name in names}
     return restyle, indexes
+
+
+def _own(trace, name):
+    """The value `trace` has for property `name`, or plotly's `Undefined` where its type has no such property."""
+    from plotly.basedatatypes import Undefined
+
+    return trace[name] if name in trace else Undefined
 
 
 def _axis_name(figure, trace):

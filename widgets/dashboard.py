@@ -166,6 +166,7 @@ class Dashboard(keras.callbacks.Callback):
         self._series = ChartState(self.run, max_points, smoothing=weight)
         self.smoothing_controls = _smoothing_controls(weight)
         self._syncing_controls = False
+        self._drawing = threading.RLock()  # the chart state and the view, changed by one thread at a time
         for control in self.smoothing_controls.children:
             control.observe(self._on_smoothing_control, names="value")
         self._ghost = None
@@ -221,6 +222,7 @@ class Dashboard(keras.callbacks.Callback):
                 slider.value = weight
         finally:
             self._syncing_controls = False
+        self._drawing = threading.RLock()  # the chart state and the view, changed by one thread at a time
         self._apply_smoothing(weight)
 
     def _on_smoothing_control(self, change):
@@ -231,9 +233,13 @@ class Dashboard(keras.callbacks.Callback):
         self._apply_smoothing(slider.value if on.value else 0.0)
 
     def _apply_smoothing(self, weight):
-        if weight != self._series.smoothing:
+        # A click lands on the kernel's thread while training may refresh from
+        # its own (`widgets.BackgroundFit`): one draws at a time.
+        with self._drawing:
+            if weight == self._series.smoothing:
+                return
             self._series.smoothing = weight
-            self.refresh(final=True)
+        self.refresh(final=True)
 
     @property
     def gradients(self):
@@ -462,17 +468,18 @@ class Dashboard(keras.callbacks.Callback):
         started = time.monotonic()
         self._rate_samples.append((started, self._progress["done"]))
         try:
-            view = self.live_view or self._choose_view()
-            data = self._series.update()
-            status = self._header_html()
-            if view.kind == "html":
-                if self._ghost is not None:  # a new ChartData: the state hands the same one out again
-                    data = dataclasses.replace(data, loss=[*data.loss[:1], self._ghost, *data.loss[1:]])
-                if self.status in _TERMINAL:
-                    status = self._static_status_html()
-            view.send(data, status, final=final)
-            self.header.value = self._header_html()
-            self.refreshes += 1
+            with self._drawing:
+                view = self.live_view or self._choose_view()
+                data = self._series.update()
+                status = self._header_html()
+                if view.kind == "html":
+                    if self._ghost is not None:  # a new ChartData: the state hands the same one out again
+                        data = dataclasses.replace(data, loss=[*data.loss[:1], self._ghost, *data.loss[1:]])
+                    if self.status in _TERMINAL:
+                        status = self._static_status_html()
+                view.send(data, status, final=final)
+                self.header.value = self._header_html()
+                self.refreshes += 1
         except Exception as error:  # noqa: BLE001 - a view must never stop training
             self._view_failed = True
             warnings.warn(f"The Dashboard could not draw ({error!r}); recording goes on, "
@@ -516,7 +523,8 @@ class Dashboard(keras.callbacks.Callback):
         """The header line now (prediction progress), in the header widget or the HTML view."""
         self.header.value = self._header_html()
         if self._html_view() and not self._view_failed:
-            self.live_view.send(self._series.update(), self._header_html(), final=final)
+            with self._drawing:
+                self.live_view.send(self._series.update(), self._header_html(), final=final)
 
     def _html_view(self):
         return self.live_view is not None and self.live_view.kind == "html"

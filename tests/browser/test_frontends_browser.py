@@ -6,7 +6,9 @@ recorded (`dash.run.batches()`'s steps and losses) as JSON. The test runs all
 cells in the page, samples the Dashboard's loss chart at 4 Hz while `fit()`
 runs, and checks, from the page alone: the chart gained points during the
 run, never lost any, and when the run ended it held exactly the kernel's
-steps and losses.
+steps and losses. Then, as a reader sees it: the smoothing control is there
+and on, each row's legend sits beside its own row, loss and accuracy are in
+different colours, and unticking "smooth" takes the smoothed lines away.
 
 It also photographs the Dashboard while it trains (artifacts/
 dashboard-running.png); with TRAINING_LAB_SCREENSHOT=docs/dashboard.png
@@ -88,6 +90,70 @@ FINAL_TRACE_JS = """() => {
             drawn: plot.querySelectorAll('.scatterlayer .trace path.js-line').length,
             height: plot.getBoundingClientRect().height};
 }"""
+
+# Where each legend entry and each row is drawn, in page pixels, and the
+# smoothing control's state.
+LOOK_JS = """() => {
+    const output = document.querySelector('.training-lab-status').closest('.jp-OutputArea-output');
+    const plot = output.querySelector('.js-plotly-plot');
+    const box = plot.getBoundingClientRect();
+    const layout = plot._fullLayout;
+    const rows = {};
+    for (const [name, axis] of [['loss', 'yaxis'], ['metrics', 'yaxis2'], ['gradients', 'yaxis3']]) {
+        rows[name] = {top: box.top + layout[axis]._offset, bottom: box.top + layout[axis]._offset + layout[axis]._length};
+    }
+    const plotRight = box.left + layout.xaxis._offset + layout.xaxis._length;
+    // Legend n's entries are text.legend<n>text (the first's, text.legendtext).
+    const entries = [...plot.querySelectorAll('text[class^="legend"][class$="text"]')].map(t => {
+        const r = t.getBoundingClientRect();
+        return {name: t.textContent, top: r.top, bottom: r.bottom, left: r.left};
+    });
+    const color = name => { const t = plot._fullData.find(d => d.name === name); return t ? t.line.color : null; };
+    const control = output.querySelector('.training-lab-smoothing');
+    const box2 = control ? control.getBoundingClientRect() : null;
+    return {
+        rows: rows, plotRight: plotRight, entries: entries,
+        colors: {loss: color('loss (smoothed)'), accuracy: color('accuracy (smoothed)'), raw: color('loss')},
+        rawOpacity: (plot._fullData.find(d => d.name === 'loss') || {}).opacity,
+        control: control ? {
+            text: control.textContent,
+            checked: control.querySelector('input[type=checkbox]').checked,
+            slider: !!control.querySelector('.widget-slider, .noUi-target, input[type=range]'),
+            visible: box2.width > 0 && box2.height > 0 && box2.bottom <= box.top + 5,
+        } : null,
+    };
+}"""
+
+SMOOTHED_POINTS_JS = """() => {
+    const output = document.querySelector('.training-lab-status').closest('.jp-OutputArea-output');
+    const plot = output.querySelector('.js-plotly-plot');
+    const trace = plot.data.find(t => t.name === 'loss (smoothed)');
+    return trace && trace.y ? trace.y.length : null;
+}"""
+
+
+def _assert_reads_at_a_glance(page, steps):
+    """The smoothing control, a legend beside each row, loss and accuracy in two colours; untick "smooth"."""
+    look = page.evaluate(LOOK_JS)
+    control = look["control"]
+    assert control and control["visible"] and "smooth" in control["text"] and "weight" in control["text"], control
+    assert control["checked"] and control["slider"] and "0.60" in control["text"], control
+    rows, entries = look["rows"], {e["name"]: e for e in look["entries"]}
+    for name, row in (("loss (smoothed)", "loss"), ("val_loss", "loss"), ("accuracy (smoothed)", "metrics"),
+                      ("val_accuracy", "metrics"), ("sequential/dense", "gradients")):
+        assert name in entries, f"no legend entry {name!r}; the legends hold {sorted(entries)}"
+        entry = entries[name]
+        assert rows[row]["top"] - 5 <= entry["top"] and entry["bottom"] <= rows[row]["bottom"] + 5, (
+            f"the legend entry {name!r} is not beside the {row} row: {entry} vs {rows}")
+        assert entry["left"] > look["plotRight"], f"the legend entry {name!r} overlaps its plot"
+    assert "loss" not in entries, "the raw loss line, faint behind the smoothed one, has a legend entry"
+    colors = look["colors"]
+    assert colors["loss"] and colors["accuracy"] and colors["loss"] != colors["accuracy"], colors
+    assert colors["raw"] == colors["loss"] and look["rawOpacity"] < 0.5, look
+    assert page.evaluate(SMOOTHED_POINTS_JS) == steps
+    page.locator(".training-lab-smoothing input[type=checkbox]").click()
+    page.wait_for_function(f"() => ({SMOOTHED_POINTS_JS})() === 0", timeout=30_000)
+
 
 def _add_check_cell(name, notebook):
     if name == NOTEBOOK:
@@ -186,6 +252,7 @@ def test_notebook7_draws_the_quickstarts_loss_live_and_ends_with_the_kernels_run
     worst = max(abs(a - b) / max(abs(b), 1e-6) for a, b in zip(final["y"], kernel["loss"]))
     assert worst < 1e-5, f"the chart's losses differ from run.batches()['loss'] (relative {worst:.2g})"
     assert final["drawn"] >= 1 and final["height"] > 100, final
+    _assert_reads_at_a_glance(page, steps)
 
     if os.environ.get(SCREENSHOT_ENV):
         assert screenshot.exists(), (

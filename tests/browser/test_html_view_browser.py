@@ -9,12 +9,15 @@ view="html")`, with one cell added at the end that prints what the kernel
 recorded (`dash.run.batches()`'s steps and losses) as JSON.
 
 The test runs all cells in the page, samples the HTML view's loss line (the
-SVG polyline beside the "loss" legend entry) at 4 Hz while `fit()` runs,
+raw per-batch SVG polyline, drawn faint under its smoothed one) at 4 Hz while `fit()` runs,
 and checks from the page alone: the extension is off, no plotly chart
 appeared, the line gained points during the run and never lost any, and the
 final line is the kernel's run: one point per batch, x proportional to the
 step and y to the batch's own loss (a least-squares fit of the drawn pixels
-to the kernel's numbers leaves no more than the SVG's rounding).
+to the kernel's numbers leaves no more than the SVG's rounding). And as a
+reader sees it: the smoothing control above the charts, on; the loss and the
+metrics on charts of their own, each with its legend naming its own lines,
+in different colours.
 """
 
 import json
@@ -37,22 +40,40 @@ print({MARK!r} + json.dumps({{"step": [int(s) for s in _batches["step"]],
                               "loss": [float(v) for v in _batches["loss"]]}}))
 """
 
-# The loss line of the newest HTML view: the polyline drawn in the colour of
-# the "loss" legend entry of its first chart. Its points, as [x, y] pixels.
+# The raw loss line of the newest HTML view (its first chart's polyline
+# named "loss"). Its points, as [x, y] pixels.
 LOSS_LINE_JS = """
 function lossLine() {
     const views = document.querySelectorAll('.training-lab-html-view');
     const view = views.length ? views[views.length - 1] : null;
     const svg = view ? view.querySelector('svg') : null;
     if (!svg) return {view: view, points: null};
-    const label = [...svg.querySelectorAll('text')].find(t => t.textContent === 'loss');
-    const swatch = label ? label.previousElementSibling : null;
-    const color = swatch ? swatch.getAttribute('fill') : null;
-    const line = color ? [...svg.querySelectorAll('polyline')].find(p => p.getAttribute('stroke') === color) : null;
+    const line = svg.querySelector('polyline[data-name="loss"]');
     const points = line ? line.getAttribute('points').trim().split(/\\s+/).map(p => p.split(',').map(Number)) : [];
     return {view: view, points: points};
 }
 """
+
+# Each chart of the newest HTML view: its title, its legend's names, the
+# stroke of each named line; and the smoothing control above the view.
+CHARTS_JS = """() => {
+    const views = document.querySelectorAll('.training-lab-html-view');
+    const view = views[views.length - 1];
+    const charts = [...view.querySelectorAll('svg')].map(svg => {
+        const texts = [...svg.querySelectorAll('text')];
+        return {
+            title: texts[0].textContent,
+            legend: texts.filter(t => t.getAttribute('font-size') === '10' && t.previousElementSibling &&
+                                      ['rect', 'circle'].includes(t.previousElementSibling.tagName)).map(t => t.textContent),
+            strokes: Object.fromEntries([...svg.querySelectorAll('polyline[data-name]')].map(
+                p => [p.getAttribute('data-name'), p.getAttribute('stroke')])),
+        };
+    });
+    const control = document.querySelector('.training-lab-smoothing');
+    return {charts: charts, control: control ? {
+        text: control.textContent, checked: control.querySelector('input[type=checkbox]').checked,
+        above: control.getBoundingClientRect().bottom <= view.getBoundingClientRect().top} : null};
+}"""
 
 SAMPLE_JS = """([mark]) => {
     %s
@@ -149,3 +170,12 @@ def test_html_view_draws_the_quickstarts_loss_live_without_anywidget_and_ends_wi
         f"the line's x pixels are not the kernel's steps (off by up to {x_off:.2f} px)")
     assert y_slope < 0 and y_off <= PIXEL_ROUNDING, (
         f"the line's y pixels are not the kernel's losses (off by up to {y_off:.2f} px)")
+
+    look = page.evaluate(CHARTS_JS)
+    control = look["control"]
+    assert control and control["checked"] and "smooth" in control["text"] and control["above"], control
+    loss, metrics = look["charts"][:2]
+    assert loss["title"].startswith("loss per batch") and metrics["title"].startswith("metrics per batch"), look
+    assert loss["legend"] == ["loss (smoothed)", "val_loss"], loss
+    assert metrics["legend"] == ["accuracy (smoothed)", "val_accuracy"], metrics
+    assert loss["strokes"]["loss"] == loss["strokes"]["loss (smoothed)"] != metrics["strokes"]["accuracy (smoothed)"]

@@ -424,9 +424,16 @@ def test_each_plotly_row_has_its_own_legend_and_loss_and_metrics_differ_in_colou
     state.smoothing = 0  # off: the smoothed lines go, the raw ones come back in full
     comm_log.clear()
     live.update(state.update())
-    assert len(comm_log.updates_to(live.figure)) == 1
+    [message] = comm_log.updates_to(live.figure)
     assert len(live.trace("loss (smoothed)").y) == 0 and len(live.trace("accuracy (smoothed)", "metrics").y) == 0
     assert live.trace("loss").opacity == 1 and live.trace("loss").showlegend is True
+    # What the front end gets: plotly's front end resets a property sent as
+    # undefined to its default, so every line in the message carries its own.
+    traces, _ = _received(message)
+    lines = [i for i, t in enumerate(live.figure.data) if t.type == "scatter" and i in traces["opacity"]]
+    assert len(lines) >= 4 and all(traces["opacity"][i] == live.figure.data[i].opacity for i in lines)
+    assert traces["showlegend"][live._traces[("loss", "loss")]] is True
+    assert len(traces["y"][live._traces[("loss", "loss (smoothed)")]]) == 0
 
 
 def test_the_svg_charts_give_loss_and_metrics_a_chart_and_a_legend_each():
