@@ -242,11 +242,14 @@ def _fit_failing_in_keras_own_code(recorder):
 
 
 @pytest.mark.parametrize("next_use", ["fit", "evaluate", "another recorder"])
-def test_a_fit_ended_by_keras_own_code_is_told_and_unhooked_at_the_models_next_use(next_use):
+def test_a_fit_ended_by_keras_own_code_is_told_and_unhooked_as_it_ends(next_use):
+    # Keras fails in its own loop over the epoch's batches, calling the train
+    # function compile() took away: seen there, before fit() has ended.
     x, y = data()
     bare = _fit_failing_in_keras_own_code(None)
     recorder = lab.Recorder(gradients=True, breakpoints=[lab.breakpoints.nonfinite()])
     model = _fit_failing_in_keras_own_code(recorder)
+    assert recorder.status == "failed" and not lab.hooks.attached(model)
     assert_same = [np.array_equal(a, b) for a, b in zip(model.get_weights(), bare.get_weights())]
     assert all(assert_same)
     if next_use == "fit":
@@ -261,12 +264,36 @@ def test_a_fit_ended_by_keras_own_code_is_told_and_unhooked_at_the_models_next_u
         assert again.status == "finished" and len(again.run.batches()) == 6
     assert recorder.status == "failed"
     [event] = recorder.run.events().itertuples()
-    assert event.kind == "error" and "Keras' own code" in event.detail
+    assert event.kind == "error" and "TypeError" in event.detail
     assert len(recorder.run.batches()) == 6
     assert not (lab.hooks.attached(model) and next_use != "another recorder")
     assert _attached_names(model) == []
     if next_use != "evaluate":
         assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), bare.get_weights()))
+
+
+@pytest.mark.parametrize("next_use", ["fit", "evaluate"])
+def test_a_fit_ended_where_no_guard_sees_is_told_and_unhooked_at_the_models_next_use(next_use, monkeypatch):
+    # An error (no Ctrl-C, which is heard as it lands) raised by a line of
+    # fit() between its epoch's loop and its callbacks reaches no guard of the lab.
+    def should_eval(epoch, validation_freq):
+        raise RuntimeError("Keras failed between steps")
+
+    model = model_with()
+    x, y = data()
+    monkeypatch.setattr(model, "_should_eval", should_eval, raising=False)
+    recorder = lab.Recorder()
+    with pytest.raises(RuntimeError):
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0, validation_data=(x, y), callbacks=[recorder])
+    monkeypatch.undo()
+    if next_use == "fit":
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    else:
+        model.evaluate(x, y, verbose=0)
+    assert recorder.status == "failed" and len(recorder.run) == 6
+    [event] = recorder.run.events().itertuples()
+    assert event.kind == "error" and "Keras' own code" in event.detail
+    assert not lab.hooks.attached(model) and _attached_names(model) == []
 
 
 def test_in_a_notebook_a_fit_ended_by_keras_own_code_is_told_and_unhooked_when_its_cell_ends():
