@@ -519,3 +519,46 @@ def test_a_ctrl_c_landing_on_a_line_of_fit_itself_is_recorded_before_fit_ends(wi
     assert recorder.run.events()["kind"].tolist() == ["interrupt"]
     assert not lab.hooks.attached(model) and _attached_names(model) == []
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+# ---- a watched loop -------------------------------------------------------------
+
+@pytest.mark.parametrize("source", ["python generator", "tf.data from a generator"])
+def test_an_interrupt_in_a_watched_loops_data_is_recorded_as_one(source):
+    # Through tf.data, TensorFlow raises the generator's KeyboardInterrupt
+    # as UnknownError; the run says interrupted either way, and the loop
+    # gets the error it gets without the lab.
+    model = model_with()
+    optimizer = model.optimizer
+
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean((model(x, training=True) - y) ** 2)
+        optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+        return loss
+
+    def batches():
+        yield from batches_until_interrupt(3)
+
+    stream = batches() if source == "python generator" else tf.data.Dataset.from_generator(
+        batches, output_signature=(tf.TensorSpec((8, 4), tf.float32), tf.TensorSpec((8, 1), tf.float32)))
+    with pytest.raises(BaseException) as raised:
+        with lab.watch(model, optimizer) as run:
+            for x, y in stream:
+                run.step(loss=train_step(x, y))
+    assert lab.signals.is_interrupt(raised.value)
+    assert isinstance(raised.value, KeyboardInterrupt) == (source == "python generator")
+    assert run.status == "interrupted" and len(run) == 3 == int(optimizer.iterations)
+    [event] = run.events().itertuples()
+    assert event.kind == "interrupt" and event.detail.startswith("KeyboardInterrupt")
+    assert "apply" not in vars(optimizer) and "_backend_update_step" not in vars(optimizer)
+
+
+def test_an_error_that_only_mentions_an_interrupt_is_no_interrupt():
+    assert not lab.signals.is_interrupt(ValueError("KeyboardInterrupt"))
+    assert not lab.signals.is_interrupt(RuntimeError("stopped"))
+    try:
+        raise RuntimeError("stopped") from KeyboardInterrupt()
+    except RuntimeError as error:
+        assert lab.signals.is_interrupt(error)
