@@ -562,3 +562,22 @@ def test_an_error_that_only_mentions_an_interrupt_is_no_interrupt():
         raise RuntimeError("stopped") from KeyboardInterrupt()
     except RuntimeError as error:
         assert lab.signals.is_interrupt(error)
+
+
+# ---- a Stepper ------------------------------------------------------------------
+
+@pytest.mark.parametrize("source", ["python generator", "tf.data from a generator"])
+def test_an_interrupt_in_a_steppers_data_is_recorded_and_no_step_is_lost(source):
+    model = model_with()
+    stream = batches_until_interrupt(3) if source == "python generator" else tf.data.Dataset.from_generator(
+        lambda: batches_until_interrupt(3),
+        output_signature=(tf.TensorSpec((8, 4), tf.float32), tf.TensorSpec((8, 1), tf.float32)))
+    stepper = lab.Stepper(model, stream, run=lab.Run())
+    with pytest.raises(BaseException) as raised:
+        stepper.step(5)
+    assert lab.signals.is_interrupt(raised.value)
+    assert len(stepper.traces) == len(stepper.run) == 3 == int(model.optimizer.iterations)
+    events = stepper.run.events()
+    [detail] = events[events["kind"] == "interrupt"]["detail"]
+    assert detail.startswith("KeyboardInterrupt in the data, reading step 3's batch")
+    assert not lab.hooks.attached(model)
