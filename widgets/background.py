@@ -3,10 +3,10 @@
 While a cell runs a blocking `fit()`, ipykernel handles widget clicks only
 after the cell ends. `BackgroundFit` runs `model.fit(...)` on a daemon thread
 and returns at once; Pause, Continue, Stop and Step act at the next batch
-boundary through `lab.backend.tensorflow.pause.PauseController`, which also pauses at a
-breakpoint's hit and opens the stepper on it, and so does a mode switch
-asked for with `lab.modes.request_mode` (the ModeSwitch widget). This module
-is the thread and the buttons; what a pause does is `lab.backend.tensorflow.pause`'s.
+boundary through the backend's `PauseController` (`lab.pause`), which also
+pauses at a breakpoint's hit and opens the stepper on it, and so does a mode
+switch asked for with `lab.modes.request_mode` (the ModeSwitch widget). This module is the thread and the buttons; what a pause does is
+`lab.pause`'s.
 
 Threading rules kept here: widget callbacks only set flags (never run model
 ops) while training runs; model ops from the panel happen only while the
@@ -18,7 +18,9 @@ every wait, so nothing here can hang a notebook run.
 import threading
 import time
 
-from lab.backend.tensorflow.pause import PauseController, find_recorder
+import lab.backend
+
+pause = lab.backend.module("pause")
 
 STATES = ("idle", "running", "paused", "stopped", "finished", "failed")
 
@@ -26,14 +28,18 @@ STATES = ("idle", "running", "paused", "stopped", "finished", "failed")
 class BackgroundFit:
     """Runs `model.fit(...)` on a daemon thread, controllable between batches.
 
+    While paused, the model's weights and optimizer state are those after
+    the last batch that ran (on JAX too, where `fit()` keeps them outside
+    the variables between batches), and `fit()` goes on from them.
+
     With a Recorder or Dashboard among the callbacks whose breakpoints are
     armed, a hit pauses training instead of stopping it: the model is put
     back to its state before that batch and `stepper` (a `lab.Stepper` on the
     batch in flight) lets you step or rewind it; `resume()` continues `fit()`
     with the next batch. Keeping the batch in flight costs, per batch while
-    breakpoints are armed, one host copy of the model's training state and a
-    one-batch call (see `lab.in_flight.BatchInFlight`; it needs
-    `steps_per_execution=1`).
+    breakpoints are armed, one copy of the model's training state (on the
+    host on TensorFlow, on the device on JAX; see
+    `lab.in_flight.BatchInFlight`; it needs `steps_per_execution=1`).
 
     Args:
         model: keras.Model, compiled.
@@ -55,8 +61,8 @@ class BackgroundFit:
         self.model = model
         self.args, self.kwargs = args, kwargs
         self.callbacks = list(kwargs.pop("callbacks", None) or [])
-        self.recorder = find_recorder(self.callbacks)
-        self.controller = PauseController(self.recorder, on_state=self._set_state)
+        self.recorder = pause.find_recorder(self.callbacks)
+        self.controller = pause.PauseController(self.recorder, on_state=self._set_state)
         self.state = "idle"
         self.detail = ""
         self.error = None

@@ -10,16 +10,15 @@ one chart.
 
 import html
 import numbers
+import sys
 import threading
 import time
 
 import ipywidgets
 import keras
-import tensorflow as tf
 
 from lab.arguments import GRADIENTS_EXAMPLE, check_class_weight, check_flag
-from lab.backend.tensorflow.devices import devices
-from lab.backend.tensorflow.stepper import Stepper
+from lab.backend import Stepper, devices
 from lab.breakpoints import as_breakpoints, nonfinite
 from widgets.background import BackgroundFit
 from widgets.dashboard import Dashboard
@@ -38,24 +37,27 @@ class Lab(ipywidgets.VBox):
 
     Run / Pause / Continue / Stop above four tabs: **Training** (the live
     Dashboard: its plotly chart, or on Colab and in VS Code its HTML view as
-    SVG in a core widget), **Modes** (eager / graph / XLA, and Compare), **Stepper**
-    (step `train_step` by hand while no training runs; when a breakpoint
-    pauses training it opens here on the batch that hit, with the model as
-    before that batch, and its Continue resumes `fit()`), **Devices** (the
+    SVG in a core widget), **Modes** (the backend's modes: eager / graph / XLA
+    on TensorFlow, eager / XLA on JAX; and Compare), **Stepper** (step
+    `train_step` by hand while no training runs; when a breakpoint pauses
+    training it opens here on the batch that hit, with the model as before
+    that batch, and its Continue resumes `fit()`), **Devices** (the
     DevicePicker when `build_model` is given, otherwise the device list).
 
     Args:
         model: keras.Model, compiled; None when `build_model` builds it.
         data: tuple `(x, y)` or `(x, y, sample_weight)` of arrays, the inputs
             `x` alone (as `fit(x)` takes them: a GAN, an autoencoder), or a
-            batched `tf.data.Dataset`: what each Run trains on.
+            batched `tf.data.Dataset` or a `keras.utils.PyDataset`: what each
+            Run trains on.
         batch_size: int, for array data.
         epochs: int, epochs per Run.
         validation_data: as `fit()` takes it, or None.
         gradients: bool, record and chart per-layer gradient norms.
         breakpoints: sequence of `lab.Breakpoint`, or None for
             `lab.breakpoints.nonfinite()` alone; `()` arms none (arming keeps
-            each batch in flight: one host copy of the model's state per batch).
+            each batch in flight: one copy of the model's state per batch, on
+            the host on TensorFlow, on the device on JAX).
         build_model: callable or None, a factory returning a compiled model,
             for the DevicePicker (it builds under the chosen strategy's scope;
             the panel then trains that model).
@@ -330,7 +332,7 @@ def _checked_data(data):
     """`data` as `(x, y)`, `(x, y, sample_weight)` or a dataset; x alone, as fit(x) takes it, is `(x, None)`."""
     if isinstance(data, list):
         data = tuple(data)
-    if isinstance(data, (tf.data.Dataset, keras.utils.PyDataset)):
+    if isinstance(data, keras.utils.PyDataset) or _is_tf_dataset(data):
         return data
     if isinstance(data, dict) or hasattr(data, "shape"):
         data = (data,)  # inputs alone: a model whose train_step needs no targets (a GAN, an autoencoder)
@@ -348,6 +350,13 @@ def _checked_data(data):
         raise ValueError("Lab(model, data): data's x is None; pass the training inputs as data=(x, y), "
                          "or data=x for a model trained on x alone.")
     return data
+
+
+def _is_tf_dataset(data):
+    """Whether `data` is a `tf.data.Dataset`; asked without importing
+    TensorFlow, which holds no dataset unless something imported it."""
+    tensorflow = sys.modules.get("tensorflow")
+    return tensorflow is not None and isinstance(data, tensorflow.data.Dataset)
 
 
 def _positive_int(argument, value, optional=False):

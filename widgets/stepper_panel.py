@@ -1,7 +1,6 @@
 """StepperPanel: buttons and views over a `lab.Stepper`, one step at a time."""
 
 import html
-import importlib
 
 import ipywidgets
 import numpy as np
@@ -169,8 +168,7 @@ class StepperPanel(ipywidgets.VBox):
 def trace_condition(condition):
     """`condition` as a callable on a StepTrace, as the stepper of the backend
     Keras runs on reads it (a TypeError for something that is not a condition)."""
-    stepper_module = importlib.import_module(f"lab.backend.{lab.backend.NAME}.stepper")
-    return stepper_module.trace_condition(condition)
+    return lab.backend.module("stepper").trace_condition(condition)
 
 
 # ---- what is shown (pure functions) --------------------------------------------

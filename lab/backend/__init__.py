@@ -20,7 +20,12 @@ Capability flags:
         program (JAX's SPMD).
     CALLBACKS_MAY_RUN_OFF_THREAD: bool, whether Keras may run batch-end
         callbacks on a thread pool.
+
+`module(name)` is the backend's own module of that name (`pause`, `stepper`,
+...), for shared code that needs more than the public names.
 """
+
+import importlib
 
 from lab import _versions
 
@@ -32,3 +37,12 @@ if NAME == "tensorflow":
 elif NAME == "jax":
     from lab.backend.jax import *  # noqa: F401,F403
     from lab.backend.jax import __all__  # noqa: F401
+
+
+def module(name):
+    """The backend's own module `name`: `lab.backend.<NAME>.<name>`.
+
+    Args:
+        name: str, a module every backend has (`"pause"`, `"stepper"`, ...).
+    """
+    return importlib.import_module(f"{__name__}.{NAME}.{name}")

@@ -2,7 +2,8 @@
 ring carried in the optimizer's state, read in blocks.
 
 What runs here: `lab.Recorder` and `widgets.Dashboard` in `fit()` (with
-gradients, weights and device breakpoints), the Stepper, `lab.watch` over a
+gradients, weights and device breakpoints), pausing a `fit()` that runs on
+a thread of its own (`pause`, `in_flight`), the Stepper, `lab.watch` over a
 hand-written jitted loop, modes and `compare_modes`, devices, virtual CPUs
 and data parallelism (`keras.distribution`). A public name this backend does
 not have yet is a placeholder that says so when used.
@@ -10,7 +11,7 @@ not have yet is a placeholder that says so when used.
 
 import importlib
 
-from lab.backend.jax import compat, modes  # noqa: E402
+from lab.backend.jax import compat, in_flight, modes  # noqa: E402
 from lab.backend.jax.devices import devices, strategy, virtual_cpus  # noqa: E402
 from lab.backend.jax.mode_comparison import compare_modes  # noqa: E402
 from lab.backend.jax.modes import ModeError, ModeSwitcher, set_mode  # noqa: E402
@@ -28,7 +29,6 @@ STATE_OUTSIDE_VARIABLES_DURING_FIT = True
 HAS_REPLICA_CONTEXT = False
 CALLBACKS_MAY_RUN_OFF_THREAD = True
 
-in_flight = _placeholder("in_flight", "JAX")
 DataReport = _placeholder("DataReport", "JAX")
 inspect_data = _placeholder("inspect_data", "JAX")
 

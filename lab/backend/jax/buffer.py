@@ -117,6 +117,13 @@ class Ring:
 
     # ---- on the host -------------------------------------------------------------
 
+    def release_hold(self):
+        """Lets updates through again after a device breakpoint's hit: between
+        batches, with the state in the variables (a paused fit())."""
+        if self.optimizer is not None and self.variables:
+            flags = self.variables[2]
+            flags.assign(self.set_held(flags.value, False))
+
     def read(self, optimizer_values):
         """(rows written since the last read as a `rows x width` array, rows lost)."""
         if self.optimizer is None or not self.variables:
