@@ -300,10 +300,3 @@ def test_without_keras_backend_set_the_error_names_the_installed_backend(tmp_pat
                           cwd=tmp_path, timeout=120)
     assert done.returncode != 0
     assert "set KERAS_BACKEND='jax' before importing keras" in done.stderr.splitlines()[-1]
-
-
-def test_a_view_that_needs_tensorflow_says_so_on_jax():
-    import widgets
-
-    with pytest.raises(NotImplementedError, match="widgets.Lab does not run on Keras' jax backend yet"):
-        widgets.Lab
