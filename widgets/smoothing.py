@@ -70,13 +70,26 @@ class Smoother:
         if not len(new):
             return smoothed
         w = self.weight
-        k = np.arange(1, len(new) + 1)
         # The block's own average from 0 is the ewm mean times (1 - w**k);
         # what was carried in before decays by w**k.
         mean = pd.Series(new).ewm(alpha=1 - w, adjust=True).mean().to_numpy()
-        decay = w ** k
+        decay = _powers(w, 0, len(new))
         last = decay * self.last + (1 - decay) * mean
-        smoothed[finite] = last / (1 - w ** (self.count + k))
+        smoothed[finite] = last / (1 - _powers(w, self.count, len(new)))
         self.last = float(last[-1])
         self.count += len(new)
         return smoothed
+
+
+
+def _powers(weight, start, count):
+    """`weight ** (start + 1)`, ..., `weight ** (start + count)`, each at least 1e-20 (nothing
+    next to 1 in float64): smaller ones are subnormal numbers, on which the CPU is many times
+    slower, and the rest need not be raised to a power at all."""
+    floor = 1e-20
+    if weight == 0:
+        return np.zeros(count)
+    powers = np.full(count, floor)
+    above = max(0, min(count, int(np.log(floor) / np.log(weight)) - start))
+    powers[:above] = weight ** np.arange(start + 1, start + above + 1, dtype=np.float64)
+    return powers
