@@ -48,7 +48,7 @@ class LiveFigure:
         }
         self.rows = {name: i + 1 for i, name in enumerate(rows)}
         grid = make_subplots(
-            rows=len(rows), cols=1, shared_xaxes=True, vertical_spacing=0.3 / len(rows),
+            rows=len(rows), cols=1, shared_xaxes=True, vertical_spacing=0.24 / len(rows),
             subplot_titles=[titles[name] for name in rows],
         )
         # Laid out as a plain Figure, then wrapped once: every change made to

@@ -638,7 +638,7 @@ def _forward_batch_hooks(dashboard, recorder):
 
 def _smoothing_controls(weight):
     """The "smooth" checkbox and weight slider of the per-batch lines, in one row."""
-    on = ipywidgets.Checkbox(value=bool(weight), description="smooth", indent=False,
+    on = ipywidgets.Checkbox(value=bool(weight), description="smooth per-batch lines", indent=False,
                              layout=ipywidgets.Layout(width="auto"))
     slider = ipywidgets.FloatSlider(
         value=weight or DEFAULT_WEIGHT, min=0.0, max=0.99, step=0.01, description="weight",
