@@ -103,3 +103,34 @@ def test_a_script_ended_by_its_fit_keeps_every_row_in_its_run_file(how, status, 
     saved = lab.Run.load(Path(path))
     assert len(saved) == json.loads(line)["rows"]
     assert saved.metadata["status"] == status and saved.events()["kind"].tolist() == [kind]
+
+
+def test_an_interrupt_in_a_host_callback_of_a_watched_loop_is_recorded_as_one():
+    # JAX raises a KeyboardInterrupt inside a host callback (a data pipeline's
+    # io_callback) as JaxRuntimeError; the run says interrupted all the same.
+    import jax
+    import jax.numpy as jnp
+    from test_watch import Guide, mnist_like
+
+    def host(x):
+        raise KeyboardInterrupt
+
+    @jax.jit
+    def augmented(x):
+        jax.experimental.io_callback(host, None, x[0, 0])
+        return x
+
+    guide = Guide()
+    state = guide.start()
+    with pytest.raises(Exception, match="KeyboardInterrupt") as raised:
+        with lab.watch(guide.model, guide.optimizer) as run:
+            for step, (x, y) in enumerate(mnist_like(4)):
+                if step == 2:
+                    x = augmented(jnp.asarray(x))
+                loss, state = guide.train_step(state, (x, y))
+                run.step(loss=loss)
+    assert not isinstance(raised.value, KeyboardInterrupt)
+    assert run.status == "interrupted" and len(run) == 2
+    [event] = run.events().itertuples()
+    assert event.kind == "interrupt" and type(raised.value).__name__ in event.detail
+    assert not lab.hooks.attached(guide.model)

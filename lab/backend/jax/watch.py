@@ -51,6 +51,7 @@ from lab.backend.jax import loop_probe
 from lab.backend.jax.loop_probe import LoopProbe
 from lab.breakpoints import BreakpointHit
 from lab.run import Run
+from lab.signals import interrupt_detail, is_interrupt
 from lab.status import StatusReporter
 from lab.variables import find_optimizers
 
@@ -170,6 +171,9 @@ class WatchedRun(StatusReporter, Run):
         self._init_status()
 
     # ---- closing a step ------------------------------------------------------
+
+    def _status_kept_in(self):
+        return self.metadata
 
     def step(self, loss=None, **metrics):
         """Closes this step's row: the loss and metrics given, the probes' values.
@@ -494,8 +498,8 @@ class WatchedRun(StatusReporter, Run):
             told = UNCLOSED_MESSAGE.format(count=updates, step=self._steps)
             if error is None:
                 self.add_event("warning", told, step=self._steps)
-        if isinstance(error, KeyboardInterrupt):
-            self.add_event("interrupt", "KeyboardInterrupt" + (f"; {told}" if told else ""), step=self._steps)
+        if is_interrupt(error):
+            self.add_event("interrupt", interrupt_detail(error) + (f"; {told}" if told else ""), step=self._steps)
             self._set_status("interrupted")
         elif isinstance(error, BreakpointHit):
             self._set_status("stopped", error.detail)
