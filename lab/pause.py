@@ -29,6 +29,9 @@ import keras
 # How often a parked training thread looks whether it may go on (seconds).
 _POLL = 0.05
 
+NO_BATCH_KEPT = ("No batch is kept: BatchInFlight keeps batches only while armed and at "
+                 "steps_per_execution=1. Arm it (armed=True) and train again.")
+
 
 def find_recorder(callbacks):
     """The `lab.Recorder` among fit()'s callbacks, or the one a view holds (`view.recorder`); None if none.

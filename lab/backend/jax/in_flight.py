@@ -17,6 +17,7 @@ import keras
 from lab.backend.jax.feed import to_numpy
 from lab.backend.jax.state import pair_state, state_variables, write_state
 from lab.hooks import hooks_for
+from lab.pause import NO_BATCH_KEPT
 
 
 class BatchInFlight(keras.callbacks.Callback):
@@ -105,18 +106,15 @@ class BatchInFlight(keras.callbacks.Callback):
         self._wrapped = False
 
     def stepper(self, **kwargs):
-        """A `lab.Stepper` on the kept batch, with the model put back to before it.
+        """A `lab.Stepper` on the kept batch, the model (and a `run`'s step count) put back to before it.
 
-        With a `run`, the run's `next_step` goes back to the kept batch's step
-        too: the next step taken, by the stepper or a later `fit()`, is that
-        one. Its data is that one batch: stepping past it replays it as a new
-        epoch. Call it between batches, with the state in the variables
-        (`lab.backend.jax.state.hold_state`).
+        As `lab.backend.tensorflow.in_flight.BatchInFlight.stepper`; here
+        called between batches with the state in the variables
+        (`lab.backend.jax.state.hold_state`), and the lab's own variables
+        (`lab_variables`) stay as they are.
 
         Args:
-            **kwargs: passed to `lab.Stepper` (`run`, `start_step`, `mode`, ...);
-                with a `run`, `start_step` defaults to the step of its last
-                row, the kept batch's.
+            **kwargs: passed to `lab.Stepper` (`run`, `start_step`, `mode`, ...).
 
         Raises:
             ValueError: when no batch is kept (not armed, or no batch ran).
@@ -124,10 +122,7 @@ class BatchInFlight(keras.callbacks.Callback):
         from lab.backend.jax.stepper import Stepper
 
         if self.data is None:
-            raise ValueError(
-                "No batch is kept: BatchInFlight keeps batches only while armed and at "
-                "steps_per_execution=1. Arm it (armed=True) and train again."
-            )
+            raise ValueError(NO_BATCH_KEPT)
         skip = list(self.lab_variables()) if self.lab_variables is not None else []
         write_state(self.before, skip=skip)
         if kwargs.get("run") is not None:

@@ -20,25 +20,17 @@ from lab.pause import find_recorder  # noqa: F401  (where widgets and tests look
 class PauseController(pause.PauseController):
     """Parks fit() at batch boundaries: on request, after one batch, at a breakpoint (Keras on JAX).
 
-    Put it last among the callbacks (`controller.callbacks(user_callbacks)`
-    builds the whole list) and call `fit()` on a thread of its own: a pause
-    blocks the thread that runs `fit()`. `pause()`, `resume()`, `step()` and
-    `stop()` only set flags and are safe from any thread; model operations
-    happen on the training thread, or while it is parked, when the model's
-    variables hold the training state.
-
-    With a Recorder whose breakpoints are armed, a hit pauses instead of
-    stopping: the model goes back to its state before that batch and
-    `controller.stepper` is a `lab.Stepper` on it. Keeping the batch in
-    flight costs, per batch while breakpoints are armed, one device copy of
-    the model's training state (see `lab.in_flight.BatchInFlight`); at
-    `steps_per_execution > 1` nothing is kept and the Recorder's stop stands.
+    Used as `lab.pause.PauseController` says (last among the callbacks, fit()
+    on a thread of its own). Parked, the model's variables hold the training
+    state. A breakpoint's hit opens `controller.stepper` on the batch that
+    hit, at the cost of one device copy of the training state per batch
+    while breakpoints are armed (`lab.in_flight.BatchInFlight`; at
+    `steps_per_execution > 1` nothing is kept and the Recorder's stop stands).
 
     Args:
         recorder: `lab.Recorder` or None, whose breakpoints pause training.
         on_state: callable `on_state(state, detail)` or None, called on the
-            training thread when it parks (`"paused"`) and goes on
-            (`"running"`).
+            training thread when it parks and goes on.
 
     Example:
 

@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from lab.backend.tensorflow.state import read_state, write_state
 from lab.hooks import hooks_for
+from lab.pause import NO_BATCH_KEPT
 
 
 class BatchInFlight(keras.callbacks.Callback):
@@ -144,10 +145,7 @@ class BatchInFlight(keras.callbacks.Callback):
         from lab.backend.tensorflow.stepper import Stepper
 
         if self.data is None:
-            raise ValueError(
-                "No batch is kept: BatchInFlight keeps batches only while armed and at "
-                "steps_per_execution=1. Arm it (armed=True) and train again."
-            )
+            raise ValueError(NO_BATCH_KEPT)
         write_state(self.before)
         if kwargs.get("run") is not None:
             kwargs.setdefault("start_step", kwargs["run"].next_step - 1)
