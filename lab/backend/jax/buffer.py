@@ -40,6 +40,9 @@ class Ring:
         self.spike = spike
         self.variables = ()
         self.optimizer = None
+        # The variables of the state's optimizer part, in its order (the
+        # optimizer's own where fit() carries model.optimizer alone).
+        self.order = None
         self.read_count = 0  # rows read so far
 
     # ---- in the optimizer, for one fit() ---------------------------------------
@@ -63,6 +66,7 @@ class Ring:
         if self.optimizer is not None and self.variables:
             compat.untrack(self.optimizer, self.variables)
         self.optimizer = None
+        self.order = None
 
     @contextlib.contextmanager
     def hidden_from(self, optimizer):
@@ -79,8 +83,7 @@ class Ring:
                 compat.track(optimizer, variable)
 
     def _indices(self):
-        ids = [id(v) for v in self.optimizer.variables]
-        return [ids.index(id(v)) for v in self.variables]
+        return [position_in(self.order or self.optimizer.variables, v) for v in self.variables]
 
     # ---- inside the step ---------------------------------------------------------
 
@@ -167,10 +170,9 @@ class Tally:
             compat.untrack(self.optimizer, [self.variable])
         self.optimizer = None
 
-    def position(self, optimizer):
-        """The tally's place in `optimizer.variables` (the state's order)."""
-        ids = [id(v) for v in optimizer.variables]
-        return ids.index(id(self.variable))
+    def position(self, order):
+        """The tally's place in `order`, the variables of the state's optimizer part."""
+        return position_in(order, self.variable)
 
     def reset(self):
         return jnp.full((self.width,), jnp.nan, jnp.float32).at[1].set(0.0)
@@ -186,3 +188,9 @@ class Tally:
             current = tally[place]
             tally = tally.at[place].set(jnp.where(jnp.isnan(current), square, current + square))
         self.variable.assign(tally)
+
+
+def position_in(variables, variable):
+    """The index of `variable` in `variables`, by identity."""
+    ids = [id(v) for v in variables]
+    return ids.index(id(variable))

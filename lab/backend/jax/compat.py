@@ -23,13 +23,35 @@ def live_state(model):
     return state
 
 
-def optimizer_values(model):
-    """The current values of `model.optimizer.variables`: the arrays fit()
-    holds while it runs, the variables' own values otherwise."""
+def optimizer_values(model, variables=None):
+    """The current values of the optimizer part of the state fit() threads
+    through the step: the arrays fit() holds while it runs, else the values
+    of `variables` (that part's variables in its order, see
+    `optimizer_state_variables`; default `model.optimizer.variables`)."""
     state = live_state(model)
     if state is not None and state.get("optimizer_variables") is not None:
         return state["optimizer_variables"]
-    return [variable.value for variable in model.optimizer.variables]
+    if variables is None:
+        variables = model.optimizer.variables
+    return [variable.value for variable in variables]
+
+
+def optimizer_state_variables(model, candidates):
+    """The variables of `candidates` whose values make up the optimizer part
+    of the state `fit()` threads through the step, in that part's order; or
+    None where the part holds a value that is none of theirs.
+
+    Keras' trainer carries `model.optimizer.variables` there
+    (`_get_jax_state`, Keras 3.5 to 3.15). A model that trains with
+    optimizers of its own (a GAN's two) overrides `_get_jax_state` and
+    `jax_state_sync` to carry theirs, in an order of its choosing: the
+    values it returns are the variables' own arrays, matched here by
+    identity. Called between fits, while the variables hold their values.
+    """
+    by_id = {id(variable.value): variable for variable in candidates}
+    values = model._get_jax_state(optimizer_variables=True)[0]
+    found = [by_id.get(id(value)) for value in values]
+    return None if any(variable is None for variable in found) else found
 
 
 def update_step_owner(optimizer):

@@ -74,6 +74,7 @@ class Probe:
         keys = list(self.keys.values())
         self.tallies = {name: Tally(keys) for name, optimizer in self.optimizers.items()
                         if compat.applies_inside_cond(optimizer)}
+        self.order = None  # the variables of the state's optimizer part, in its order
         self.installed = False
         self.traced = False
 
@@ -116,9 +117,9 @@ class Probe:
             optimizer = self.model.optimizer
             if not optimizer.built:
                 optimizer.build(self.model.trainable_variables)
-            self.ring.attach(optimizer)
             for name, tally in self.tallies.items():
                 tally.attach(compat.update_step_owner(self.optimizers[name]))
+            self._attach_ring()
             hooks.wrap(self, self.model, "train_step", self._wrap_train_step, role="probe")
             for name, optimizer in self.optimizers.items():
                 hooks.wrap(self, compat.update_step_owner(optimizer), compat.UPDATE_STEP,
@@ -130,6 +131,29 @@ class Probe:
             raise
         self.installed = True
         self.model.train_function = None  # traced again, through the wrappers
+
+    def _attach_ring(self):
+        """Puts the ring into an optimizer whose variables fit() carries in
+        the state: `model.optimizer`, or for a model that carries optimizers
+        of its own instead (a GAN's, see `compat.optimizer_state_variables`)
+        the first of those; and learns that part of the state's order."""
+        hosts = {id(o): o for o in [self.model.optimizer, *self.optimizers.values()] if o.built}
+        candidates = {id(v): v for o in hosts.values() for v in o.variables}
+        mine = [t.variable for t in self.tallies.values()]
+        for host in hosts.values():
+            self.ring.attach(host)
+            order = compat.optimizer_state_variables(
+                self.model, [*candidates.values(), *self.ring.variables, *mine])
+            if order is not None and all(any(v is o for o in order) for v in [*self.ring.variables, *mine]):
+                self.ring.order = self.order = order
+                return
+            self.ring.detach()
+        raise TypeError(
+            f"The lab cannot record {self.model.name!r} on JAX: the state its fit() carries through the step "
+            f"holds optimizer values that belong to none of its optimizers ({', '.join(self.optimizers)}), so "
+            "the lab has nowhere to keep each step's row. A model that trains with optimizers of its own "
+            "carries their variables in that state by overriding `_get_jax_state` and `jax_state_sync`; "
+            "`lab.watch` records a hand-written loop instead.")
 
     def release(self):
         """Takes every wrapper off and the ring out of the optimizer; never raises but a Ctrl-C."""
@@ -198,7 +222,7 @@ class Probe:
         trainable, non_trainable, optimizer_vars, metric_vars = state
         optimizer_vars = list(optimizer_vars)
         for tally in self.tallies.values():
-            optimizer_vars[tally.position(self.model.optimizer)] = tally.reset()
+            optimizer_vars[tally.position(self.order)] = tally.reset()
         return (trainable, non_trainable, optimizer_vars, metric_vars)
 
     def _tallied(self, new_state):
@@ -207,7 +231,7 @@ class Probe:
         nothing for an optimizer that applied nothing this step."""
         found = []
         for name, tally in self.tallies.items():
-            values = new_state[2][tally.position(self.model.optimizer)]
+            values = new_state[2][tally.position(self.order)]
             pairs = [(key, jnp.sqrt(values[place]).reshape(1)) for key, place in tally.index.items()]
             found.append((name, pairs, values[0], values[1] > 0))
         return found
@@ -287,7 +311,7 @@ class Probe:
     def read(self):
         """The rows written since the last read, as columns (numpy arrays),
         and how many rows were lost to an overfull ring."""
-        block, lost = self.ring.read(compat.optimizer_values(self.model))
+        block, lost = self.ring.read(compat.optimizer_values(self.model, self.order))
         rows = {name: block[:, i] for i, name in enumerate(self.columns)}
         for name in [n for n in rows if n.startswith(UPDATE_NORM)]:
             key = name[len(UPDATE_NORM):]
