@@ -15,8 +15,11 @@ listeners, never `print`. The thread is a daemon and `join(timeout)` bounds
 every wait, so nothing here can hang a notebook run.
 """
 
+import contextlib
 import threading
 import time
+
+import keras
 
 import lab.backend
 
@@ -40,6 +43,9 @@ class BackgroundFit:
     breakpoints are armed, one copy of the model's training state (on the
     host on TensorFlow, on the device on JAX; see
     `lab.in_flight.BatchInFlight`; it needs `steps_per_execution=1`).
+
+    `fit()` runs under the `keras.distribution` in effect where the
+    BackgroundFit is made (Keras keeps it per thread).
 
     Args:
         model: keras.Model, compiled.
@@ -70,6 +76,10 @@ class BackgroundFit:
         self._thread = None
         self._listeners = []
         self._view = None
+        # Keras keeps the distribution (`keras.distribution`, JAX's data
+        # parallelism) per thread: fit() runs on the training thread under
+        # the one in effect where this training was made.
+        self.distribution = keras.distribution.distribution()
 
     @property
     def stepper(self):
@@ -146,8 +156,9 @@ class BackgroundFit:
 
     def _train(self):
         try:
-            self.history = self.model.fit(*self.args, callbacks=self.controller.callbacks(self.callbacks),
-                                          **self.kwargs)
+            with self.distribution.scope() if self.distribution is not None else contextlib.nullcontext():
+                self.history = self.model.fit(*self.args, callbacks=self.controller.callbacks(self.callbacks),
+                                              **self.kwargs)
         except BaseException as error:  # noqa: BLE001 - reported through state, not print
             self.error = error
             self._set_state("failed", f"{type(error).__name__}: {error}")

@@ -8,6 +8,7 @@ The panel holds no training logic of its own; each Run starts one
 one chart.
 """
 
+import contextlib
 import html
 import numbers
 import sys
@@ -117,13 +118,14 @@ class Lab(ipywidgets.VBox):
         self.picker = None
         if build_model is not None:
             self.picker = DevicePicker(build_model, batch_size=batch_size if _is_arrays(self.data) else None)
-            self.picker.on_build(lambda built, _strategy: self._adopt(built))
+            self.picker.on_build(self._adopt)
             devices_view = self.picker
         else:
             devices_view = ipywidgets.HTML(
                 devices().to_html(index=False, na_rep="")
                 + "<p>Pass <code>build_model=</code> to pick a strategy and build the model under it.</p>")
         self.model = model
+        self.strategy = None  # the DevicePicker's, which the model was built under
         self.mode_switch = None
         self.step_here_button = ipywidgets.Button(description="Step here", icon="step-forward",
                                                   tooltip="step train_step one batch at a time")
@@ -164,7 +166,10 @@ class Lab(ipywidgets.VBox):
         began = threading.Event()
         kwargs.update(self.fit_options, epochs=self.epochs, validation_data=self.validation_data,
                       callbacks=[self.dashboard, _TrainingBegan(began)])
-        self.training = BackgroundFit(self.model, *args, **kwargs)
+        # fit() runs under the strategy the model was built under: on JAX a
+        # keras.distribution, which the training thread takes from here.
+        with self.strategy.scope() if self.strategy is not None else contextlib.nullcontext():
+            self.training = BackgroundFit(self.model, *args, **kwargs)
         self.training.add_listener(self._show_state)
         self.training.start()
         # Returns once fit() has begun: whatever its start displays (Keras'
@@ -233,12 +238,13 @@ class Lab(ipywidgets.VBox):
         self._set_stepper(StepperPanel(stepper, breakpoints=self.breakpoints))
         return self.stepper_panel
 
-    def _adopt(self, model):
-        """Trains `model` from now on (a DevicePicker build); refused while training runs."""
+    def _adopt(self, model, strategy=None):
+        """Trains `model` from now on (a DevicePicker build, under `strategy`); refused while training runs."""
         if self.state in _ACTIVE:
             self._say("Stop training before switching to the model just built.")
             return
         self.model = model
+        self.strategy = strategy
         if len(self.dashboard.run):
             # One run records one model: the model just built gets a run and chart of its own.
             self.dashboard = self._make_dashboard()

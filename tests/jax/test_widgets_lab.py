@@ -379,3 +379,51 @@ def test_a_nonfinite_batch_pauses_the_lab_panel_with_the_stepper_on_it(panels):
     assert panel.training.join(TIMEOUT) and panel.state == "stopped"
     assert list(panel.run.events()["kind"]).count("breakpoint") == 1
     assert_bit_exact_weights(model, bare_fit(2))
+
+
+DATA_PARALLEL = r"""
+import os, sys
+os.environ["KERAS_BACKEND"] = "jax"
+sys.path.insert(0, {tests!r})
+import lab
+lab.virtual_cpus(2)
+import keras, numpy as np
+import widgets
+from jax_models import classification_data, make_mlp
+x, y = classification_data()
+distribution = lab.strategy("cpu:0,1")
+with distribution.scope():
+    bare = make_mlp()
+    bare.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+
+def same(model):
+    return all(np.asarray(a).tobytes() == np.asarray(b).tobytes() for a, b in
+               zip(model.weights + model.optimizer.variables, bare.weights + bare.optimizer.variables))
+
+with distribution.scope():
+    model = make_mlp()
+    training = widgets.BackgroundFit(model, x, y, batch_size=32, epochs=2, shuffle=False)
+training.pause()
+training.start()
+assert training.wait_for("paused", timeout=120)
+training.resume()
+assert training.join(120), training.state
+print("background", training.state, same(model))
+panel = widgets.Lab(None, (x, y), batch_size=32, epochs=2, shuffle=False, build_model=make_mlp)
+panel.picker.build("cpu:0,1")
+panel.start().wait(120)
+print("panel", panel.state, same(panel.model), len(panel.model.weights[0].value.sharding.device_set))
+"""
+
+
+def test_background_training_and_the_panel_train_data_parallel_as_bare_keras_does():
+    # Keras keeps the distribution per thread: the training thread must train under the caller's.
+    import pathlib
+    import subprocess
+
+    script = DATA_PARALLEL.format(tests=str(pathlib.Path(__file__).parent))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = dict(line.split(" ", 1) for line in done.stdout.strip().splitlines())
+    assert out["background"] == "finished True"
+    assert out["panel"] == "finished True 2"
