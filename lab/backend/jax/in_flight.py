@@ -90,8 +90,7 @@ class BatchInFlight(keras.callbacks.Callback):
             if keeper._variables is None:  # fixed for the fit(): a Recorder's ring is in from its start
                 keeper._variables = state_variables(keeper._target)
             # The step donates `state`: what is kept is a copy.
-            keeper.before = pair_state(keeper._variables,
-                                       jax.tree_util.tree_map(lambda a: jnp.array(a, copy=True), state))
+            keeper.before = pair_state(keeper._variables, _copied(state))
             keeper.data = data
             return function(state, iter([data]))
 
@@ -132,3 +131,10 @@ class BatchInFlight(keras.callbacks.Callback):
         size = len(jax.tree_util.tree_leaves(data)[0])
         # The model is as before the kept batch: the Stepper sets the run's count of steps back too.
         return Stepper(self._target, data, batch_size=size, shuffle=False, **kwargs)
+
+
+@jax.jit
+def _copied(state):
+    """A copy of every array of `state`, made on the device in one call (one
+    dispatch per batch, not one per array)."""
+    return jax.tree_util.tree_map(lambda a: jnp.array(a, copy=True), state)
