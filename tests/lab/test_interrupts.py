@@ -581,3 +581,19 @@ def test_an_interrupt_in_a_steppers_data_is_recorded_and_no_step_is_lost(source)
     [detail] = events[events["kind"] == "interrupt"]["detail"]
     assert detail.startswith("KeyboardInterrupt in the data, reading step 3's batch")
     assert not lab.hooks.attached(model)
+
+
+def test_an_interrupt_before_the_first_step_leaves_no_hook(monkeypatch, tmp_path):
+    # fit() makes its train function after the recorder put its hooks on and
+    # before any callback's on_train_begin.
+    monkeypatch.setattr(keras.Model, "make_train_function",
+                        raising_on_call(keras.Model.make_train_function, 1))
+    model = model_with()
+    recorder = lab.Recorder(gradients=True, path=str(tmp_path / "run.h5"))
+    interrupted_fit(model, recorder)
+    assert recorder.status == "interrupted" and len(recorder.run) == 0
+    assert recorder.run.events()["detail"].tolist() == ["KeyboardInterrupt in fit()'s make_train_function()"]
+    assert lab.Run.load(tmp_path / "run.h5").metadata["status"] == "interrupted"
+    assert not lab.hooks.attached(model) and _attached_names(model) == []
+    monkeypatch.undo()
+    assert_usable_without_the_lab(model)
