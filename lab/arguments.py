@@ -81,3 +81,24 @@ def check_recorder_options(gradients, weights, path, run, flush_every, save_ever
     if run is not None and not isinstance(run, Run):
         raise TypeError(f"lab.Recorder(run=...) must be a lab.Run to continue (e.g. run=lab.Run.load('runs/first.h5')) "
                         f"or None; got {type(run).__name__}.")
+
+
+def check_stepper_options(seed, run, start_step, start_batch):
+    """The checks `lab.Stepper` makes of its seed, run and start on every
+    backend, at construction (not at the first step)."""
+    from lab.run import Run
+
+    if seed is not None:
+        check_number("lab.Stepper", "seed", seed, numbers.Integral, lambda v: v >= 0,
+                     "a whole number, 0 or more, or None", "seed=0: the same shuffled order every time")
+    if run is not None and not isinstance(run, Run):
+        raise TypeError(f"lab.Stepper(run=...) must be a lab.Run to append the steps' rows to, or None; got "
+                        f"{type(run).__name__} (e.g. run=recorder.run, to go on from a fit()).")
+    if start_step is not None:
+        check_number("lab.Stepper", "start_step", start_step, numbers.Integral, lambda v: v >= 0,
+                     "a whole number, 0 or more, or None", "start_step=run.next_step")
+    if (not isinstance(start_batch, (tuple, list)) or len(start_batch) != 2
+            or any(isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral) or v < 0
+                   for v in start_batch)):
+        raise TypeError(f"lab.Stepper(start_batch=...) must be a pair (epoch, batch) of whole numbers, 0 or more; "
+                        f"got {start_batch!r} (e.g. start_batch=(2, 5): epoch 2's sixth batch comes first).")

@@ -71,6 +71,29 @@ def test_fit_with_a_train_step_returning_no_logs_says_what_it_returned_and_the_f
     assert recorder.status == "failed"
 
 
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_fit_without_targets_says_the_model_needs_them_and_how_to_give_them(run_eagerly):
+    model = mlp()
+    model.run_eagerly = run_eagerly
+    recorder = lab.Recorder()
+    with pytest.raises(ValueError) as caught:  # Keras': "None values not supported."
+        model.fit(X, verbose=0, callbacks=[recorder])
+    note = "\n".join(getattr(caught.value, "__notes__", []))
+    assert "The data has no targets y" in note and "as fit(x, y) takes them" in note and "lab.inspect_data" in note
+    assert "The data has no targets y" in recorder.run.events()["detail"].iloc[-1]
+
+
+@pytest.mark.parametrize("data, error", [((X, Y + 5), tf.errors.InvalidArgumentError),
+                                         ((X[:, :3], Y), ValueError)])
+def test_fit_failing_on_its_data_points_to_inspect_data_which_names_the_fix(data, error):
+    recorder = lab.Recorder()
+    with pytest.raises(error) as caught:
+        mlp().fit(*data, batch_size=8, verbose=0, callbacks=[recorder])
+    note = "\n".join(getattr(caught.value, "__notes__", []))
+    assert "lab.inspect_data(x, y, model=model)" in note and "lab.inspect_data" in recorder.run.events()["detail"].iloc[-1]
+    assert not lab.inspect_data(*data, batch_size=8, model=mlp()).ok  # which names it
+
+
 @pytest.mark.parametrize("returns", ["loss", None])
 @pytest.mark.parametrize("mode", ["eager", "graph"])
 def test_the_stepper_fails_a_train_step_returning_no_logs_as_fit_would_and_undoes_it(returns, mode):

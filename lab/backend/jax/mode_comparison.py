@@ -15,6 +15,7 @@ from lab.arguments import check_number
 from lab.backend.jax import compat
 from lab.backend.jax.modes import MODES, check_compiled, check_mode
 from lab.mode_report import bottleneck
+from lab.data_rules import arrays_problem, said_at
 
 
 def compare_modes(model, data, steps=16, batch_size=None, modes=MODES, steps_per_execution=None):
@@ -64,6 +65,9 @@ def compare_modes(model, data, steps=16, batch_size=None, modes=MODES, steps_per
     modes = [modes] if isinstance(modes, str) else list(modes)
     for mode in modes:
         check_mode(mode)
+    problem = arrays_problem(model, data)  # said before Keras fails on it in words that name no input
+    if problem is not None:
+        raise ValueError(said_at("lab.compare_modes", problem))
     batches = _batches(data, batch_size, steps)
     compat.build_for(model, batches[0])
     start_state = _state_of(model)

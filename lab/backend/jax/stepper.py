@@ -47,13 +47,15 @@ import numpy as np
 import pandas as pd
 
 from lab import schema
-from lab.arguments import check_class_weight, check_flag, check_number
+from lab.arguments import check_class_weight, check_flag, check_number, check_stepper_options
 from lab.backend.jax import compat
 from lab.backend.jax.feed import DATA_TYPES, Feed, to_numpy
 from lab.breakpoints import DeviceBreakpoint
+from lab.data_rules import arrays_problem, said_at
 from lab.hooks import CompiledState, hooks_for
 from lab.metric_names import is_mean, leaf_metrics
 from lab.signals import uninterrupted
+from lab.step_logs import not_logs, not_logs_message
 from lab.step_trace import StepTrace
 from lab.variables import find_optimizers, variable_keys
 
@@ -153,6 +155,9 @@ class Stepper:
         check_flag("lab.Stepper", "shuffle", shuffle, "shuffle=False: the batches in the data's order")
         check_class_weight("lab.Stepper", class_weight)
         _check_list_data(model, data)
+        problem = arrays_problem(model, data)  # said before the step's trace fails on it in JAX's words
+        if problem is not None:
+            raise ValueError(said_at("lab.Stepper", problem))
         self._start(model, data, batch_size, shuffle, seed, steps_per_epoch, start_batch, class_weight, history,
                     run, mode, start_step, stacklevel=3)
 
@@ -161,6 +166,7 @@ class Stepper:
         """What every stepper sets up once its arguments are checked: the feed,
         the history, the run's numbering; then the first batch is checked
         against the model."""
+        check_stepper_options(seed, run, start_step, start_batch)
         self.model = model
         self.feed = Feed(data, batch_size=batch_size, shuffle=shuffle, seed=seed,
                          steps_per_epoch=steps_per_epoch, position=start_batch, class_weight=class_weight)
@@ -643,7 +649,9 @@ class Stepper:
     # ---- what the step did -------------------------------------------------
 
     def _fill(self, trace, state, logs, new_state, applies, data):
-        logs = logs if isinstance(logs, dict) else ({} if logs is None else {"loss": logs})
+        returned = not_logs(logs)
+        if returned is not None:  # fit() fails on it, in words that name neither it nor the fix
+            raise TypeError(not_logs_message("train_step", returned) + " The Stepper fails as fit() would.")
         trace.logs = {name: _scalar_or_array(value) for name, value in _log_entries(logs)}
         trace.y_pred = self._predictions(state, data)
         gradients, per_apply, rates, names = {}, [], {}, []
@@ -1183,6 +1191,8 @@ def _one_line(error):
 
 def _hint(error):
     text = str(error)
+    if text.startswith("train_step returned"):  # `not_logs_message`: it names its fix
+        return ""
     if "incompatible" in text.lower() or "shape" in text.lower():
         return ("The batch does not fit the model: check that x has the model's input shape and y the shape "
                 "its loss expects (fit() fails on it too).")

@@ -10,7 +10,6 @@ counts the batches of an epoch, and, given a model, runs the model and its
 compiled loss on that one batch and names the problem and its fix.
 """
 
-import collections
 import difflib
 import math
 import numbers
@@ -21,21 +20,14 @@ import pandas as pd
 import tensorflow as tf
 
 from lab.arguments import check_class_weight, check_number
+from lab.data_rules import FORMAT, Problem, labels_out_of_range, loss_name, said_at, targets_problem, tuple_problem
 from lab.backend.tensorflow import compat
 from lab.backend.tensorflow.compat import error_line, missing_key
 from lab.backend.tensorflow.devices import uneven_first_batch
 from lab.backend.tensorflow.feed import ClassWeightError, Feed, read_through, reading_copy, row_slice, sample_count
 
 
-class Problem(collections.namedtuple("Problem", ["kind", "message", "fix"])):
-    """One thing fit() would fail on (or silently get wrong): `kind`, `message`, `fix`."""
-
-    def __str__(self):
-        return f"{self.message}\nfix: {self.fix}"
-
-
 _PARTS = ("x", "y", "sample_weight")
-_FORMAT = "fit() takes x, (x,), (x, y) or (x, y, sample_weight)"
 
 
 class DataReport:
@@ -211,9 +203,9 @@ def check_arrays_for(call, model, data, batch_size=None):
     Checked: the form `(x, y)`, `(x,)`, `(x, y, sample_weight)`; dtypes
     fit() refuses (NumPy strings); lengths; x against a functional model's
     inputs; targets missing where the model's own train_step needs them
-    for its compiled loss; integer labels outside a sparse loss's classes.
-    A `tf.data.Dataset`, a PyDataset or a generator is checked when a step
-    fails on it (`problem_with_batch`).
+    for its compiled loss; integer labels outside a sparse loss's classes
+    (`lab.data_rules`). A `tf.data.Dataset`, a PyDataset or a generator is
+    checked when a step fails on it (`problem_with_batch`).
 
     Args:
         call: str, the function given the data ("lab.Stepper").
@@ -223,24 +215,17 @@ def check_arrays_for(call, model, data, batch_size=None):
     """
     if _form(data) != "arrays" or isinstance(data, list):  # a list is the inputs x of a multi-input model
         return
-    if isinstance(data, tuple) and not 1 <= len(data) <= 3:
-        raise ValueError(f"{call}: data is a tuple of {len(data)}; {_FORMAT}. Fix: pass (x, y) or "
-                         "(x, y, sample_weight); put several inputs together as x: ((x1, x2), y) or "
-                         f"({{'name1': x1, 'name2': x2}}, y). {INSPECT_POINTER}")
-    x, y, sample_weight = (tuple(data) + (None, None))[:3] if isinstance(data, tuple) else (data, None, None)
-    report = inspect_data(x, y, sample_weight, batch_size=batch_size)
-    if report.ok and report.batch is not None:
-        batch_x = keras.utils.unpack_x_y_sample_weight(report.batch)[0]
-        if _check_inputs(report, model, batch_x) and y is not None and not keras.tree.is_nested(y):
-            outputs = _model_outputs(model)
-            labels = _labels_out_of_range(_loss_name(model.loss), y, outputs) if outputs else None
-            if labels is not None:
-                report.problems.append(labels)
-        elif report.ok and y is None and _needs_targets(model):
-            report.problems.append(_missing_targets(model))
-    if report.problems:
-        problem = report.problems[0]
-        raise ValueError(f"{call}: {problem.message} Fix: {problem.fix} {INSPECT_POINTER}")
+    problem = tuple_problem(data)
+    if problem is None:
+        x, y, sample_weight = (tuple(data) + (None, None))[:3] if isinstance(data, tuple) else (data, None, None)
+        report = inspect_data(x, y, sample_weight, batch_size=batch_size)
+        if report.ok and report.batch is not None:
+            if _check_inputs(report, model, keras.utils.unpack_x_y_sample_weight(report.batch)[0]):
+                found = targets_problem(model, y)
+                report.problems += [found] if found is not None else []
+        problem = report.problems[0] if report.problems else None
+    if problem is not None:
+        raise ValueError(said_at(call, problem, INSPECT_POINTER))
 
 
 def problem_with_batch(model, x, y=None, sample_weight=None):
@@ -249,8 +234,8 @@ def problem_with_batch(model, x, y=None, sample_weight=None):
     `keras.StatelessScope`, its state left as it was); None if none is found."""
     try:
         data = tuple(part for part in (x, y, sample_weight) if part is not None)
-        if y is None and _needs_targets(model):
-            return _missing_targets(model)
+        if y is None and targets_problem(model, None) is not None:
+            return targets_problem(model, None)
         report = DataReport("arrays")
         report.batch = data if len(data) > 1 else data[0]
         if _check_structure(report):
@@ -258,29 +243,6 @@ def problem_with_batch(model, x, y=None, sample_weight=None):
         return report.problems[0] if report.problems else None
     except Exception:  # noqa: BLE001 - a check that fails itself names nothing
         return None
-
-
-def _needs_targets(model):
-    """Whether the model's own train_step needs y: Keras' step with a compiled loss."""
-    return (getattr(model, "compiled", False) and getattr(model, "loss", None) is not None
-            and getattr(type(model), "train_step", None) is getattr(keras.Model, "train_step", None))
-
-
-def _missing_targets(model):
-    return Problem(
-        "structure", f"The data has no targets y, and {model.name!r} trains with Keras' own train_step, "
-        f"whose compiled loss ({_loss_name(model.loss)}) compares y with the predictions.",
-        "pass the targets with the inputs, as fit(x, y) takes them: (x, y); x alone is for a model whose "
-        "train_step needs no y (a VAE, a GAN).")
-
-
-def _model_outputs(model):
-    """The shape of a model's single output, where it has one that is known; else None."""
-    try:
-        outputs = model.outputs
-    except (AttributeError, ValueError):
-        return None
-    return tuple(outputs[0].shape) if outputs and len(outputs) == 1 else None
 
 
 def _reading_copy(report, dataset):
@@ -509,7 +471,7 @@ def _check_structure(report):
     batch = report.batch
     if isinstance(batch, tuple) and not 1 <= len(batch) <= 3:
         report.problems.append(Problem(
-            "structure", f"Each batch is a {len(batch)}-tuple; {_FORMAT}.",
+            "structure", f"Each batch is a {len(batch)}-tuple; {FORMAT}.",
             "yield (x, y) or (x, y, sample_weight); put several inputs together as x: "
             "((x1, x2), y) or ({'name1': x1, 'name2': x2}, y)."))
         report.batch = None
@@ -658,7 +620,7 @@ def _without_batch(shape):
 
 
 def _check_loss(report, model, x, y, y_pred, sample_weight):
-    loss_name = _loss_name(model.loss)
+    name = loss_name(model.loss)
     if not tf.is_tensor(y_pred) or isinstance(y, (dict, list, tuple)):
         single = None
     else:
@@ -673,18 +635,18 @@ def _check_loss(report, model, x, y, y_pred, sample_weight):
             report.problems.append(_loss_problem(error, model, y, y_pred, sample_weight))
         return
     y_shape, out_shape = single
-    sparse = "sparse" in loss_name
-    categorical = "categorical" in loss_name and not sparse
-    labels = _labels_out_of_range(loss_name, y, out_shape)
+    sparse = "sparse" in name
+    categorical = "categorical" in name and not sparse
+    labels = labels_out_of_range(name, y, out_shape)
     if labels is not None:
         report.problems.append(labels)
     elif sparse and len(y_shape) == len(out_shape) and y_shape[-1] == out_shape[-1] and y_shape[-1] != 1:
         report.problems.append(Problem(
-            "labels", f"y is one-hot (shape {y_shape}), but {loss_name} takes integer labels.",
+            "labels", f"y is one-hot (shape {y_shape}), but {name} takes integer labels.",
             "use loss='categorical_crossentropy' for one-hot rows, or pass integer labels: y.argmax(-1)."))
     elif categorical and len(y_shape) == len(out_shape) - 1:
         report.problems.append(Problem(
-            "labels", f"y holds integer labels (shape {y_shape}), but {loss_name} takes one-hot rows "
+            "labels", f"y holds integer labels (shape {y_shape}), but {name} takes one-hot rows "
             f"like the output {out_shape}.",
             "use loss='sparse_categorical_crossentropy' for integer labels, or one-hot them: "
             f"keras.utils.to_categorical(y, {out_shape[-1]})."))
@@ -692,30 +654,9 @@ def _check_loss(report, model, x, y, y_pred, sample_weight):
         why = f": {error_line(error)}" if error is not None else " (the loss would broadcast them)"
         report.problems.append(Problem(
             "target shape", f"y has shape {y_shape} per batch, the model outputs {out_shape}, and "
-            f"{loss_name} cannot compare them{why}.",
+            f"{name} cannot compare them{why}.",
             f"give y the output's shape {_without_batch(out_shape)} per example, or change the model's "
             "last layer or the loss."))
-
-
-def _labels_out_of_range(loss_name, y, out_shape):
-    """A sparse loss's integer labels outside the output's classes: TensorFlow
-    fails on them on a CPU ("Received a label value of 7 which is outside the
-    valid range of [0, 3)") and gives NaN losses on a GPU. None if in range."""
-    classes = out_shape[-1] if out_shape else None
-    if "sparse" not in loss_name or not isinstance(classes, int) or classes < 2:
-        return None
-    labels = np.asarray(y)
-    if labels.dtype.kind not in "iuf" or not labels.size or (labels.dtype.kind == "f" and
-                                                             not np.array_equal(labels, np.round(labels))):
-        return None
-    low, high = labels.min(), labels.max()
-    if low >= 0 and high < classes:
-        return None
-    return Problem(
-        "labels", f"y holds class labels from {low:g} to {high:g}, but the model outputs {classes} classes "
-        f"and {loss_name} takes labels 0 to {classes - 1}.",
-        f"give the last layer one unit per class (Dense({int(high) + 1}) for labels 0 to {high:g}), or map the "
-        f"labels to 0..{classes - 1} (e.g. y - y.min() for labels that start at {low:g}).")
 
 
 def _loss_problem(error, model, y, y_pred, sample_weight):
@@ -757,12 +698,3 @@ def _broadcasts(y_shape, out_shape):
     """True when y and the output differ in shape beyond a trailing 1 that Keras squeezes."""
     squeeze = lambda shape: shape[:-1] if len(shape) > 1 and shape[-1] == 1 else shape  # noqa: E731
     return squeeze(y_shape) != squeeze(out_shape)
-
-
-def _loss_name(loss):
-    if isinstance(loss, str):
-        return loss
-    name = getattr(loss, "name", None) or getattr(loss, "__name__", None) or type(loss).__name__
-    return str(name)
-
-

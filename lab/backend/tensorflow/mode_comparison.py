@@ -106,6 +106,13 @@ def compare_modes(model, data, steps=32, batch_size=None, modes=MODES, steps_per
         `frame.attrs["data_batches_per_second"]` is the input's rate alone and
         `frame.attrs["bottleneck"]` a one-line verdict.
 
+    Raises:
+        ValueError: at the call, for arrays fit() would refuse or fail on
+            (no targets for Keras' own train_step, NumPy strings, labels
+            outside a sparse loss's classes, unequal lengths), naming the
+            input and the fix. Keras' own error for a Dataset the model
+            cannot take keeps its type and gains a note that names them.
+
     Example:
 
     ```python

@@ -379,6 +379,7 @@ class Probe:
         self.running_columns = set()  # logged values that are Keras' running ones
         self.record_errors = []  # why steps could not be recorded (the lab's own failures)
         self.not_logs = None  # what train_step returned instead of a dict of logs (`lab.step_logs`)
+        self.has_targets = True  # whether the last batch train_step was handed held y (for failure notes)
         self.infinite = {}  # of the last read: norm columns the host finished as inf -> first row
         self.weightless = {}  # of the last read: mean metric columns -> first row with no weight
         self.traced_in_xla = False  # a step with these hooks was compiled by XLA (see XLA_NOTE)
@@ -483,6 +484,7 @@ class Probe:
                     state.forward_state = [(v, read_value(v)) for v in probe._forward_state_variables()]
                     # Reads alias the weights' buffers: no copy unless the step assigns them.
                     state.weights_at_start = [(v, read_value(v)) for v in probe.model.trainable_variables]
+                probe.has_targets = isinstance(data, (tuple, list)) and len(data) > 1 and data[1] is not None
                 if _replica_context() is None:
                     logs = original(data)
                 else:

@@ -19,13 +19,14 @@ from lab.backend.tensorflow.norms import infinite_norms_message, newly_infinite,
 from lab.backend.tensorflow.probes import LOSS_OBJECT, NONFINITE_GRADIENT, Probe, _keras_defines
 from lab.metric_names import leaf_metrics
 from lab.backend.tensorflow.state import raw_variable
+from lab.backend.tensorflow.step_capture import failure_note
 from lab.breakpoints import as_breakpoints
 from lab.hooks import CompiledState, hooks_for, release_all
 from lab.observers import Observers
 from lab.run import Run
 from lab.signals import interrupt_detail, is_interrupt, notice_interrupts
 from lab.status import StatusReporter
-from lab.step_logs import add_note, not_logs_message
+from lab.step_logs import add_note
 
 _WARNED_OLD_STYLE = weakref.WeakSet()
 _HELD_AFTER = "_held_after"  # in a device hit's row: how many later rows of its read ran held
@@ -806,18 +807,10 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
             def make_train_function(*args, **kwargs):
                 recorder.abandon_if_gone()
                 mode, recorder._make_in = recorder._make_in, None
-                frame = recorder._fit_frame
-                try:
-                    if mode is None or model.train_function is not None:
-                        return inner(*args, **kwargs)
-                    with modes.made_in(model, mode):
-                        return inner(*args, **kwargs)
-                except BaseException as error:
-                    # Before on_train_begin: no other guard is on yet, and the
-                    # hooks put on for this fit() must not outlive it.
-                    if frame is not None and compat.called_from(frame):
-                        recorder._on_failure(error, where="fit()'s make_train_function()")
-                    raise
+                if mode is None or model.train_function is not None:
+                    return inner(*args, **kwargs)
+                with modes.made_in(model, mode):
+                    return inner(*args, **kwargs)
 
             return make_train_function
 
@@ -936,10 +929,12 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
                 self._finish("interrupted")
             else:
                 message = compat.failure_message(error)
-                returned = getattr(self._probe, "not_logs", None)
-                if returned is not None:  # Keras' error names neither the step's return value nor the fix
-                    message = f"{message}\n{not_logs_message('train_step', returned)}"
-                    add_note(error, not_logs_message("train_step", returned))
+                # Keras' error names neither the input (or the step's return value) nor the fix.
+                note = failure_note(error, self.model, getattr(self._probe, "not_logs", None),
+                                    getattr(self._probe, "has_targets", True))
+                if note:
+                    message = f"{message}\n{note}"
+                    add_note(error, note)
                 self.run.add_event("error", message)
                 self._finish("failed", message)
                 compat.warn_of_cause(error)

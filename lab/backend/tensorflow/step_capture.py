@@ -22,8 +22,10 @@ import tensorflow as tf
 from lab.backend.tensorflow import compat
 from lab.backend.tensorflow.compat import regrouped_through
 from lab.backend.tensorflow.data_check import INSPECT_POINTER, problem_with_batch
+from lab.data_rules import missing_targets, needs_targets
 from lab.backend.tensorflow.probes import watched_metrics
 from lab.hooks import hooks_for
+from lab.step_logs import not_logs_message
 from lab.variables import variable_keys
 
 _LOSS_ARGS = ("x", "y", "y_pred", "sample_weight", "training")
@@ -375,6 +377,34 @@ def hint(error, trace, capture):
 # Keras' and TensorFlow's words for data a model cannot take, which name neither the input nor the fix.
 _DATA_PHRASES = ("doesn't match the expected structure", "Attempt to convert a value (None)",
                  "None values not supported", "label value", "Invalid dtype")
+FIT_DATA_NOTE = ("If the data is at fault, `lab.inspect_data(x, y, model=model)`, given fit()'s x and y, "
+                 "shows what fit() hands train_step and names the problem and its fix.")
+
+
+def failure_note(error, model, returned=None, has_targets=True):
+    """The lab's words for an error that ended a watched fit(), where Keras'
+    name neither the input nor the fix; "" where the lab has none.
+
+    Args:
+        error: the exception.
+        model: keras.Model being fit.
+        returned: str or None, what train_step returned instead of a dict of
+            logs (`lab.step_logs.not_logs`).
+        has_targets: bool, whether the batches held targets y.
+    """
+    if returned is not None:
+        return not_logs_message("train_step", returned)
+    if not isinstance(error, Exception):
+        return ""
+    if not has_targets and needs_targets(model):
+        problem = missing_targets(model)
+        return f"{problem.message} Fix: {problem.fix} {INSPECT_POINTER}"
+    message = str(error)
+    if _is_shape_error(error, message) or any(phrase in message for phrase in _DATA_PHRASES):
+        return FIT_DATA_NOTE
+    return ""
+
+
 _SHAPE_PHRASES = ("incompatible shapes", "shapes are incompatible", "is incompatible with", "shape mismatch",
                   "dimensions must be equal", "expected shape", "expected ndim", "expected min_ndim",
                   "expected axis", "must have rank", "must be rank", "incompatible with the layer",

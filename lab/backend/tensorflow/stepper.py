@@ -29,7 +29,7 @@ import pandas as pd
 import tensorflow as tf
 
 from lab import schema
-from lab.arguments import check_class_weight, check_flag, check_number
+from lab.arguments import check_class_weight, check_flag, check_number, check_stepper_options
 from lab.backend.tensorflow import compat
 from lab.backend.tensorflow.compat import reduce_per_replica, unscale_loss_for_distribution
 from lab.backend.tensorflow.data_check import check_arrays_for
@@ -122,6 +122,12 @@ class Stepper:
             cannot be built symbolically) keep their values when that first
             step is rewound; step it once in eager mode to avoid that.
         history: int, how many steps `rewind` can undo (see the module's memory note).
+
+    Arguments, and arrays fit() would refuse or fail on (no targets for
+    Keras' own train_step, NumPy strings, labels outside a sparse loss's
+    classes), are refused at construction with the fix; a failed step on a
+    dataset names the data's problem in `trace.hint`. A train_step that
+    returns no dict of logs fails its step, as fit() fails.
         steps_per_epoch: int or None, batches per epoch (needed for a
             generator to run more than one epoch).
         run: `lab.Run` or None; each step appends its row there.
@@ -171,7 +177,8 @@ class Stepper:
                              "a whole number, 1 or more, or None", "32")
         check_flag("lab.Stepper", "shuffle", shuffle, "shuffle=False: the batches in the data's order")
         check_class_weight("lab.Stepper", class_weight)
-        _check_options(mode, seed, run, start_step, start_batch)
+        _check_mode(mode)
+        check_stepper_options(seed, run, start_step, start_batch)
         _check_list_data(model, data)
         self.model = model
         self.feed = Feed(data, batch_size=batch_size, shuffle=shuffle, seed=seed,
@@ -887,28 +894,12 @@ class Stepper:
         self.run.append_batches(columns)
 
 
-def _check_options(mode, seed, run, start_step, start_batch):
-    """The Stepper's other arguments, checked at construction (not at every step)."""
-    from lab.run import Run
-
+def _check_mode(mode):
     if mode not in STEPPER_MODES:
         also = (" The Stepper's 'graph' mode compiles the step with XLA where the model's jit_compile is on, as "
                 "fit() does: lab.set_mode(model, 'xla'), then mode='graph'." if mode == "xla" else "")
         raise ValueError(f"lab.Stepper(mode=...) must be one of {list(STEPPER_MODES)}; got {mode!r} "
                          f"(e.g. mode='graph': the step as a tf.function).{also}")
-    if seed is not None:
-        check_number("lab.Stepper", "seed", seed, numbers.Integral, lambda v: v >= 0,
-                     "a whole number, 0 or more, or None", "seed=0: the same shuffled order every time")
-    if run is not None and not isinstance(run, Run):
-        raise TypeError(f"lab.Stepper(run=...) must be a lab.Run to append the steps' rows to, or None; got "
-                        f"{type(run).__name__} (e.g. run=recorder.run, to go on from a fit()).")
-    if start_step is not None:
-        check_number("lab.Stepper", "start_step", start_step, numbers.Integral, lambda v: v >= 0,
-                     "a whole number, 0 or more, or None", "start_step=run.next_step")
-    if (not isinstance(start_batch, (tuple, list)) or len(start_batch) != 2
-            or any(isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0 for v in start_batch)):
-        raise TypeError(f"lab.Stepper(start_batch=...) must be a pair (epoch, batch) of whole numbers, 0 or more; "
-                        f"got {start_batch!r} (e.g. start_batch=(2, 5): epoch 2's sixth batch comes first).")
 
 
 def _check_list_data(model, data):
