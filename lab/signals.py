@@ -79,8 +79,8 @@ def interrupt_detail(error, where=None):
     """An `interrupt` event's detail for `error` (`is_interrupt`), landed in `where`."""
     detail = "KeyboardInterrupt" + (f" in {where}" if where else "")
     if not isinstance(error, KeyboardInterrupt):
-        detail += (f"; the backend's runtime reported it as {type(error).__name__} (a Ctrl-C inside a data "
-                   "generator it ran), which is what was raised")
+        detail += (f"; the backend's runtime reported it as {type(error).__name__} (a Ctrl-C inside Python code "
+                   "it ran: a data generator, a host callback), which is what was raised")
     return detail
 
 
