@@ -807,10 +807,18 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
             def make_train_function(*args, **kwargs):
                 recorder.abandon_if_gone()
                 mode, recorder._make_in = recorder._make_in, None
-                if mode is None or model.train_function is not None:
-                    return inner(*args, **kwargs)
-                with modes.made_in(model, mode):
-                    return inner(*args, **kwargs)
+                frame = recorder._fit_frame
+                try:
+                    if mode is None or model.train_function is not None:
+                        return inner(*args, **kwargs)
+                    with modes.made_in(model, mode):
+                        return inner(*args, **kwargs)
+                except BaseException as error:
+                    # Before on_train_begin: no other guard is on yet, and the
+                    # hooks put on for this fit() must not outlive it.
+                    if frame is not None and compat.called_from(frame):
+                        recorder._on_failure(error, where="fit()'s make_train_function()")
+                    raise
 
             return make_train_function
 
