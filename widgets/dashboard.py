@@ -222,7 +222,6 @@ class Dashboard(keras.callbacks.Callback):
                 slider.value = weight
         finally:
             self._syncing_controls = False
-        self._drawing = threading.RLock()  # the chart state and the view, changed by one thread at a time
         self._apply_smoothing(weight)
 
     def _on_smoothing_control(self, change):
