@@ -15,13 +15,11 @@ listeners, never `print`. The thread is a daemon and `join(timeout)` bounds
 every wait, so nothing here can hang a notebook run.
 """
 
-import contextlib
 import threading
 import time
 
-import keras
-
 import lab.backend
+from widgets import distribution
 
 pause = lab.backend.module("pause")
 
@@ -76,10 +74,9 @@ class BackgroundFit:
         self._thread = None
         self._listeners = []
         self._view = None
-        # Keras keeps the distribution (`keras.distribution`, JAX's data
-        # parallelism) per thread: fit() runs on the training thread under
-        # the one in effect where this training was made.
-        self.distribution = keras.distribution.distribution()
+        # Keras keeps the distribution per thread: fit() runs on the training
+        # thread under the one in effect where this training was made.
+        self.distribution = distribution.current()
 
     @property
     def stepper(self):
@@ -156,7 +153,7 @@ class BackgroundFit:
 
     def _train(self):
         try:
-            with self.distribution.scope() if self.distribution is not None else contextlib.nullcontext():
+            with distribution.scope(self.distribution):
                 self.history = self.model.fit(*self.args, callbacks=self.controller.callbacks(self.callbacks),
                                               **self.kwargs)
         except BaseException as error:  # noqa: BLE001 - reported through state, not print

@@ -8,7 +8,6 @@ The panel holds no training logic of its own; each Run starts one
 one chart.
 """
 
-import contextlib
 import html
 import numbers
 import sys
@@ -23,6 +22,7 @@ from lab.backend import Stepper, devices
 from lab.breakpoints import as_breakpoints, nonfinite
 from widgets.background import BackgroundFit
 from widgets.dashboard import Dashboard
+from widgets import distribution
 from widgets.device_picker import DevicePicker
 from widgets.display import show, view_bundle
 from widgets.mode_switch import ModeSwitch
@@ -168,7 +168,7 @@ class Lab(ipywidgets.VBox):
                       callbacks=[self.dashboard, _TrainingBegan(began)])
         # fit() runs under the strategy the model was built under: on JAX a
         # keras.distribution, which the training thread takes from here.
-        with self.strategy.scope() if self.strategy is not None else contextlib.nullcontext():
+        with distribution.scope(self.strategy):
             self.training = BackgroundFit(self.model, *args, **kwargs)
         self.training.add_listener(self._show_state)
         self.training.start()
@@ -232,10 +232,12 @@ class Lab(ipywidgets.VBox):
         if self.state in _ACTIVE:
             self._say("The stepper opens by hand only while no training runs; a breakpoint opens it on its batch.")
             return None
-        # The batches fit() trains on: its class weights too, where the panel's fit() is given them.
-        stepper = Stepper(self.model, self.data, batch_size=self.batch_size, shuffle=False,
-                          class_weight=self.fit_options.get("class_weight"))
-        self._set_stepper(StepperPanel(stepper, breakpoints=self.breakpoints))
+        # The batches fit() trains on: its class weights too, where the panel's fit() is given them;
+        # stepped under the strategy the model was built under, as fit() trains it.
+        with distribution.scope(self.strategy):
+            stepper = Stepper(self.model, self.data, batch_size=self.batch_size, shuffle=False,
+                              class_weight=self.fit_options.get("class_weight"))
+            self._set_stepper(StepperPanel(stepper, breakpoints=self.breakpoints))
         return self.stepper_panel
 
     def _adopt(self, model, strategy=None):

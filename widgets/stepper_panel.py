@@ -7,6 +7,7 @@ import numpy as np
 import plotly.graph_objects as go
 
 import lab.backend
+from widgets import distribution
 from widgets.png import png_bytes
 from widgets.series import metric_names
 
@@ -31,6 +32,9 @@ class StepperPanel(ipywidgets.VBox):
             background training passes its `resume`). Without one, Continue
             is disabled.
         max_steps: int, the most steps Run-to-breakpoint takes.
+
+    Its buttons step under the `keras.distribution` in effect where the panel
+    is made (JAX's data parallelism), as `fit()` trains under it.
 
     Example:
 
@@ -76,6 +80,9 @@ class StepperPanel(ipywidgets.VBox):
         )
         self.shown = None
         self._updating = False
+        # Clicks step the model later, outside any `with` block: under the
+        # distribution in effect here (Keras keeps it per thread), as fit() trains.
+        self.distribution = distribution.current()
         self.step_button.on_click(lambda _: self._act(self.stepper.step))
         self.step_n_button.on_click(lambda _: self._act(lambda: self.stepper.step(self.n_steps.value)))
         self.rewind_button.on_click(lambda _: self._act(self.stepper.rewind))
@@ -114,7 +121,8 @@ class StepperPanel(ipywidgets.VBox):
 
     def _act(self, action):
         try:
-            trace = action()
+            with distribution.scope(self.distribution):
+                trace = action()
         except ValueError as error:  # e.g. rewinding past the kept history
             self.status.value = f"<span style='color:#b00'>{html.escape(str(error))}</span>"
             return

@@ -413,6 +413,10 @@ panel = widgets.Lab(None, (x, y), batch_size=32, epochs=2, shuffle=False, build_
 panel.picker.build("cpu:0,1")
 panel.start().wait(120)
 print("panel", panel.state, same(panel.model), len(panel.model.weights[0].value.sharding.device_set))
+panel.open_stepper().step_button.click()  # a click, outside any scope: steps as fit() does, data-parallel
+with distribution.scope():
+    bare.fit(x[:32], y[:32], batch_size=32, shuffle=False, verbose=0)
+print("stepped", same(panel.model))
 """
 
 
@@ -427,3 +431,4 @@ def test_background_training_and_the_panel_train_data_parallel_as_bare_keras_doe
     out = dict(line.split(" ", 1) for line in done.stdout.strip().splitlines())
     assert out["background"] == "finished True"
     assert out["panel"] == "finished True 2"
+    assert out["stepped"] == "True"
