@@ -432,3 +432,13 @@ def test_background_training_and_the_panel_train_data_parallel_as_bare_keras_doe
     assert out["background"] == "finished True"
     assert out["panel"] == "finished True 2"
     assert out["stepped"] == "True"
+
+
+def test_a_second_run_of_the_panel_goes_on_in_the_same_record_as_one_longer_fit(panels):
+    model = make_mlp()
+    panel = panels(model, epochs=1)
+    assert panel.start().wait(TIMEOUT) and panel.start().wait(TIMEOUT) and panel.state == "finished"
+    assert list(panel.run.batches()["step"]) == list(range(2 * BATCHES))
+    assert_bit_exact_weights(model, bare_fit(BATCHES, epochs=2))
+    # Keras' own train function is the model's again: no wrapper of the lab's is left on it.
+    assert not lab.hooks.hooks_for(model).active
