@@ -35,12 +35,13 @@ class PauseController(pause.PauseController):
     Example:
 
     ```python
+    import threading
+
     controller = PauseController()
     thread = threading.Thread(target=model.fit, args=(x, y),
                               kwargs=dict(callbacks=controller.callbacks(), verbose=0))
     thread.start()
-    controller.pause()    # parks at the next batch boundary
-    model.get_weights()   # once parked: the weights after the last batch
+    controller.pause()    # parks at the next batch boundary; parked, model.weights are the last batch's
     controller.resume()
     ```
     """

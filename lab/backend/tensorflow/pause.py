@@ -39,6 +39,8 @@ class PauseController(pause.PauseController):
     Example:
 
     ```python
+    import threading
+
     recorder = lab.Recorder(breakpoints=[lab.breakpoints.nonfinite()])
     controller = PauseController(recorder)
     thread = threading.Thread(target=model.fit, args=(x, y),
