@@ -129,3 +129,17 @@ def notice_interrupts(landed):
 
 def _nothing():
     return None
+
+
+def record_interrupt(run, error, where, step):
+    """Adds an `interrupt` event for `error` to `run` where it is one
+    (`is_interrupt`) and there is a run; the error is the caller's to raise.
+
+    Args:
+        run: `lab.Run` or None.
+        error: BaseException.
+        where: str, where it landed ("the data, reading step 3's batch").
+        step: int, the step it is about.
+    """
+    if run is not None and is_interrupt(error):
+        run.add_event("interrupt", interrupt_detail(error, where), step=step)

@@ -134,3 +134,23 @@ def test_an_interrupt_in_a_host_callback_of_a_watched_loop_is_recorded_as_one():
     [event] = run.events().itertuples()
     assert event.kind == "interrupt" and type(raised.value).__name__ in event.detail
     assert not lab.hooks.attached(guide.model)
+
+
+def test_an_interrupt_in_a_steppers_data_is_recorded_and_no_step_is_lost():
+    x, y = classification_data()
+
+    def batches():
+        for i in range(100):
+            if i == 3:
+                raise KeyboardInterrupt
+            yield x[:BATCH], y[:BATCH]
+
+    model = make_mlp()
+    stepper = lab.Stepper(model, batches(), run=lab.Run())
+    with pytest.raises(KeyboardInterrupt):
+        stepper.step(5)
+    assert len(stepper.traces) == len(stepper.run) == 3
+    events = stepper.run.events()
+    assert events[events["kind"] == "interrupt"]["detail"].tolist() == [
+        "KeyboardInterrupt in the data, reading step 3's batch"]
+    assert not lab.hooks.attached(model)

@@ -54,7 +54,7 @@ from lab.breakpoints import DeviceBreakpoint
 from lab.data_rules import arrays_problem, said_at
 from lab.hooks import CompiledState, hooks_for
 from lab.metric_names import is_mean, leaf_metrics
-from lab.signals import uninterrupted
+from lab.signals import record_interrupt, uninterrupted
 from lab.step_logs import not_logs, not_logs_message
 from lab.step_trace import StepTrace
 from lab.variables import find_optimizers, variable_keys
@@ -423,7 +423,11 @@ class Stepper:
     # ---- one step ----------------------------------------------------------
 
     def _step_once(self):
-        fed = self.feed.next()
+        try:
+            fed = self.feed.next()
+        except BaseException as error:  # a Ctrl-C in the user's generator: no step ran, the run says why
+            record_interrupt(self.run, error, f"the data, reading step {self._index}'s batch", step=self._index)
+            raise
         try:
             if self._moved():
                 # The model moved (a fit(), set_weights): older snapshots no longer apply.

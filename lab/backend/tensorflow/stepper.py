@@ -42,7 +42,7 @@ from lab.backend.tensorflow.state import (raw_variable, read_variables, replica_
                                           training_variables, uninterrupted)
 from lab.backend.tensorflow.step_capture import StepCapture, hint
 from lab.hooks import CompiledState, hooks_for
-from lab.signals import interrupt_detail, is_interrupt
+from lab.signals import record_interrupt
 from lab.step_logs import not_logs, not_logs_message
 from lab.step_trace import StepTrace
 from lab.variables import find_optimizers, variable_keys
@@ -449,12 +449,8 @@ class Stepper:
     def _step_once(self):
         try:
             fed = self.feed.next()
-        except BaseException as error:
-            # A Ctrl-C in the user's generator (or TensorFlow's UnknownError
-            # for one, through tf.data): no step ran, the run says why.
-            if self.run is not None and is_interrupt(error):
-                self.run.add_event("interrupt", interrupt_detail(error, f"the data, reading step {self._index}'s batch"),
-                                   step=self._index)
+        except BaseException as error:  # a Ctrl-C in the user's generator (or tf.data's UnknownError for one)
+            record_interrupt(self.run, error, f"the data, reading step {self._index}'s batch", step=self._index)
             raise
         try:
             changed_outside = self._refresh_state()
