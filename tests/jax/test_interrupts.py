@@ -65,19 +65,20 @@ def test_an_interrupt_in_keras_own_code_between_steps_is_recorded(place, monkeyp
     assert assert_left_interrupted(recorder, model, tmp_path / "run.h5") == 6
 
 
-def test_an_interrupt_inside_a_data_generator_is_recorded(tmp_path):
+def batches_until_interrupt(at):
+    """A generator of batches that raises KeyboardInterrupt when asked for batch `at` (from 0)."""
     x, y = classification_data()
+    for i in range(100):
+        if i == at:
+            raise KeyboardInterrupt
+        yield x[:BATCH], y[:BATCH]
 
-    def batches():
-        for i in range(100):
-            if i == 4:
-                raise KeyboardInterrupt
-            yield x[:BATCH], y[:BATCH]
 
+def test_an_interrupt_inside_a_data_generator_is_recorded(tmp_path):
     model = make_mlp()
     recorder = lab.Recorder(path=str(tmp_path / "run.h5"), flush_every=3600)
     with pytest.raises(KeyboardInterrupt):
-        model.fit(batches(), epochs=1, steps_per_epoch=8, verbose=0, callbacks=[recorder])
+        model.fit(batches_until_interrupt(4), epochs=1, steps_per_epoch=8, verbose=0, callbacks=[recorder])
     assert assert_left_interrupted(recorder, model, tmp_path / "run.h5") == 4
 
 
@@ -137,16 +138,8 @@ def test_an_interrupt_in_a_host_callback_of_a_watched_loop_is_recorded_as_one():
 
 
 def test_an_interrupt_in_a_steppers_data_is_recorded_and_no_step_is_lost():
-    x, y = classification_data()
-
-    def batches():
-        for i in range(100):
-            if i == 3:
-                raise KeyboardInterrupt
-            yield x[:BATCH], y[:BATCH]
-
     model = make_mlp()
-    stepper = lab.Stepper(model, batches(), run=lab.Run())
+    stepper = lab.Stepper(model, batches_until_interrupt(3), run=lab.Run())
     with pytest.raises(KeyboardInterrupt):
         stepper.step(5)
     assert len(stepper.traces) == len(stepper.run) == 3
