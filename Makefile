@@ -12,7 +12,7 @@ BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: lab screenshot test test-current test-oldest test-jax test-jax-oldest unit notebooks browser-deps demo bench clean
+.PHONY: bench-jax lab screenshot test test-current test-oldest test-jax test-jax-oldest unit notebooks browser-deps demo bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -118,6 +118,9 @@ demo: $(BIN)/.installed
 
 bench: $(BIN)/.installed
 	$(BIN)/python benchmarks/overhead.py
+
+bench-jax: $(JAX_VENV)/.installed
+	KERAS_BACKEND=jax $(JAX_VENV)/bin/python benchmarks/overhead_jax.py
 
 clean:
 	rm -rf $(VENV) $(OLDEST_VENV) $(JAX_VENV) $(JAX_OLDEST_VENV) artifacts training-lab-demo

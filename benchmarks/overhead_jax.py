@@ -11,8 +11,7 @@ fit with a no-op callback that overrides `on_train_batch_end`. Keras on JAX
 dispatches batch-end callbacks on a thread pool unless some callback
 overrides them; every lab callback does, so the no-op callback is the
 like-for-like baseline (on two CPUs it was faster than bare fit). Ratios
-are against both; the targets are held against bare fit, as the issue sets
-them.
+are against both; the targets are held against bare fit.
 
 Each round runs every configuration once, in a shuffled order, each on a new
 model after a warm-up fit with the same callbacks (so compiling is not
