@@ -39,6 +39,14 @@ def check_flag(call, argument, value, example):
                         f"(e.g. {example}).")
 
 
+def check_no_model(call, first):
+    """Raises a TypeError where a callback's first argument is a model:
+    Keras hands a callback the model it is given to in fit()."""
+    if hasattr(first, "fit") and hasattr(first, "trainable_variables"):
+        raise TypeError(f"{call}() takes no model: Keras hands it the model it is given to. Pass it to fit: "
+                        f"model.fit(x, y, callbacks=[{call}()]).")
+
+
 def check_seconds(call, argument, value, example):
     """`check_number` for a finite number of seconds, 0 or more (0: at every chance)."""
     check_number(call, argument, value, numbers.Real, lambda v: bool(np.isfinite(v)) and v >= 0,
@@ -71,6 +79,7 @@ def check_recorder_options(gradients, weights, path, run, flush_every, save_ever
 
     from lab.run import Run
 
+    check_no_model("lab.Recorder", gradients)
     check_flag("lab.Recorder", "gradients", gradients, GRADIENTS_EXAMPLE)
     check_flag("lab.Recorder", "weights", weights, WEIGHTS_EXAMPLE)
     check_seconds("lab.Recorder", "flush_every", flush_every, "flush_every=0.25: read the device four times a second")

@@ -57,7 +57,7 @@ def missing_targets(model):
         "train_step needs no y (a VAE, a GAN).")
 
 
-def labels_out_of_range(name, y, out_shape):
+def labels_out_of_range(name, y, out_shape, ignore_class=None):
     """A sparse loss's integer labels outside the output's classes: TensorFlow
     fails on them on a CPU ("Received a label value of 7 which is outside the
     valid range of [0, 3)"), and gives NaN losses on a GPU and on JAX. None
@@ -67,11 +67,14 @@ def labels_out_of_range(name, y, out_shape):
         name: str, the loss's name (`loss_name`).
         y: array of labels.
         out_shape: tuple, the model's output shape (its last axis: the classes).
+        ignore_class: int or None, the label the loss skips (`ignore_class=-1`).
     """
     classes = out_shape[-1] if out_shape else None
     if "sparse" not in name or not isinstance(classes, int) or classes < 2:
         return None
     labels = np.asarray(y)
+    if ignore_class is not None:
+        labels = labels[labels != ignore_class]
     if labels.dtype.kind not in "iuf" or not labels.size or (
             labels.dtype.kind == "f" and not np.array_equal(labels, np.round(labels))):
         return None
@@ -101,7 +104,7 @@ def targets_problem(model, y):
     if keras.tree.is_nested(y) or not getattr(model, "compiled", False):
         return None
     shape = output_shape(model)
-    return labels_out_of_range(loss_name(model.loss), y, shape) if shape else None
+    return labels_out_of_range(loss_name(model.loss), y, shape, ignore_class_of(model.loss)) if shape else None
 
 
 def arrays_problem(model, data):
@@ -126,6 +129,14 @@ def arrays_problem(model, data):
 def said_at(call, problem, pointer=""):
     """A problem as the message of the error `call` raises: what, the fix, and where to see more."""
     return f"{call}: {problem.message} Fix: {problem.fix}" + (f" {pointer}" if pointer else "")
+
+
+def ignore_class_of(loss):
+    """The label a sparse loss skips (`SparseCategoricalCrossentropy(ignore_class=-1)`), or None."""
+    ignore = getattr(loss, "ignore_class", None)
+    if ignore is None:
+        ignore = (getattr(loss, "_fn_kwargs", None) or {}).get("ignore_class")
+    return ignore
 
 
 def loss_name(loss):

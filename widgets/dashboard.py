@@ -34,7 +34,7 @@ import numpy as np
 
 import lab
 
-from lab.arguments import GRADIENTS_EXAMPLE, WEIGHTS_EXAMPLE, check_flag, check_number, check_seconds
+from lab.arguments import GRADIENTS_EXAMPLE, WEIGHTS_EXAMPLE, check_flag, check_no_model, check_number, check_seconds
 from lab.backend import Recorder
 from widgets import static
 from widgets.charts import GHOST_COLOR, LiveFigure
@@ -137,6 +137,7 @@ class Dashboard(keras.callbacks.Callback):
                  smoothing=DEFAULT_WEIGHT, **recorder_options):
         self.requested_view = check_view(view)
         weight = check_weight("widgets.Dashboard", smoothing)
+        check_no_model("widgets.Dashboard", gradients)
         check_flag("widgets.Dashboard", "gradients", gradients, GRADIENTS_EXAMPLE)
         check_flag("widgets.Dashboard", "weights", weights, WEIGHTS_EXAMPLE)
         check_seconds("widgets.Dashboard", "refresh_every", refresh_every, "0.25: at most four refreshes a second")

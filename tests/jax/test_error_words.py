@@ -89,3 +89,8 @@ def test_compare_modes_names_arrays_fit_would_fail_on_at_the_call(data, named, f
         lab.compare_modes(mlp(), data, steps=4)
     message = str(caught.value)
     assert message.startswith("lab.compare_modes: ") and named in message and fix in message
+
+
+def test_a_recorder_given_the_model_says_fit_hands_it_over():
+    with pytest.raises(TypeError, match=r"takes no model.*callbacks=\[lab.Recorder\(\)\]"):
+        lab.Recorder(mlp())

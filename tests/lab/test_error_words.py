@@ -90,7 +90,8 @@ def test_fit_failing_on_its_data_points_to_inspect_data_which_names_the_fix(data
     with pytest.raises(error) as caught:
         mlp().fit(*data, batch_size=8, verbose=0, callbacks=[recorder])
     note = "\n".join(getattr(caught.value, "__notes__", []))
-    assert "lab.inspect_data(x, y, model=model)" in note and "lab.inspect_data" in recorder.run.events()["detail"].iloc[-1]
+    assert "lab.inspect_data(x, y, model=model)" in note
+    assert "lab.inspect_data" in recorder.run.events()["detail"].iloc[-1]
     assert not lab.inspect_data(*data, batch_size=8, model=mlp()).ok  # which names it
 
 
@@ -160,6 +161,13 @@ def test_the_stepper_names_arrays_fit_would_fail_on_at_construction(data, named,
     assert "lab.inspect_data(x, y, model=model)" in message
 
 
+def test_the_label_a_sparse_loss_ignores_is_no_label_out_of_range():
+    model = mlp()
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=-1))
+    labels = np.where(np.arange(32) % 4 == 0, -1, Y).astype(np.int32)
+    assert lab.Stepper(model, (X, labels), batch_size=8).step().error is None
+
+
 def test_x_alone_is_taken_for_a_train_step_that_needs_no_targets():
     model = ReturnsNoLogs("loss")
     model.compile("sgd")  # no compiled loss: nothing to compare y with
@@ -224,3 +232,15 @@ def test_inspect_data_names_labels_outside_the_classes_of_a_sparse_loss():
 def test_inspect_data_refuses_a_model_that_is_no_model():
     with pytest.raises(TypeError, match="model=...\\) must be a keras.Model"):
         lab.inspect_data(X, Y, model="model")
+
+
+def test_a_recorder_given_the_model_says_fit_hands_it_over():
+    with pytest.raises(TypeError, match=r"takes no model.*callbacks=\[lab.Recorder\(\)\]"):
+        lab.Recorder(mlp())
+
+
+def test_a_dashboard_given_the_model_says_fit_hands_it_over():
+    import widgets
+
+    with pytest.raises(TypeError, match=r"widgets.Dashboard\(\) takes no model.*callbacks=\[widgets.Dashboard\(\)\]"):
+        widgets.Dashboard(mlp())

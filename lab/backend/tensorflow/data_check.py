@@ -20,7 +20,8 @@ import pandas as pd
 import tensorflow as tf
 
 from lab.arguments import check_class_weight, check_number
-from lab.data_rules import FORMAT, Problem, labels_out_of_range, loss_name, said_at, targets_problem, tuple_problem
+from lab.data_rules import (FORMAT, Problem, ignore_class_of, labels_out_of_range, loss_name, said_at, targets_problem,
+                             tuple_problem)
 from lab.backend.tensorflow import compat
 from lab.backend.tensorflow.compat import error_line, missing_key
 from lab.backend.tensorflow.devices import uneven_first_batch
@@ -637,7 +638,7 @@ def _check_loss(report, model, x, y, y_pred, sample_weight):
     y_shape, out_shape = single
     sparse = "sparse" in name
     categorical = "categorical" in name and not sparse
-    labels = labels_out_of_range(name, y, out_shape)
+    labels = labels_out_of_range(name, y, out_shape, ignore_class_of(model.loss))
     if labels is not None:
         report.problems.append(labels)
     elif sparse and len(y_shape) == len(out_shape) and y_shape[-1] == out_shape[-1] and y_shape[-1] != 1:
