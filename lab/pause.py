@@ -157,7 +157,8 @@ class PauseController(keras.callbacks.Callback):
         self.release()
 
     def release(self):
-        """Stops listening to the recorder's breakpoints; call it when fit() ends by an exception.
+        """Stops listening to the recorder's breakpoints and takes the keeper's
+        hooks off; call it when fit() ends by an exception.
 
         Keras calls no `on_train_end` when `fit()` raises, so whoever runs
         `fit()` calls this in a `finally`. A later `fit()` of the same
@@ -166,6 +167,8 @@ class PauseController(keras.callbacks.Callback):
         self._hit = None
         if self.recorder is not None:
             self.recorder.remove_breakpoint_listener(self._on_breakpoint)
+        if self.keeper is not None:
+            self.keeper.release_hooks()  # its wrapper on the train function, left on by a fit() that raised
 
     def _on_breakpoint(self, step, detail):
         # Called by the Recorder inside its own batch end: act once every

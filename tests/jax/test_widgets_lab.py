@@ -442,3 +442,17 @@ def test_a_second_run_of_the_panel_goes_on_in_the_same_record_as_one_longer_fit(
     assert_bit_exact_weights(model, bare_fit(BATCHES, epochs=2))
     # Keras' own train function is the model's again: no wrapper of the lab's is left on it.
     assert not lab.hooks.hooks_for(model).active
+
+
+def test_a_fit_that_fails_mid_epoch_leaves_no_lab_hook_on_the_model(trainings):
+    class FailsAtBatch2(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 2:
+                raise RuntimeError("failed at batch 2")
+
+    model = make_mlp()
+    recorder = lab.Recorder(breakpoints=[lab.breakpoints.nonfinite()])  # arms the batch keeper
+    training = trainings(model, epochs=1, callbacks=[recorder, FailsAtBatch2()]).start()
+    assert training.join(TIMEOUT) and training.state == "failed" and "failed at batch 2" in training.detail
+    assert not lab.hooks.hooks_for(model).active
+    model.fit(X, Y, batch_size=BATCH, shuffle=False, verbose=0)  # as without the lab
