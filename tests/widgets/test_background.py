@@ -179,3 +179,16 @@ def test_a_mode_switch_asked_for_while_training_runs_lands_at_a_batch():
     assert wait_until(lambda: "eager" in set(recorder.run.batches()["mode"]))
     run.stop()
     assert run.join(TIMEOUT) and run.state == "stopped"  # switched before training ended
+
+
+def test_a_fit_that_fails_mid_epoch_leaves_no_lab_hook_on_the_model():
+    class FailsAtBatch2(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 2:
+                raise RuntimeError("failed at batch 2")
+
+    model = make_model()
+    recorder = lab.Recorder(breakpoints=[lab.breakpoints.nonfinite()])  # arms the batch keeper
+    run = fit_in_background(model, epochs=1, callbacks=[recorder, FailsAtBatch2()]).start()
+    assert run.join(TIMEOUT) and run.state == "failed" and "failed at batch 2" in run.detail
+    assert not lab.hooks.hooks_for(model).active
