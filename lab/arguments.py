@@ -87,6 +87,9 @@ def check_recorder_options(gradients, weights, path, run, flush_every, save_ever
     if path is not None and not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"lab.Recorder(path=...) must be a file path (str or pathlib.Path) or None; got "
                         f"{type(path).__name__} {path!r} (e.g. path='runs/first.h5').")
+    if path is not None and os.path.isdir(path):
+        raise ValueError(f"lab.Recorder(path=...) is the folder {os.fspath(path)!r}: give the file to save the run "
+                         f"to, in it (e.g. path={os.path.join(path, 'run.h5')!r}).")
     if run is not None and not isinstance(run, Run):
         raise TypeError(f"lab.Recorder(run=...) must be a lab.Run to continue (e.g. run=lab.Run.load('runs/first.h5')) "
                         f"or None; got {type(run).__name__}.")

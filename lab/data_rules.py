@@ -107,11 +107,17 @@ def targets_problem(model, y):
     return labels_out_of_range(loss_name(model.loss), y, shape, ignore_class_of(model.loss)) if shape else None
 
 
+def is_arrays(data):
+    """Whether `data` is arrays as fit()'s `x` or a tuple of them, not a list
+    (x, a multi-input model's inputs), a dataset, a generator or no data."""
+    return isinstance(data, (tuple, dict)) or hasattr(data, "shape") and hasattr(data, "dtype")
+
+
 def arrays_problem(model, data):
     """The first Problem of these rules in `data`, arrays as fit()'s `x` or a
     tuple `(x, y, sample_weight)`; None if none, and for data that is no
     arrays (a dataset, a generator) or a list (x, a multi-input model's inputs)."""
-    if not (isinstance(data, (tuple, dict)) or hasattr(data, "shape") and hasattr(data, "dtype")):
+    if not is_arrays(data):
         return None
     problem = tuple_problem(data)
     if problem is not None:

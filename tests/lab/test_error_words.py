@@ -244,3 +244,16 @@ def test_a_dashboard_given_the_model_says_fit_hands_it_over():
 
     with pytest.raises(TypeError, match=r"widgets.Dashboard\(\) takes no model.*callbacks=\[widgets.Dashboard\(\)\]"):
         widgets.Dashboard(mlp())
+
+
+def test_a_recorder_given_a_folder_to_save_to_says_so_at_construction(tmp_path):
+    with pytest.raises(ValueError, match="is the folder .*give the file to save the run to"):
+        lab.Recorder(path=tmp_path)
+
+
+def test_a_python_list_of_labels_is_named_with_its_fix_where_keras_says_index_out_of_range():
+    with pytest.raises(IndexError):  # Keras' own words: "tuple index out of range"
+        mlp().fit(X, list(Y), verbose=0)
+    with pytest.raises(ValueError, match=r"y is a Python list of 32 numbers.*np.asarray\(y\)"):
+        lab.Stepper(mlp(), (X, list(Y)))
+    assert "np.asarray(y)" in lab.inspect_data(X, list(Y)).problems[0].fix

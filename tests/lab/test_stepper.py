@@ -838,7 +838,7 @@ def test_bad_input_gets_a_clear_error():
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
     with pytest.raises(ValueError, match="compile"):
         lab.Stepper(model, (X, Y))
-    with pytest.raises(ValueError, match="same first dimension"):
+    with pytest.raises(ValueError, match="x and y differ in length .x has 40, y has 30 examples.. Fix: "):
         lab.Stepper(make_model(), (X, Y[:30]))
     with pytest.raises(TypeError, match="tf.data.Dataset"):
         lab.Stepper(make_model(), 42)
@@ -1583,7 +1583,7 @@ def test_a_class_weight_that_is_not_a_map_of_classes_to_weights_is_refused_where
 
 @pytest.mark.parametrize("data, message", [
     (lambda: (X, Y, np.ones(40, np.float32)), "holds sample weights and class_weight is given too"),
-    (lambda: X, "the data has no targets"),
+    (lambda: X, "(?i)the data has no targets"),
     (lambda: (X, [Y, Y]), "a model with one output"),
     (lambda: iter([(X, Y)]), "cannot weight the batches of a list_iterator: fit\\(\\) refuses it there too"),
     (lambda: tf.data.Dataset.from_tensor_slices((X, Y, np.ones(40, np.float32))).batch(8),

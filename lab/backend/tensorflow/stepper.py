@@ -180,11 +180,11 @@ class Stepper:
         _check_mode(mode)
         check_stepper_options(seed, run, start_step, start_batch)
         _check_list_data(model, data)
+        if _step_fn is None:
+            check_arrays_for("lab.Stepper", model, data, batch_size)
         self.model = model
         self.feed = Feed(data, batch_size=batch_size, shuffle=shuffle, seed=seed,
                          steps_per_epoch=steps_per_epoch, position=start_batch, class_weight=class_weight)
-        if _step_fn is None:
-            check_arrays_for("lab.Stepper", model, data, batch_size)
         self.history = int(history)
         self.run = run
         self.mode = mode
