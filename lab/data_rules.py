@@ -42,6 +42,17 @@ def string_problem(path, leaf):
     return None
 
 
+def list_problem(name, part):
+    """A Python list of numbers as x or y, which fit() reads as one array per
+    input or output ("tuple index out of range"); None otherwise."""
+    if isinstance(part, list) and part and np.ndim(part[0]) == 0:
+        return Problem(
+            "data form", f"{name} is a Python list of {len(part)} numbers: fit() reads a list as one array "
+            "per model input or output, not as one value per example (Keras then fails with an IndexError).",
+            f"pass {name} as an array: np.asarray({name}).")
+    return None
+
+
 def needs_targets(model):
     """Whether the model's own train_step needs y: Keras' step with a compiled loss."""
     return (getattr(model, "compiled", False) and getattr(model, "loss", None) is not None
@@ -124,6 +135,9 @@ def arrays_problem(model, data):
         return problem
     parts = tuple(data) if isinstance(data, tuple) else (data,)
     for part, value in zip(("x", "y", "sample_weight"), parts):
+        problem = list_problem(part, value)
+        if problem is not None:
+            return problem
         leaves = keras.tree.flatten(value) if keras.tree.is_nested(value) else [value]
         for leaf in leaves:
             problem = string_problem(part, leaf)

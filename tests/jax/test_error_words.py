@@ -71,6 +71,7 @@ CASES = [
     (X, "The data has no targets y", "(x, y)"),
     ((X, Y + 5), "y holds class labels from 5 to 7, but the model outputs 3 classes", "Dense(8)"),
     ((np.array(["a"] * 32), Y), "x is an array of dtype <U1, which fit() refuses", "np.asarray(array, 'float32')"),
+    ((X, list(Y)), "y is a Python list of 32 numbers", "np.asarray(y)"),
 ]
 
 

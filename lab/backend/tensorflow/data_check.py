@@ -20,8 +20,8 @@ import pandas as pd
 import tensorflow as tf
 
 from lab.arguments import check_class_weight, check_number
-from lab.data_rules import (FORMAT, Problem, ignore_class_of, is_arrays, labels_out_of_range, loss_name, said_at,
-                             targets_problem, tuple_problem)
+from lab.data_rules import (FORMAT, Problem, ignore_class_of, is_arrays, labels_out_of_range, list_problem, loss_name,
+                             said_at, targets_problem, tuple_problem)
 from lab.backend.tensorflow import compat
 from lab.backend.tensorflow.compat import error_line, missing_key
 from lab.backend.tensorflow.devices import uneven_first_batch
@@ -315,11 +315,9 @@ def _training_arrays(report, x, y, sample_weight, validation_split):
         return None
     lengths = {}
     for name, part in zip(_PARTS, data):
-        if isinstance(part, list) and part and np.ndim(part[0]) == 0:
-            report.problems.append(Problem(
-                "data form", f"{name} is a Python list of {len(part)} numbers: fit() reads a list as one array "
-                "per model input or output, not as one value per example (Keras then fails with an IndexError).",
-                f"pass {name} as an array: np.asarray({name})."))
+        listed = list_problem(name, part)
+        if listed is not None:
+            report.problems.append(listed)
             return None
         for path, leaf in _leaves(part, name):
             if not hasattr(leaf, "shape") or not len(leaf.shape if tf.is_tensor(leaf) else np.shape(leaf)):
