@@ -92,7 +92,7 @@ $(JAX_VENV)/.installed: pyproject.toml
 # TensorFlow's run unchanged, their cells executed (their figures differ from
 # TensorFlow's stored ones: Keras' initial weights come from another generator).
 JAX_NOTEBOOK := notebooks/13_keras_on_jax_and_a_colab_tpu.ipynb
-JAX_UNCHANGED := notebooks/01_quickstart.ipynb notebooks/02_gradients.ipynb
+JAX_UNCHANGED := notebooks/00_tour.ipynb notebooks/01_quickstart.ipynb notebooks/02_gradients.ipynb
 test-jax: $(JAX_VENV)/.installed
 	status=0; \
 	KERAS_BACKEND=jax $(JAX_VENV)/bin/python -m pytest $(JAX_ONLY) $(JAX_NEUTRAL) $(PARALLEL) $(PYTEST_ARGS) || status=$$?; \

@@ -47,3 +47,25 @@ def add_note(error, note):
             error.__notes__ = list(getattr(error, "__notes__", None) or ()) + [note]
     except Exception:  # noqa: BLE001 - an error that takes no attribute keeps its own words
         pass
+
+
+def step_failure_note(error, model, returned=None, has_targets=True, pointer=""):
+    """The lab's words for an error that ended a watched fit() because of what
+    train_step returned or was handed, on any backend; "" where it has none.
+
+    Args:
+        error: the exception.
+        model: keras.Model being fit.
+        returned: str or None, what train_step returned instead of a dict of
+            logs (`not_logs`).
+        has_targets: bool, whether the batches held targets y.
+        pointer: str, where the backend's user can see more of their data.
+    """
+    from lab.data_rules import missing_targets, needs_targets
+
+    if returned is not None:
+        return not_logs_message("train_step", returned)
+    if isinstance(error, Exception) and not has_targets and needs_targets(model):
+        problem = missing_targets(model)
+        return f"{problem.message} Fix: {problem.fix} {pointer}".strip()
+    return ""

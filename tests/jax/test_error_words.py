@@ -95,3 +95,31 @@ def test_compare_modes_names_arrays_fit_would_fail_on_at_the_call(data, named, f
 def test_a_recorder_given_the_model_says_fit_hands_it_over():
     with pytest.raises(TypeError, match=r"takes no model.*callbacks=\[lab.Recorder\(\)\]"):
         lab.Recorder(mlp())
+
+
+@pytest.mark.parametrize("returns", ["loss", "none"])
+def test_fit_with_a_train_step_returning_no_logs_says_what_it_returned_and_the_fix(returns):
+    from lab.step_logs import LOGS_FIX
+
+    bare = ReturnsNoLogs(returns)
+    bare.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    # Keras reads a step's logs otherwise where a callback watches batch ends
+    # (as every lab callback does): the like-for-like error is that fit()'s.
+    with pytest.raises(Exception) as bare_error:
+        bare.fit(X, Y, batch_size=8, verbose=0, callbacks=[_BatchEnds()])
+    model = ReturnsNoLogs(returns)
+    model.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    recorder = lab.Recorder()
+    with pytest.raises(type(bare_error.value)) as caught:  # Keras' own error, its type kept
+        model.fit(X, Y, batch_size=8, verbose=0, callbacks=[recorder])
+    returned = "a tensor of shape ()" if returns == "loss" else "None"
+    note = "\n".join(getattr(caught.value, "__notes__", []))
+    assert f"train_step returned {returned}, not a dict of logs" in note and LOGS_FIX in note
+    error = recorder.run.events().query("kind == 'error'")["detail"].iloc[-1]
+    assert f"train_step returned {returned}" in error and LOGS_FIX in error
+    assert recorder.status == "failed"
+
+
+class _BatchEnds(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        pass

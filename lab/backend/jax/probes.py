@@ -25,6 +25,7 @@ Nothing is read on the host per step.
 import threading
 
 import jax.numpy as jnp
+import keras
 import numpy as np
 
 from lab import schema
@@ -34,6 +35,7 @@ from lab.backend.jax.buffer import Ring, Tally
 from lab.breakpoints import DeviceBreakpoint
 from lab.hooks import hooks_for
 from lab.metric_names import leaf_metrics, mean_parts
+from lab.step_logs import not_logs
 from lab.variables import find_optimizers, variable_keys
 
 UPDATE_NORM = "_update_norm/"  # a variable's update norm, turned into `update_ratio/` on the host
@@ -75,6 +77,8 @@ class Probe:
         self.tallies = {name: Tally(keys) for name, optimizer in self.optimizers.items()
                         if compat.applies_inside_cond(optimizer)}
         self.order = None  # the variables of the state's optimizer part, in its order
+        self.not_logs = None  # what train_step returned instead of a dict of logs (`lab.step_logs`)
+        self.has_targets = True  # whether the batches train_step was handed held y (for failure notes)
         self.installed = False
         self.traced = False
 
@@ -208,7 +212,9 @@ class Probe:
             _capture.applies = []
             try:
                 state = probe._tallies_reset(state)
+                probe.has_targets = keras.utils.unpack_x_y_sample_weight(data)[1] is not None
                 logs, new_state = inner(state, data)
+                probe.not_logs = not_logs(logs)  # fit() fails on it, in words that name neither it nor the fix
                 applies = _capture.applies
             finally:
                 _capture.applies = outer

@@ -26,6 +26,7 @@ from lab.observers import Observers
 from lab.run import Run
 from lab.signals import interrupt_detail, is_interrupt
 from lab.status import StatusReporter
+from lab.step_logs import add_note, step_failure_note
 
 RECORDING_THIS_FIT = (
     "This Recorder is recording the fit() of {model!r} that runs this callback: a fit() "
@@ -316,9 +317,16 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
             pass
         kind = "interrupt" if is_interrupt(error) else "error"
         detail = interrupt_detail(error) if kind == "interrupt" else f"{type(error).__name__}: {error}".strip()
+        if kind == "error" and self._probe is not None:
+            # Keras' error names neither what train_step returned or was handed nor the fix.
+            note = step_failure_note(error, self._model, self._probe.not_logs, self._probe.has_targets)
+            if note:
+                detail = f"{detail}\n{note}"
+                add_note(error, note)
         self.run.add_event(kind, detail, step=self.run.next_step)
         self._pending = []
-        self._finish("interrupted" if kind == "interrupt" else "failed", f"{type(error).__name__}: {error}")
+        self._finish("interrupted" if kind == "interrupt" else "failed",
+                     detail if kind == "error" else f"{type(error).__name__}: {error}")
 
     def _finish(self, status, detail=""):
         self._active = False

@@ -22,10 +22,9 @@ import tensorflow as tf
 from lab.backend.tensorflow import compat
 from lab.backend.tensorflow.compat import regrouped_through
 from lab.backend.tensorflow.data_check import INSPECT_POINTER, problem_with_batch
-from lab.data_rules import missing_targets, needs_targets
 from lab.backend.tensorflow.probes import watched_metrics
 from lab.hooks import hooks_for
-from lab.step_logs import not_logs_message
+from lab.step_logs import step_failure_note
 from lab.variables import variable_keys
 
 _LOSS_ARGS = ("x", "y", "y_pred", "sample_weight", "training")
@@ -392,13 +391,9 @@ def failure_note(error, model, returned=None, has_targets=True):
             logs (`lab.step_logs.not_logs`).
         has_targets: bool, whether the batches held targets y.
     """
-    if returned is not None:
-        return not_logs_message("train_step", returned)
-    if not isinstance(error, Exception):
-        return ""
-    if not has_targets and needs_targets(model):
-        problem = missing_targets(model)
-        return f"{problem.message} Fix: {problem.fix} {INSPECT_POINTER}"
+    note = step_failure_note(error, model, returned, has_targets, INSPECT_POINTER)
+    if note or not isinstance(error, Exception):
+        return note
     message = str(error)
     if _is_shape_error(error, message) or any(phrase in message for phrase in _DATA_PHRASES):
         return FIT_DATA_NOTE
