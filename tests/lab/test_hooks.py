@@ -350,7 +350,8 @@ def test_a_graph_error_is_not_called_a_shape_mismatch():
 
     error = TypeError("<tf.Tensor 'x:0' shape=(16, 4)> is out of scope and cannot be used here.")
     trace = lab.StepTrace(index=0, epoch=0, batch=0, x=np.zeros((16, 4)))
-    capture = type("Capture", (), {"no_gradient": []})()
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])  # takes the batch: no data problem
+    capture = type("Capture", (), {"no_gradient": [], "model": model})()
     assert "shape mismatch" not in hint(error, trace, capture).lower()
     shaped = ValueError("Incompatible shapes: [16,1] vs. [16,3]")
     assert "shape mismatch" in hint(shaped, trace, capture).lower()

@@ -405,9 +405,11 @@ _SHAPE_PHRASES = ("incompatible shapes", "shapes are incompatible", "is incompat
                   "expected axis", "must have rank", "must be rank", "incompatible with the layer",
                   "cannot reshape", "cannot be broadcast", "shapes must be equal", "matrix size-incompatible",
                   "arguments `target` and `output` must have the same")
-# Errors about graphs and tensors leaving them also mention shapes; they are no shape mismatch.
+# Errors about graphs, tensors leaving them and a strategy's all-reduces ("Shape mismatch in the
+# collective instance": strategies whose collective keys meet) also mention shapes; they are no
+# shape mismatch of the data.
 _GRAPH_PHRASES = ("funcgraph", "out of scope", "inaccessible", "symbolic tensor", "defined in another function",
-                  "tf.function", "graph tensor", "non-eager")
+                  "tf.function", "graph tensor", "non-eager", "collective instance")
 
 
 def _is_shape_error(error, message):
