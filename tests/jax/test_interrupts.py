@@ -79,7 +79,9 @@ def test_an_interrupt_inside_a_data_generator_is_recorded(tmp_path):
     recorder = lab.Recorder(path=str(tmp_path / "run.h5"), flush_every=3600)
     with pytest.raises(KeyboardInterrupt):
         model.fit(batches_until_interrupt(4), epochs=1, steps_per_epoch=8, verbose=0, callbacks=[recorder])
-    assert assert_left_interrupted(recorder, model, tmp_path / "run.h5") == 4
+    rows = assert_left_interrupted(recorder, model, tmp_path / "run.h5")
+    # Every step that ran is a row: 4, or 3 where Keras reads a batch ahead of the step (3.11).
+    assert rows == int(model.optimizer.iterations) and rows in (3, 4)
 
 
 @pytest.mark.parametrize("how, status, kind", [("interrupt", "interrupted", "interrupt"), ("error", "failed", "error")])

@@ -50,16 +50,24 @@ def no_logs_model(returns, run_eagerly=False):
 # ---- a train_step that returns no dict of logs ------------------------------
 
 
-@pytest.mark.parametrize("returns, run_eagerly, keras_type", [
-    ("loss", False, AttributeError),  # "'EagerTensor' object has no attribute 'items'"
-    ("loss", True, AttributeError),
-    (None, False, ValueError),  # "Attr 'Toutput_types' of 'OptionalFromValue' Op passed list of length 0"
-    (None, True, tf.errors.InvalidArgumentError),
-])
-def test_fit_with_a_train_step_returning_no_logs_says_what_it_returned_and_the_fix(returns, run_eagerly, keras_type):
+class _BatchEnds(keras.callbacks.Callback):
+    """A callback that watches batch ends, as every lab callback does."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        pass
+
+
+@pytest.mark.parametrize("returns, run_eagerly", [("loss", False), ("loss", True), (None, False), (None, True)])
+def test_fit_with_a_train_step_returning_no_logs_says_what_it_returned_and_the_fix(returns, run_eagerly):
+    # Keras' own error, whose type changes between releases ("'EagerTensor'
+    # object has no attribute 'items'", "Attr 'Toutput_types' of
+    # 'OptionalFromValue' Op passed list of length 0", ...): the lab keeps it.
+    with pytest.raises(Exception) as bare:
+        no_logs_model(returns, run_eagerly).fit(X, Y, batch_size=8, verbose=0, callbacks=[_BatchEnds()])
     recorder = lab.Recorder()
-    with pytest.raises(keras_type) as caught:
+    with pytest.raises(Exception) as caught:
         no_logs_model(returns, run_eagerly).fit(X, Y, batch_size=8, verbose=0, callbacks=[recorder])
+    assert type(caught.value) is type(bare.value)
     returned = "a tensor of shape ()" if returns == "loss" else "None"
     note = "\n".join(getattr(caught.value, "__notes__", []))
     assert f"train_step returned {returned}, not a dict of logs" in note and LOGS_FIX in note
@@ -181,6 +189,12 @@ def test_x_alone_is_taken_for_a_train_step_that_needs_no_targets():
 ])
 @pytest.mark.parametrize("mode", ["eager", "graph"])
 def test_a_step_failing_on_a_dataset_the_model_does_not_take_names_the_problem(dataset, named, mode):
+    try:
+        mlp().fit(dataset, verbose=0)
+    except Exception:  # noqa: BLE001 - fit() fails on this data, as the Stepper's step should
+        pass
+    else:
+        pytest.skip(f"Keras {keras.__version__} trains on this dataset")
     trace = lab.Stepper(mlp(), dataset, mode=mode).step()
     assert trace.error is not None
     assert named in trace.hint and "lab.inspect_data(x, y, model=model)" in trace.hint

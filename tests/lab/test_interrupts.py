@@ -380,8 +380,16 @@ def test_an_interrupt_in_keras_own_code_between_steps_is_recorded_at_once(place,
     # runs. The second epoch's start for the first three, the first epoch's
     # end, fit()'s end.
     trainer = fit_keeping_iterator
+    # Older Keras releases (3.5 among them) make an epoch's iterator in
+    # `enumerate_epoch` and read batches inside the compiled train function
+    # (no line of Keras' Python runs there); newer ones make it in
+    # `_get_iterator` and read each batch in `__next__`.
+    reads_in_python = hasattr(trainer.TFEpochIterator, "__next__")
+    if place == "reading a batch" and not reads_in_python:
+        pytest.skip(f"Keras {keras.__version__} reads batches inside the compiled train function")
     targets = {
-        "making the epoch's data iterator": (trainer.TFEpochIterator, "_get_iterator", 2, 6),
+        "making the epoch's data iterator": (trainer.TFEpochIterator,
+                                             "_get_iterator" if reads_in_python else "enumerate_epoch", 2, 6),
         "reading a batch": (trainer.TFEpochIterator, "__next__", 9, 7),
         "the metrics' reset": (keras.Model, "reset_metrics", 2, 6),
         "the metrics' results": (keras.Model, "_get_metrics_result_or_logs", 1, 6),
