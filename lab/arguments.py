@@ -114,3 +114,19 @@ def check_stepper_options(seed, run, start_step, start_batch):
                    for v in start_batch)):
         raise TypeError(f"lab.Stepper(start_batch=...) must be a pair (epoch, batch) of whole numbers, 0 or more; "
                         f"got {start_batch!r} (e.g. start_batch=(2, 5): epoch 2's sixth batch comes first).")
+
+
+def check_predict_stream_options(model, batch_size, steps, collect):
+    """`lab.predict_stream`'s arguments, checked at the call on every backend."""
+    import keras
+
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"predict_stream() needs a keras.Model; got {type(model).__name__}.")
+    check_number("lab.predict_stream", "batch_size", batch_size, numbers.Integral, lambda v: v >= 1,
+                 "a whole number of samples, 1 or more", "batch_size=1024")
+    if steps is not None:
+        check_number("lab.predict_stream", "steps", steps, numbers.Integral, lambda v: v >= 1,
+                     "a whole number of batches, 1 or more, or None (all of them)", "steps=100")
+    if collect is not None and not callable(collect):
+        raise TypeError(f"predict_stream(collect=...): collect must be a callable `collect(y_pred, batch)` or "
+                        f"None; got {type(collect).__name__}.")

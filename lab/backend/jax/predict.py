@@ -1,13 +1,12 @@
 """Streaming prediction on JAX: one batch of inputs and outputs alive at a time."""
 
 import itertools
-import numbers
 
 import jax
 import keras
 import numpy as np
 
-from lab.arguments import check_number
+from lab.arguments import check_predict_stream_options
 
 
 def predict_stream(model, data, batch_size=32, collect=None, steps=None):
@@ -43,16 +42,7 @@ def predict_stream(model, data, batch_size=32, collect=None, steps=None):
         total += (y_pred.argmax(-1) == 3).sum()
     ```
     """
-    if not isinstance(model, keras.Model):
-        raise TypeError(f"predict_stream() needs a keras.Model; got {type(model).__name__}.")
-    check_number("lab.predict_stream", "batch_size", batch_size, numbers.Integral, lambda v: v >= 1,
-                 "a whole number of samples, 1 or more", "batch_size=1024")
-    if steps is not None:
-        check_number("lab.predict_stream", "steps", steps, numbers.Integral, lambda v: v >= 1,
-                     "a whole number of batches, 1 or more", "steps=100")
-    if collect is not None and not callable(collect):
-        raise TypeError(f"predict_stream(collect=...) must be a callable collect(y_pred, batch) or None; got "
-                        f"{type(collect).__name__}.")
+    check_predict_stream_options(model, batch_size, steps, collect)
     batches = _batches(data, batch_size)
     if steps is not None:
         batches = itertools.islice(batches, int(steps))

@@ -7,14 +7,13 @@ the caller (or to a collector) and keeps nothing, calling the model's own
 """
 
 import itertools
-import numbers
 import weakref
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from lab.arguments import check_number
+from lab.arguments import check_predict_stream_options
 from lab.backend.tensorflow.compat import reduce_per_replica
 from lab.backend.tensorflow.devices import split_over_replicas, splits_batches
 from lab.backend.tensorflow.feed import row_slice
@@ -67,17 +66,7 @@ def predict_stream(model, data, batch_size=32, collect=None, steps=None):
         total += (y_pred.argmax(-1) == 3).sum()
     ```
     """
-    if not isinstance(model, keras.Model):
-        raise TypeError(f"predict_stream() needs a keras.Model; got {type(model).__name__}.")
-    check_number("lab.predict_stream", "batch_size", batch_size, numbers.Integral, lambda v: v >= 1,
-                 "a whole number of examples, 1 or more", "1024")
-    if steps is not None:
-        check_number("lab.predict_stream", "steps", steps, numbers.Integral, lambda v: v >= 1,
-                     "a whole number of batches, 1 or more, or None (all of them)", "10")
-    if collect is not None and not callable(collect):
-        raise TypeError(
-            f"collect must be a callable `collect(y_pred, batch)`; got {type(collect).__name__}."
-        )
+    check_predict_stream_options(model, batch_size, steps, collect)
     batches = _batches(data, int(batch_size), steps)
     stream = _predict(model, batches)
     if collect is None:
