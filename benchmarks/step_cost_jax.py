@@ -2,11 +2,13 @@
 
 Each configuration's step is jitted once (with the probe's wrappers for the
 probed ones, as `fit()` jits it) and run in blocks of 200 steps, the
-configurations taking turns, on the MLP of `benchmarks/models.py`. Ratios are
-each configuration's median block time over the bare step's, in the same run.
+configurations taking turns, on a model of `benchmarks/models.py` (the MLP
+by default; `--model deep` is the 25-layer MLP of 50 variables). Ratios are
+each configuration's median block time over the bare step's, in the same
+run; "bare again" is a second bare step, the control.
 
 Usage:
-    KERAS_BACKEND=jax python benchmarks/step_cost_jax.py [--rounds 15]
+    KERAS_BACKEND=jax python benchmarks/step_cost_jax.py [--model mlp|cnn|deep] [--rounds 15]
 """
 
 import argparse
@@ -24,14 +26,16 @@ import numpy as np  # noqa: E402
 from lab.backend.jax.probes import Probe  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import make_mlp  # noqa: E402
+from models import make_cnn, make_deep, make_mlp  # noqa: E402
 
-CONFIGS = {"bare": None, "Recorder()": {}, "gradients": {"gradients": True},
+MODELS = {"mlp": (make_mlp, (64,)), "cnn": (make_cnn, (8, 8, 1)), "deep": (make_deep, (64,))}
+
+CONFIGS = {"bare": None, "bare again": None, "Recorder()": {}, "gradients": {"gradients": True},
            "gradients + weights": {"gradients": True, "weights": True}}
 
 
-def jitted_step(options, x, y):
-    model = make_mlp()
+def jitted_step(options, x, y, make):
+    model = make()
     model.compile(keras.optimizers.Adam(1e-3), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     model.fit(x[:128], y[:128], batch_size=64, verbose=0)
     if options is not None:
@@ -48,11 +52,13 @@ def jitted_step(options, x, y):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--model", choices=sorted(MODELS), default="mlp")
     args = parser.parse_args(argv)
+    make, shape = MODELS[args.model]
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(128, 64)).astype("float32")
+    x = rng.normal(size=(128, *shape)).astype("float32")
     y = rng.integers(0, 10, len(x))
-    steps = {name: jitted_step(options, x, y) for name, options in CONFIGS.items()}
+    steps = {name: jitted_step(options, x, y, make) for name, options in CONFIGS.items()}
     times = {name: [] for name in CONFIGS}
     for _ in range(args.rounds):
         for name, held in steps.items():

@@ -155,6 +155,8 @@ class Dashboard(keras.callbacks.Callback):
         self.max_points = max_points
         self.refreshes = 0
         self._progress = dict(epoch=0, batch=-1, done=0)
+        self._progress_lock = threading.Lock()  # batch ends may come from Keras' pool threads
+        self._fit_thread = None
         self._rows_before_epoch = 0
         self._rate_samples = collections.deque(maxlen=20)
         self._predicting = None
@@ -265,6 +267,7 @@ class Dashboard(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self.recorder.on_train_begin(logs)
+        self._fit_thread = threading.get_ident()
         self._progress = dict(epoch=0, batch=-1, done=0)
         self._rate_samples.clear()
         self._rate_samples.append((time.monotonic(), 0))
@@ -279,18 +282,28 @@ class Dashboard(keras.callbacks.Callback):
         self._progress["batch"] = -1
         self._rows_before_epoch = len(self.run)
 
+    @property
+    def async_safe(self):
+        """Read by Keras' CallbackList: whether this Dashboard's batch end may
+        run on Keras' thread pool (Keras on JAX), as its recorder's may."""
+        return getattr(self.recorder, "async_safe", False)
+
     def on_train_batch_begin(self, batch, logs=None):
         self.recorder.on_train_batch_begin(batch, logs)
+        if time.monotonic() >= self._next_refresh:
+            self.refresh()  # on fit()'s thread, where the batch end may not be
 
     def on_train_batch_end(self, batch, logs=None):
         self.recorder.on_train_batch_end(batch, logs)
-        # The steps the execution ran, as the recorder counts them: Keras
-        # numbers a last, partial execution by its full span (3.11+), and
-        # before 3.11 each execution by one step.
-        last = self.recorder.last_batch_ended
-        self._progress["done"] += max(1, last - self._progress["batch"])
-        self._progress["batch"] = last
-        if time.monotonic() >= self._next_refresh:
+        with self._progress_lock:
+            # The steps the execution ran, as the recorder counts them: Keras
+            # numbers a last, partial execution by its full span (3.11+), and
+            # before 3.11 each execution by one step.
+            last = self.recorder.last_batch_ended
+            if last > self._progress["batch"]:  # pool threads may end batches out of order
+                self._progress["done"] += max(1, last - self._progress["batch"])
+                self._progress["batch"] = last
+        if threading.get_ident() == self._fit_thread and time.monotonic() >= self._next_refresh:
             self.refresh()
 
     def on_epoch_end(self, epoch, logs=None):

@@ -48,7 +48,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from lab.backend.jax import compat
-from lab.backend.jax.norms import sum_of_squares
+from lab.backend.jax.norms import sums_of_squares
 from lab.hooks import hooks_for
 from lab.variables import variable_keys
 
@@ -205,7 +205,7 @@ class LoopProbe:
     def _measure_grads(self, grads, variables, learning_rate):
         """(variables, rate, [sum of squares per gradient], bad or None), as arrays of the step."""
         rate = jnp.asarray(getattr(learning_rate, "value", learning_rate), jnp.float32).reshape(())
-        squares = [sum_of_squares(g) for g in grads] if self.gradients else []
+        squares = sums_of_squares(grads) if self.gradients else []
         bad = None
         if self.gate and grads:
             bad = jnp.logical_not(jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grads])))
@@ -251,8 +251,7 @@ class LoopProbe:
         if self.weights and before is not None:
             olds = [before[id(v)][1] if id(v) in before else v.value for v in variables]
             news = [v.value for v in variables]
-            values += [sum_of_squares(old) for old in olds] + [sum_of_squares(new) for new in news]
-            values += [sum_of_squares(new.astype(jnp.float32) - old.astype(jnp.float32)) for old, new in zip(olds, news)]
+            values += sums_of_squares(olds) + sums_of_squares(news) + sums_of_squares(news, minus=olds)
             has += ("weights",)
         tracing = _tracing(rate) or any(_tracing(v) for v in values)
         if tracing and not self.sends:

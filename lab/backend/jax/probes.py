@@ -30,7 +30,7 @@ import numpy as np
 
 from lab import schema
 from lab.backend.jax import compat
-from lab.backend.jax.norms import sum_of_squares
+from lab.backend.jax.norms import sums_of_squares
 from lab.backend.jax.buffer import Ring, Tally
 from lab.breakpoints import DeviceBreakpoint
 from lab.hooks import hooks_for
@@ -276,19 +276,22 @@ class Probe:
         held = jnp.logical_or(hit, ring.held(flags))
         values[schema.UPDATED] = jnp.where(held, jnp.float32(0.0), jnp.float32(1.0))
         if self.gradients:
-            for key, parts in grads.items():
-                squares = sum(sum_of_squares(g) for g in parts)
-                values[schema.variable_column(schema.GRAD_NORM_PREFIX, key)] = jnp.sqrt(squares)
+            flat = [(key, g) for key, parts in grads.items() for g in parts]
+            squares = {}
+            for (key, _), square in zip(flat, sums_of_squares([g for _, g in flat])):
+                squares[key] = squares[key] + square if key in squares else square
+            for key, square in squares.items():
+                values[schema.variable_column(schema.GRAD_NORM_PREFIX, key)] = jnp.sqrt(square)
         if self.device_points:
             new_trainable = _kept(held, trainable, new_trainable)
             new_non_trainable = _kept(held, non_trainable, new_non_trainable)
             new_optimizer_vars = _kept(held, optimizer_vars, new_optimizer_vars)
         if self.weights:
-            for key, before, after in zip(self.keys.values(), trainable, new_trainable):
-                after32 = after.astype(jnp.float32)
-                values[schema.variable_column(schema.WEIGHT_NORM_PREFIX, key)] = jnp.sqrt(sum_of_squares(after32))
-                change = after32 - before.astype(jnp.float32)
-                values[UPDATE_NORM + key] = jnp.sqrt(sum_of_squares(change))
+            keys = list(self.keys.values())
+            for key, square in zip(keys, sums_of_squares(new_trainable)):
+                values[schema.variable_column(schema.WEIGHT_NORM_PREFIX, key)] = jnp.sqrt(square)
+            for key, square in zip(keys, sums_of_squares(new_trainable, minus=trainable)):
+                values[UPDATE_NORM + key] = jnp.sqrt(square)
         row = jnp.stack([jnp.asarray(values.get(c, jnp.nan), jnp.float32).reshape(()) for c in self.columns])
         new_optimizer_vars = ring.written(new_optimizer_vars, row, ring.set_held(flags, held))
         return (new_trainable, new_non_trainable, new_optimizer_vars, new_metric_vars)
