@@ -53,21 +53,22 @@ def sums_of_squares(tensors, minus=None):
     one, 1.07 stacked; `benchmarks/step_cost_jax.py --model deep`); the
     others are reduced alone.
     """
-    flats = [jnp.asarray(t).astype(jnp.float32).reshape(-1) for t in tensors]
+    tensors = [jnp.asarray(t).astype(jnp.float32) for t in tensors]
     if minus is not None:
-        flats = [f - jnp.asarray(m).astype(jnp.float32).reshape(-1) for f, m in zip(flats, minus)]
-    sums = [None] * len(flats)
+        tensors = [t - jnp.asarray(m).astype(jnp.float32) for t, m in zip(tensors, minus)]
+    sums = [None] * len(tensors)
     stacks = {}
-    for i, flat in enumerate(flats):
-        if 0 < flat.shape[0] <= STACKED_AT_MOST:
-            stacks.setdefault(flat.shape[0], []).append(i)
+    for i, tensor in enumerate(tensors):
+        if 0 < tensor.size <= STACKED_AT_MOST:
+            stacks.setdefault(tensor.size, []).append(i)
     for size, members in stacks.items():
         if len(members) < STACKED_AT_LEAST:
             continue
         per_stack = max(STACKED_AT_LEAST, STACK_ELEMENTS // size)
         for start in range(0, len(members), per_stack):
             chunk = members[start:start + per_stack]
-            found = jnp.sum(jnp.square(jnp.stack([flats[i] for i in chunk])), axis=1)
+            found = jnp.sum(jnp.square(jnp.stack([tensors[i].reshape(-1) for i in chunk])), axis=1)
             for j, i in enumerate(chunk):
                 sums[i] = found[j]
-    return [sum_of_squares(flat) if found is None else found for flat, found in zip(flats, sums)]
+    # Alone, a tensor keeps its shape: the product runs over its last axis.
+    return [sum_of_squares(tensor) if found is None else found for tensor, found in zip(tensors, sums)]
