@@ -290,8 +290,11 @@ class Dashboard(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         self.recorder.on_train_batch_begin(batch, logs)
-        if time.monotonic() >= self._next_refresh:
-            self.refresh()  # on fit()'s thread, where the batch end may not be
+        # Where Keras ends batches on its pool (JAX), the Dashboard draws here,
+        # on fit()'s thread, once a batch of the epoch has ended (before that
+        # the progress line would be blank).
+        if self.async_safe and self._progress["batch"] >= 0 and time.monotonic() >= self._next_refresh:
+            self.refresh()
 
     def on_train_batch_end(self, batch, logs=None):
         self.recorder.on_train_batch_end(batch, logs)

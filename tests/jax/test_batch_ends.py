@@ -139,11 +139,16 @@ def test_the_dashboard_draws_on_fits_thread_only():
     drawn_on = []
     draw = dashboard.refresh
 
+    progress = []
+
     def refresh(*args, **kwargs):
         drawn_on.append(threading.get_ident())
+        progress.append(dashboard.progress_text())
         return draw(*args, **kwargs)
 
     dashboard.refresh = refresh
     make_mlp().fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[dashboard, BatchEndThreads()])
     assert len(drawn_on) > 3 and set(drawn_on) == {threading.get_ident()}
+    # After the first drawing (at fit()'s begin), the progress line is never blank.
+    assert all(progress[1:]), progress
     assert dashboard.status == "finished" and len(dashboard.run) == 2 * (len(x) // BATCH)
