@@ -224,8 +224,11 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
                 # ModeSwitcher or a callback).
                 execution.mode = modes.running_mode(self._model)
             self.last_batch_ended = max(self.last_batch_ended, batch)
-        if on_fit_thread and (self.breakpoints or time.monotonic() - self._last_flush >= self.flush_every):
-            self.flush()
+        if on_fit_thread:  # Keras waits for this callback: the rows and the file as after this batch
+            now = time.monotonic()
+            if self.breakpoints or now - self._last_flush >= self.flush_every:
+                self.flush()
+            self._maybe_save(now)
 
     def on_epoch_end(self, epoch, logs=None):
         # Keras has waited for every batch end of the epoch before this one.
