@@ -127,6 +127,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self._held = None  # rows read from the ring whose execution's end is not heard of yet
         self._last_ready = None  # when the last execution in the run was ready
         self._unread = 0  # steps begun since the ring was read (an upper bound)
+        self._steps_per_execution = 1  # the model's, read once a fit()
         self._epoch = 0
         self._last_flush = 0.0
         self._last_save = 0.0
@@ -183,6 +184,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._active = True
         self._fit_thread = threading.get_ident()
+        self._steps_per_execution = max(1, int(getattr(self._model, "steps_per_execution", 1) or 1))
         self._reset_executions()
         self._mode = modes.running_mode(self._model)
         modes.training_began(self._model)
@@ -199,7 +201,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         execution = _Execution(self._epoch, int(batch), modes.running_mode(self._model), time.perf_counter())
         with self._lock:
             self._executions.append(execution)
-        self._unread += max(1, int(getattr(self._model, "steps_per_execution", 1) or 1))
+        self._unread += self._steps_per_execution
         now = time.monotonic()
         if self._unread * 2 >= self.capacity or now - self._last_flush >= self.flush_every:
             self.flush()  # the state after the last batch is still the model's here
