@@ -23,6 +23,10 @@ class Problem(collections.namedtuple("Problem", ["kind", "message", "fix"])):
         return f"{self.message}\nfix: {self.fix}"
 
 
+class ClassWeightError(ValueError):
+    """Data that fit() refuses to weigh by class_weight: sample weights too, several targets, no targets."""
+
+
 def tuple_problem(data):
     """A tuple that is no batch fit() takes (`(x, y, sample_weight, extra)`); None for any other data."""
     if isinstance(data, tuple) and not 1 <= len(data) <= 3:

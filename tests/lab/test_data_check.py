@@ -222,6 +222,14 @@ def test_inputs_of_the_wrong_shape(arrays):
     assert "(32, 2, 4)" in problem.message and "keras.Input(shape=(2, 4))" in problem.fix
 
 
+def test_x_alone_for_a_model_that_trains_on_targets_is_named_with_the_fix(arrays):
+    report = lab.inspect_data(arrays[0], model=classifier())  # it said "no problem found"; fit() fails on it
+    problem = only_problem(report, "targets")
+    assert "The data has no targets y" in problem.message and "fit(x, y)" in problem.fix
+    assert report.batches_per_epoch == 4
+    assert _fit_fails(classifier(), arrays[0])
+
+
 def test_y_given_beside_a_dataset(arrays):
     x, y = arrays
     report = lab.inspect_data(tf.data.Dataset.from_tensor_slices(x).batch(10), y)

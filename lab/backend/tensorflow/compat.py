@@ -34,6 +34,9 @@ from tensorflow.python.saved_model.save_context import in_save_context as _in_sa
 # (TF 2.16 and 2.21).
 from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
 
+# The TensorFlow part reads it as compat.error_line; it knows no backend (lab/error_text.py).
+from lab.error_text import error_line  # noqa: E402, F401
+
 
 def _version(text):
     """(major, minor, patch) from a version string; "3.10.0rc1" -> (3, 10, 0)."""
@@ -857,51 +860,3 @@ def warn_of_cause(error):
     if collective_keys_reused(error):
         with contextlib.suppress(Warning):
             warnings.warn(COLLECTIVE_KEYS_HINT, RuntimeWarning, stacklevel=3)
-
-
-def error_line(error):
-    """The informative line of a Keras or TensorFlow error, without tracebacks or markup.
-
-    Args:
-        error: Exception.
-
-    Returns:
-        str, at most 300 characters.
-    """
-    found, key = missing_key(error)
-    if found:
-        # str() of a KeyError is the repr of its key (or of Keras' whole wrapped message).
-        return f"KeyError: {key!r}"[:300]
-    lines = [_strip_ansi(line).strip() for line in str(error).splitlines()]
-    lines = [line for line in lines if line]
-    if lines and lines[0].startswith("Graph execution error"):
-        # A graph error lists the traceback of the failing op first; its message follows.
-        after = [i for i, line in enumerate(lines) if line.startswith("File ")]
-        lines = lines[after[-1] + 1:] if after else lines[1:]
-    for line in lines:
-        # Keras wraps a layer's error in "Exception encountered when calling ...".
-        if not line.startswith(("Exception encountered", "[[")):
-            return line[:300]
-    return type(error).__name__
-
-
-def _strip_ansi(text):
-    # TensorFlow prefixes op errors with "{{function_node ...}}"; Keras bolds with ANSI codes.
-    return re.sub(r"\{\{[^}]*\}\}\s*|\x1b\[[0-9;]*m|\s*\[Op:[^\]]*\]( name:\s*\S*)?", "", text)
-
-
-def missing_key(error):
-    """(True, key) when error is a KeyError, else (False, None).
-
-    Keras re-raises a layer's error as the same type with the call's arguments
-    added to the message; the original, with the key itself, is its context.
-    """
-    while isinstance(error, KeyError):
-        wrapped = bool(error.args) and str(error.args[0]).startswith("Exception encountered")
-        if not wrapped:
-            return True, error.args[0] if error.args else None
-        if not isinstance(error.__context__, KeyError):
-            bold = re.search(r"\x1b\[1m(.*?)\x1b\[0m", error.args[0], re.DOTALL)
-            return True, bold.group(1) if bold else None
-        error = error.__context__
-    return False, None

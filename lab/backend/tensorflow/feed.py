@@ -22,12 +22,9 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
 from lab.backend.tensorflow import compat
+from lab.data_rules import ClassWeightError
 
 Fed = collections.namedtuple("Fed", ["epoch", "batch", "data"])
-
-
-class ClassWeightError(ValueError):
-    """Data that fit() refuses to weigh by class_weight: sample weights too, several targets, no targets."""
 
 _END = (StopIteration, tf.errors.OutOfRangeError)
 
