@@ -23,6 +23,8 @@ import random
 import keras
 import numpy as np
 
+from lab.data_rules import ClassWeightError
+
 Fed = collections.namedtuple("Fed", ["epoch", "batch", "data"])
 
 DATA_TYPES = ("an array, a tuple (x, y) or (x, y, sample_weight) of arrays, a keras.utils.PyDataset "
@@ -101,8 +103,8 @@ def _source(data, batch_size, shuffle, seed, class_weight):
     if _is_arrays(data):
         return _ArraySource(data, batch_size, shuffle, seed, class_weight)
     if class_weight is not None:
-        raise ValueError(f"class_weight cannot weight the batches of a {type(data).__name__}: fit() refuses it "
-                         "there too. Give the arrays as (x, y), or yield (x, y, sample_weight) batches.")
+        raise ClassWeightError(f"class_weight cannot weight the batches of a {type(data).__name__}: fit() refuses "
+                               "it there too. Give the arrays as (x, y), or yield (x, y, sample_weight) batches.")
     if hasattr(data, "__next__"):
         return _OneShot(data)
     if hasattr(data, "__iter__") and not isinstance(data, (str, bytes, dict)):
@@ -135,11 +137,15 @@ class _ArraySource(_Source):
         x, y, sample_weight = (tuple(data) + (None, None))[:3]
         if class_weight is not None:
             if y is None:
-                raise ValueError("class_weight weighs each sample by its class in y, and the data has no targets: "
-                                 "give (x, y), as fit(x, y, class_weight=...) takes them.")
+                raise ClassWeightError("class_weight weighs each sample by its class in y, and the data has no "
+                                       "targets: give (x, y), as fit(x, y, class_weight=...) takes them.")
             if sample_weight is not None:
-                raise ValueError("The data holds sample weights and class_weight is given too, which fit() "
-                                 "refuses: give one of them.")
+                raise ClassWeightError("The data holds sample weights and class_weight is given too, which fit() "
+                                       "refuses: give one of them.")
+            if keras.tree.is_nested(y):
+                raise ClassWeightError("class_weight weighs the samples of a model with one output; these targets "
+                                       f"are a {type(y).__name__} of several, as fit() refuses them too. Give each "
+                                       "output's weights as sample weights instead: (x, y, sample_weight).")
             sample_weight = class_weights_as_sample_weights(y, class_weight)
         # fit(x) hands train_step the bare x; (x,) where x is a list or tuple.
         packed = keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
@@ -242,8 +248,8 @@ class _PyDatasetSource(_Source):
             batch = tuple(batch)
         if self.class_weight is not None and isinstance(batch, tuple):
             if len(batch) == 3:
-                raise ValueError("The PyDataset's batches hold sample weights and class_weight is given too, "
-                                 "which fit() refuses: give one of them.")
+                raise ClassWeightError("The PyDataset's batches hold sample weights and class_weight is given "
+                                       "too, which fit() refuses: give one of them.")
             if len(batch) == 2:
                 batch = batch + (class_weights_as_sample_weights(batch[1], self.class_weight),)
         return _as_batch(batch)
