@@ -13,6 +13,10 @@ _END_TO_END = ("browser", "kernel")
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "kernel: drives a real ipykernel through jupyter_client")
+    config.addinivalue_line(
+        "markers", "newest_only: a sweep's Stepper, rewind and XLA variants, and the keras-io programs' checks "
+        "beyond fit(): run on the newest stack only; the oldest runs every sweep's fit() check "
+        "(`make test-oldest`, docs/testing.md)")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -606,6 +606,7 @@ def same_state(model, expected, case):
     return state(model, counter=False) == expected[:position] + expected[position + 1:]
 
 
+@pytest.mark.newest_only
 @pytest.mark.parametrize("name", params())
 def test_each_data_form_steps_as_fits_first_epoch_and_replays(name):
     _, _, logs = bare(name)

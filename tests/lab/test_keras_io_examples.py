@@ -96,6 +96,10 @@ import pytest
 import tensorflow as tf
 from keras import layers, ops
 
+# keras-io's programs are written for the newest Keras: they run on the newest stack, not on the
+# oldest one (docs/testing.md, "What the oldest stack runs").
+pytestmark = pytest.mark.newest_only
+
 # pytest imports test files with --import-mode=importlib (pyproject.toml),
 # which puts no test folder on sys.path: the guides' harness is imported from here.
 sys.path.insert(0, str(pathlib.Path(__file__).parent))

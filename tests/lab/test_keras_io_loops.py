@@ -71,6 +71,10 @@ from keras import layers
 
 import lab
 
+# keras-io's programs are written for the newest Keras: they run on the newest stack, not on the
+# oldest one (docs/testing.md, "What the oldest stack runs").
+pytestmark = pytest.mark.newest_only
+
 SEED = 1234
 
 

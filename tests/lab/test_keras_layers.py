@@ -338,6 +338,7 @@ def test_each_keras_layer_trains_as_bare_fit_and_every_variable_has_its_columns(
     assert rows["grad_norm"].notna().all() and rows["updated"].eq(1).all()
 
 
+@pytest.mark.newest_only
 @pytest.mark.parametrize("name", params())
 def test_each_keras_layer_steps_as_fit_and_replays_after_a_rewind(name):
     _, first_epoch, _ = bare(name)

@@ -377,6 +377,7 @@ def test_each_loss_has_its_columns_each_batchs_own_or_listed_as_running(name):
     check_losses(rows, logs.rows, running)
 
 
+@pytest.mark.newest_only
 @pytest.mark.parametrize("name", case_params())
 def test_each_loss_steps_as_fits_first_epoch(name):
     case, _, _, logs = bare(name)

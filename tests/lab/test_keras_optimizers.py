@@ -156,6 +156,7 @@ def stepped_and_replayed(name, mode):
     assert state(model) == state(reference) or regrouped
 
 
+@pytest.mark.newest_only
 @pytest.mark.parametrize("name", params())
 def test_each_keras_optimizer_steps_as_fit_and_replays_after_a_rewind(name):
     stepped_and_replayed(name, "graph")
@@ -349,6 +350,7 @@ def tape_free(model, variable, x, y):
         variable.path)])
 
 
+@pytest.mark.newest_only
 @pytest.mark.parametrize("name", list(OPTIONS))
 def test_each_optimizer_option_steps_as_fit_and_replays_after_a_rewind(name):
     model = with_options(name)
