@@ -117,6 +117,27 @@ def applies_inside_cond(optimizer):
     return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
 
 
+def batches_on_device():
+    """Whether Keras' JAX `fit()` puts each batch on the device before
+    `train_step` gets it, which turns its leaves' dtypes into JAX's own
+    (float64 into float32, int64 into int32, where 64-bit values are off).
+
+    Keras 3.15 hands a CPU's batches on as the data gave them, and puts
+    them on the device elsewhere (`JAXEpochIterator._get_iterator`, which
+    then has `_one_batch_ahead_iterator`); earlier releases put every batch
+    on the device (they have `_prefetch_numpy_iterator` instead). Under a
+    `keras.distribution`, every release does."""
+    import jax
+    import keras
+    from keras.src.backend.jax.trainer import JAXEpochIterator
+
+    if keras.distribution.distribution() is not None:
+        return True
+    if hasattr(JAXEpochIterator, "_one_batch_ahead_iterator"):
+        return jax.default_backend() != "cpu"
+    return True
+
+
 def jax_started():
     """Whether JAX has started its backends (after which the number of CPU
     devices is fixed)."""

@@ -20,9 +20,11 @@ import collections
 import itertools
 import random
 
+import jax
 import keras
 import numpy as np
 
+from lab.backend.jax import compat
 from lab.data_rules import ClassWeightError
 
 Fed = collections.namedtuple("Fed", ["epoch", "batch", "data"])
@@ -259,12 +261,21 @@ class _PyDatasetSource(_Source):
 
 
 def _as_batch(batch):
-    """A batch as Keras' JAX iterators hand it on: lists as tuples, leaves as NumPy arrays."""
+    """A batch as Keras' JAX iterators hand it on: lists as tuples, leaves as
+    NumPy arrays, in JAX's own dtypes where fit() puts batches on the device
+    (`compat.batches_on_device`; the same values as a device would hold)."""
     if isinstance(batch, list):
         batch = tuple(batch)
-    return keras.tree.map_structure(
-        lambda leaf: leaf if leaf is None or isinstance(leaf, np.ndarray) or hasattr(leaf, "block_until_ready")
-        else np.asarray(leaf), batch)
+    on_device = compat.batches_on_device()
+
+    def leaf_of(leaf):
+        if leaf is None or hasattr(leaf, "block_until_ready"):
+            return leaf
+        leaf = leaf if isinstance(leaf, np.ndarray) else np.asarray(leaf)
+        if on_device and leaf.dtype.kind in "biufc":
+            leaf = leaf.astype(jax.dtypes.canonicalize_dtype(leaf.dtype), copy=False)
+        return leaf
+    return keras.tree.map_structure(leaf_of, batch)
 
 
 # ---- Keras internals ----------------------------------------------------------
