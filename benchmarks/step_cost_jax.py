@@ -5,7 +5,9 @@ probed ones, as `fit()` jits it) and run in blocks of 200 steps, the
 configurations taking turns, on a model of `benchmarks/models.py` (the MLP
 by default; `--model deep` is the 25-layer MLP of 50 variables). Ratios are
 each configuration's median block time over the bare step's, in the same
-run; "bare again" is a second bare step, the control.
+run; "bare again" is a second bare step, the control. With them take turns
+the weight and update norms that `weights=True` adds, jitted by themselves:
+what those reductions cost without a step around them.
 
 Usage:
     KERAS_BACKEND=jax python benchmarks/step_cost_jax.py [--model mlp|cnn|deep] [--rounds 15]
@@ -23,6 +25,7 @@ import jax  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
+from lab.backend.jax.norms import sums_of_squares  # noqa: E402
 from lab.backend.jax.probes import Probe  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -49,6 +52,22 @@ def jitted_step(options, x, y, make):
     return [step, state, data]
 
 
+def norms_alone(x, y, make):
+    """The weight and update norms `weights=True` takes, jitted by
+    themselves, over the model's weights after a step and before it: what
+    the reductions cost without the step around them."""
+    model = make()
+    model.compile(keras.optimizers.Adam(1e-3), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    before = [jax.numpy.asarray(np.asarray(v.value)) for v in model.trainable_variables]
+    model.fit(x[:128], y[:128], batch_size=64, verbose=0)
+    after = [jax.numpy.asarray(np.asarray(v.value)) for v in model.trainable_variables]
+    norms = jax.jit(lambda a, b: sums_of_squares(a) + sums_of_squares(a, minus=b))
+
+    def step(state, data):
+        return None, (state[0], state[1], norms(state[0], state[1]))
+    return [step, (after, before, norms(after, before)), None]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
@@ -59,7 +78,8 @@ def main(argv=None):
     x = rng.normal(size=(128, *shape)).astype("float32")
     y = rng.integers(0, 10, len(x))
     steps = {name: jitted_step(options, x, y, make) for name, options in CONFIGS.items()}
-    times = {name: [] for name in CONFIGS}
+    steps["weight + update norms alone"] = norms_alone(x, y, make)
+    times = {name: [] for name in steps}
     for _ in range(args.rounds):
         for name, held in steps.items():
             step, state, data = held
@@ -71,7 +91,7 @@ def main(argv=None):
             held[1] = state
     base = statistics.median(times["bare"])
     for name, values in times.items():
-        print(f"{name:22s} {statistics.median(values) * 1e6:7.1f} us a step  {statistics.median(values) / base:.3f} x bare")
+        print(f"{name:28s} {statistics.median(values) * 1e6:7.1f} us a step  {statistics.median(values) / base:.3f} x bare")
 
 
 if __name__ == "__main__":
