@@ -25,6 +25,7 @@ import jax  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
+from lab.backend.jax import compat  # noqa: E402
 from lab.backend.jax.norms import sums_of_squares  # noqa: E402
 from lab.backend.jax.probes import Probe  # noqa: E402
 
@@ -47,7 +48,8 @@ def jitted_step(options, x, y, make):
                                  optimizer_variables=True, metrics_variables=True)
     step = jax.jit(model.train_step, donate_argnums=0)
     data = (jax.numpy.asarray(x[:64]), jax.numpy.asarray(y[:64]))
-    _, state = step(state, data)
+    with compat.state_shardings_recorded(model):  # traced here, outside fit() (Keras 3.11 needs them)
+        _, state = step(state, data)
     jax.block_until_ready(state)
     return [step, state, data]
 
