@@ -9,31 +9,38 @@ CNN, deep MLP of 25 Dense layers), batch 64, 624 steps per fit (3 epochs of
 Two baselines, both measured in the same run: bare `fit(verbose=0)`, and
 fit with a no-op callback that overrides `on_train_batch_end`. Keras on JAX
 dispatches batch-end callbacks on a thread pool unless some callback
-overrides them; every lab callback does, so the no-op callback is the
-like-for-like baseline (on two CPUs it was faster than bare fit). Ratios
-are against both; the targets are held against bare fit.
+overrides them (the no-op callback does, as `verbose=1`'s progress bar
+does); a lab callback without breakpoints does not, so bare fit is its
+like-for-like baseline, and the targets are held against it.
 
-Each round runs every configuration once, in a shuffled order, each on a new
-model after a warm-up fit with the same callbacks (so compiling is not
-timed: the lab keeps the function it jitted for the next fit). A ratio is a
-configuration's median fit time over the baseline's median; the bootstrap
-interval resamples whole rounds. "control" is bare fit again on a model of
-its own: its ratio is what this run can tell apart.
+As in `overhead.py`, the fits take turns (`turns.Turns`): each round makes
+a new model for every configuration, warms each up with its callbacks (so
+compiling is not timed: the lab keeps the function it jitted for the next
+fit), then runs one fit of each, each in a thread of its own, one at a
+time, passing the turn on every 8 steps (at a batch's begin, after waiting
+for the steps it has put on the device), so that a burst of load from
+another tenant falls on every configuration alike. A ratio is a
+configuration's median fit time (the sum of its turns) over the baseline's
+median; the 90% bootstrap interval resamples whole rounds (`turns.verdict`).
+"control" is bare fit again on a model of its own: its ratio is what this
+run can tell apart.
 
 Usage:
     python benchmarks/overhead_jax.py                    # 3 models, 7 rounds
     python benchmarks/overhead_jax.py --quick            # MLP, 3 rounds, fewer steps
+    python benchmarks/overhead_jax.py --cpu 1            # the whole process on CPU 1: steadier fits
     python benchmarks/overhead_jax.py --json out.json
 """
 
 import argparse
+import functools
 import json
 import os
 import platform
 import random
 import statistics
 import sys
-import time
+import threading
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
@@ -44,6 +51,7 @@ import lab  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import make_cnn, make_deep, make_mlp  # noqa: E402  (shared with overhead.py)
+from turns import TURN_STEPS, Turns, pin, verdict  # noqa: E402  (shared with overhead.py)
 
 BATCH_SIZE = 64
 SPES = (1, 32)
@@ -76,47 +84,100 @@ def headless_comms():
     comm.create_comm = lambda *a, **k: Dropping(**k)
 
 
-def dashboard():
+def dashboard(every):
     headless_comms()
     import widgets
 
-    return widgets.Dashboard(gradients=True, view="html")
+    return widgets.Dashboard(gradients=True, view="html", refresh_every=every, flush_every=every)
 
 
-CONFIGS = {
-    BARE: lambda: [],
-    NOOP: lambda: [NoOp()],
-    "`lab.Recorder()`": lambda: [lab.Recorder()],
-    "`widgets.Dashboard(gradients=True)`": lambda: [dashboard()],
-    "`lab.Recorder(gradients=True, weights=True)`": lambda: [lab.Recorder(gradients=True, weights=True)],
-    CONTROL: lambda: [],
-}
+def configs(every=0.25):
+    """name -> () -> list of callbacks. `every`: the lab's seconds between
+    reads and refreshes; fits taking turns pass a multiple of the default,
+    so that each reads and refreshes as often per step as a fit alone."""
+    return {
+        BARE: lambda: [],
+        NOOP: lambda: [NoOp()],
+        "`lab.Recorder()`": lambda: [lab.Recorder(flush_every=every)],
+        "`widgets.Dashboard(gradients=True)`": lambda: [dashboard(every)],
+        "`lab.Recorder(gradients=True, weights=True)`": lambda: [
+            lab.Recorder(gradients=True, weights=True, flush_every=every)],
+        CONTROL: lambda: [],
+    }
 
 
-def one_fit(make, shape, spe, callbacks, steps):
-    """Seconds of one fit of `steps` batches (epochs of 208), after a warm-up fit."""
+CONFIGS = configs()
+
+
+_fit_callbacks = threading.local()  # the CallbackList of the fit running in this thread
+
+
+def track_callback_lists():
+    """Keeps, per thread, the `CallbackList` that the fit running in it made,
+    so that `settle` can wait for the batch ends it sent to Keras' pool."""
+    from keras.src.callbacks import callback_list
+
+    made = callback_list.CallbackList.__init__
+    if getattr(made, "tracked", False):
+        return
+
+    def __init__(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        _fit_callbacks.current = self
+
+    __init__.tracked = True
+    callback_list.CallbackList.__init__ = __init__
+
+
+def settle(model):
+    """Waits for what a fit has started and not finished: the steps it put
+    on the device (Keras keeps the state its last step returned in
+    `model._jax_state`; waiting on it syncs nothing into the variables) and
+    the batch ends it sent to Keras' thread pool, which would otherwise run
+    in the next fit's turn and be counted there."""
+    state = getattr(model, "_jax_state", None)
+    if state:
+        import jax
+
+        jax.block_until_ready(state)
+    flush = getattr(getattr(_fit_callbacks, "current", None), "_flush_futures", None)
+    if flush is not None:
+        flush()
+
+
+def measure(make, shape, spe, rounds, steps, seed=0, batches=208):
+    """Each configuration's fit seconds, one per round, the fits taking turns
+    (fits of `steps` steps, in epochs of `batches` batches)."""
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(208 * BATCH_SIZE, *shape)).astype("float32")
+    x = rng.normal(size=(batches * BATCH_SIZE, *shape)).astype("float32")
     y = rng.integers(0, 10, len(x))
-    model = make()
-    model.compile(keras.optimizers.Adam(1e-3), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  steps_per_execution=spe)
     warm = 2 * spe * BATCH_SIZE
-    model.fit(x[:warm], y[:warm], batch_size=BATCH_SIZE, epochs=1, verbose=0, callbacks=callbacks)
-    start = time.perf_counter()
-    model.fit(x, y, batch_size=BATCH_SIZE, epochs=steps // 208, verbose=0, callbacks=callbacks, shuffle=False)
-    return time.perf_counter() - start
-
-
-def bootstrap(times, base, draws=2000, seed=0):
-    rng = random.Random(seed)
-    rounds = range(len(times))
-    ratios = []
-    for _ in range(draws):
-        pick = [rng.choice(rounds) for _ in rounds]
-        ratios.append(statistics.median(times[i] for i in pick) / statistics.median(base[i] for i in pick))
-    ratios.sort()
-    return ratios[int(0.05 * draws)], ratios[int(0.95 * draws)]
+    found = configs(every=0.25 * len(CONFIGS))
+    shuffle = random.Random(seed + spe).shuffle
+    every = max(1, TURN_STEPS // spe)
+    seconds = {name: [] for name in found}
+    for _ in range(rounds):
+        names = list(found)
+        shuffle(names)
+        models, callbacks = {}, {}
+        for name in names:  # every model made before any traces a step
+            keras.utils.set_random_seed(0)
+            model = make()
+            model.compile(keras.optimizers.Adam(1e-3),
+                          keras.losses.SparseCategoricalCrossentropy(from_logits=True), steps_per_execution=spe)
+            model.optimizer.build(model.trainable_variables)
+            models[name] = model
+        for name in names:
+            callbacks[name] = found[name]()
+            models[name].fit(x[:warm], y[:warm], batch_size=BATCH_SIZE, epochs=1, verbose=0,
+                             callbacks=callbacks[name])
+        turns = Turns(found, every, shuffle, hook="on_train_batch_begin")
+        turns.run({name: functools.partial(
+            models[name].fit, x, y, batch_size=BATCH_SIZE, epochs=max(1, steps // batches), verbose=0,
+            shuffle=False, callbacks=callbacks[name] + [turns.callback(name, settle)]) for name in found})
+        for name in found:
+            seconds[name].append(turns.seconds[name])
+    return seconds
 
 
 def main(argv=None):
@@ -125,32 +186,32 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--models", default=None, help="comma-separated: mlp,cnn,deep")
     parser.add_argument("--json", default=None, help="also write the figures here")
+    parser.add_argument("--cpu", type=int, help="run on this CPU only, every thread (default: any)")
     args = parser.parse_args(argv)
+    pin(args.cpu)
+    track_callback_lists()
     rounds = args.rounds or (3 if args.quick else 7)
     models = (args.models or ("mlp" if args.quick else "mlp,cnn,deep")).split(",")
     steps = 208 if args.quick else 624
     import jax
 
     print(f"Keras {keras.__version__} on JAX {jax.__version__}, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}; {rounds} rounds, {steps} steps a fit")
+          f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}; {rounds} rounds, {steps} steps a fit, "
+          f"taking turns every {TURN_STEPS} steps; pinned to CPU {args.cpu}")
     results = {}
     for key in models:
         title, make, shape = MODELS[key]
         for spe in SPES:
-            times = {name: [] for name in CONFIGS}
-            for _ in range(rounds):
-                order = list(CONFIGS)
-                random.shuffle(order)
-                for name in order:
-                    times[name].append(one_fit(make, shape, spe, CONFIGS[name](), steps))
+            times = measure(make, shape, spe, rounds, steps)
             cell = {}
             for name in CONFIGS:
-                lo, hi = bootstrap(times[name], times[BARE])
+                found, lo, hi = verdict(times[name], times[BARE], TARGETS.get(name, 1.0))
                 cell[name] = {
                     "vs_bare": statistics.median(times[name]) / statistics.median(times[BARE]),
                     "vs_noop": statistics.median(times[name]) / statistics.median(times[NOOP]),
                     "interval_vs_bare": [lo, hi],
-                    "verdict": _verdict(TARGETS.get(name), lo, hi),
+                    "verdict": found if name in TARGETS else None,
+                    "seconds": times[name],
                 }
             results[f"{key}/spe={spe}"] = cell
             print(f"\n{title}, steps_per_execution={spe} (bare fit median "
@@ -163,17 +224,7 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as file:
             json.dump({"keras": keras.__version__, "jax": jax.__version__, "rounds": rounds, "steps": steps,
-                       "results": results}, file, indent=1)
-
-
-def _verdict(target, lo, hi):
-    if target is None:
-        return None
-    if hi <= target:
-        return "met"
-    if lo > target:
-        return "not met"
-    return "noise"
+                       "cpu": args.cpu, "load": os.getloadavg(), "results": results}, file, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
-"""The JAX step benchmark runs where TensorFlow is not installed, and times every configuration it names."""
+"""The JAX benchmarks run where TensorFlow is not installed, and time every configuration they name."""
 
 import pathlib
 import re
 import sys
+import time
+
+import numpy as np
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -18,3 +21,87 @@ def test_the_step_cost_benchmark_times_each_probe_and_the_norms_alone(capsys):
     assert set(rows) == {"bare", "bare again", "Recorder()", "gradients", "gradients + weights",
                          "weight + update norms alone"}, rows
     assert float(rows["bare"]) == 1.0 and all(float(ratio) > 0 for ratio in rows.values())
+
+
+def _benchmark(name):
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def test_jax_fits_pass_the_turn_at_batch_begin_and_keep_keras_pool_for_batch_ends():
+    # A turn passed at a batch's end would make Keras wait for every step's
+    # logs, which bare fit on JAX does not: the fit measured would not be
+    # the fit a user runs.
+    import random
+
+    import keras
+    from keras.src.utils.python_utils import is_default
+
+    turns = _benchmark("turns").Turns(["a", "b"], 2, random.Random(0).shuffle, hook="on_train_batch_begin")
+    passer = turns.callback("a")
+    assert is_default(passer.on_train_batch_end) and not is_default(passer.on_train_batch_begin)
+    seen = []
+
+    class Seen(keras.callbacks.Callback):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def on_train_batch_begin(self, batch, logs=None):
+            seen.append(self.name)
+
+    fits = {}
+    for name in ["a", "b"]:
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model.compile("sgd", "mse")
+        fits[name] = (lambda model=model, name=name: model.fit(
+            np.zeros((12, 3)), np.zeros((12, 2)), batch_size=2, verbose=0,
+            callbacks=[Seen(name), turns.callback(name)]))
+    turns.run(fits)
+    assert sorted(seen) == ["a"] * 6 + ["b"] * 6
+    runs = [seen[i:i + 2] for i in range(0, 12, 2)]
+    assert all(len(set(run)) == 1 for run in runs), seen  # blocks of 2 batches, one fit at a time
+
+
+def test_a_jax_fit_is_charged_the_batch_ends_it_sent_to_keras_pool():
+    # Keras on JAX runs batch ends on a thread pool: without waiting for
+    # them when it passes the turn, a fit's batch ends ran in the next
+    # fit's turn and were counted there (a no-op callback came out at 1.9
+    # of bare fit, bare fit's own batch ends counted in the others' turns).
+    import random
+
+    import keras
+
+    overhead_jax = _benchmark("overhead_jax")
+    overhead_jax.track_callback_lists()
+
+    class SlowEnd(keras.callbacks.Callback):
+        async_safe = True  # Keras dispatches its batch ends to the pool
+
+        def on_train_batch_end(self, batch, logs=None):
+            time.sleep(0.05)
+
+    turns = _benchmark("turns").Turns(["slow", "bare"], 1, random.Random(0).shuffle, hook="on_train_batch_begin")
+    fits = {}
+    for name in ["slow", "bare"]:
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model.compile("sgd", "mse")
+        model.fit(np.zeros((2, 3)), np.zeros((2, 2)), verbose=0)  # traced before the turns
+        hooks = [SlowEnd()] if name == "slow" else []
+        fits[name] = (lambda model=model, name=name, hooks=hooks: model.fit(
+            np.zeros((12, 3)), np.zeros((12, 2)), batch_size=2, verbose=0,
+            callbacks=hooks + [turns.callback(name, overhead_jax.settle)]))
+    turns.run(fits)
+    assert turns.seconds["slow"] >= 6 * 0.05
+    assert turns.seconds["bare"] < 0.1, turns.seconds  # none of the slow fit's batch ends
+
+
+def test_the_jax_fit_benchmark_times_every_configuration_taking_turns():
+    overhead_jax = _benchmark("overhead_jax")
+    overhead_jax.headless_comms()
+    seconds = overhead_jax.measure(overhead_jax.make_mlp, (64,), spe=2, rounds=2, steps=16, batches=8)
+    assert set(seconds) == set(overhead_jax.CONFIGS)
+    assert all(len(times) == 2 and all(t > 0 for t in times) for times in seconds.values()), seconds
