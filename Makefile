@@ -80,7 +80,7 @@ test-oldest: $(OLDEST_VENV)/.installed
 # Keras on JAX, in an environment where TensorFlow is not installed, so that
 # nothing on the JAX path can lean on it: the JAX tests and the engine's
 # backend-neutral tests (run files, versions, weights files, compare, layer norms).
-JAX_NEUTRAL := tests/lab/test_runfile.py tests/lab/test_run_file_fuzz.py tests/lab/test_versions.py \
+JAX_NEUTRAL := tests/lab/test_norms_every.py tests/lab/test_runfile.py tests/lab/test_run_file_fuzz.py tests/lab/test_versions.py \
   tests/lab/test_weights_formats.py tests/lab/test_compare.py tests/lab/test_layer_norms.py
 $(JAX_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(JAX_VENV)

@@ -58,6 +58,7 @@ SPES = (1, 32)
 TARGETS = {"`lab.Recorder()`": 1.05, "`widgets.Dashboard(gradients=True)`": 1.08,
            "`lab.Recorder(gradients=True, weights=True)`": 1.12}
 BARE, NOOP, CONTROL = "bare fit", "no-op batch-end callback", "control (bare fit again)"
+SAMPLED = "`lab.Recorder(gradients=True, weights=True, norms_every=10)`"
 
 
 class NoOp(keras.callbacks.Callback):
@@ -102,6 +103,7 @@ def configs(every=0.25):
         "`widgets.Dashboard(gradients=True)`": lambda: [dashboard(every)],
         "`lab.Recorder(gradients=True, weights=True)`": lambda: [
             lab.Recorder(gradients=True, weights=True, flush_every=every)],
+        SAMPLED: lambda: [lab.Recorder(gradients=True, weights=True, norms_every=10, flush_every=every)],
         CONTROL: lambda: [],
     }
 
@@ -218,7 +220,7 @@ def main(argv=None):
                   f"{statistics.median(times[BARE]) * 1e3 / steps:.3f} ms a step)")
             for name, figures in cell.items():
                 target = TARGETS.get(name)
-                print(f"  {name:48s} {figures['vs_bare']:.3f} x bare  {figures['vs_noop']:.3f} x no-op   "
+                print(f"  {name:64s} {figures['vs_bare']:.3f} x bare  {figures['vs_noop']:.3f} x no-op   "
                       f"90% [{figures['interval_vs_bare'][0]:.3f}, {figures['interval_vs_bare'][1]:.3f}]"
                       + (f"  target {target}: {figures['verdict']}" if target else ""))
     if args.json:

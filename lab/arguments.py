@@ -73,7 +73,7 @@ def check_class_weight(call, value):
                              f"be a finite number (e.g. {CLASS_WEIGHT_EXAMPLE}).")
 
 
-def check_recorder_options(gradients, weights, path, run, flush_every, save_every):
+def check_recorder_options(gradients, weights, path, run, flush_every, save_every, norms_every=1):
     """The checks `lab.Recorder` makes of its arguments, on every backend."""
     import os
 
@@ -82,6 +82,7 @@ def check_recorder_options(gradients, weights, path, run, flush_every, save_ever
     check_no_model("lab.Recorder", gradients)
     check_flag("lab.Recorder", "gradients", gradients, GRADIENTS_EXAMPLE)
     check_flag("lab.Recorder", "weights", weights, WEIGHTS_EXAMPLE)
+    check_norms_every("lab.Recorder", norms_every, gradients, weights)
     check_seconds("lab.Recorder", "flush_every", flush_every, "flush_every=0.25: read the device four times a second")
     check_seconds("lab.Recorder", "save_every", save_every, "save_every=30.0: save twice a minute")
     if path is not None and not isinstance(path, (str, os.PathLike)):
@@ -93,6 +94,18 @@ def check_recorder_options(gradients, weights, path, run, flush_every, save_ever
     if run is not None and not isinstance(run, Run):
         raise TypeError(f"lab.Recorder(run=...) must be a lab.Run to continue (e.g. run=lab.Run.load('runs/first.h5')) "
                         f"or None; got {type(run).__name__}.")
+
+
+def check_norms_every(owner, norms_every, gradients, weights):
+    """`norms_every`: a whole number of steps, 1 or more, that samples norms
+    the recorder takes (gradients or weights)."""
+    check_number(owner, "norms_every", norms_every, numbers.Integral, lambda v: v >= 1,
+                 "a whole number of steps, 1 or more", "norms_every=10: the norms of one step in ten")
+    if norms_every > 1 and not (gradients or weights):
+        raise ValueError(
+            f"{owner}(norms_every={norms_every}) takes the gradient and weight norms at one step in "
+            f"{norms_every}, but this {owner.split('.')[-1]} records neither: pass gradients=True or "
+            f"weights=True with it, or leave norms_every out.")
 
 
 def check_stepper_options(seed, run, start_step, start_batch):

@@ -64,6 +64,10 @@ def number_columns(name, value):
 BATCH = "batch"
 RUNNING = "running"
 RUNNING_VALUES = "running_values"  # run.metadata key: columns holding running values
+# run.metadata key: the per-variable norms (gradients, weights and updates)
+# were taken at one step in this many, the others' norm columns left NaN
+# (absent: every step).
+NORMS_EVERY = "norms_every"
 XLA_TRACED = "traced_in_xla"  # run.metadata key: XLA compiled the lab's reads with the step (probes.XLA_NOTE)
 TOLD_PREFIX = "told_"  # run.metadata keys: variables named in a probe's trace-time warning, one a line
 RECORD_ERRORS = "record_errors"  # run.metadata key: why steps could not be recorded, one message an item

@@ -267,7 +267,13 @@ class ChartState:
                 if panel == "gradients":
                     layer_values[name] = values
             if self._bin_layers:
-                self._bins.extend(steps, np.stack([layer_values[l] for l in self._bin_layers]))
+                grid = np.stack([layer_values[l] for l in self._bin_layers])
+                if run.metadata.get(schema.NORMS_EVERY, 1) > 1:
+                    # Norms of one step in n: the heatmap's columns are the
+                    # steps that have them, not n-1 blank columns between.
+                    taken = ~np.isnan(grid).all(axis=0)
+                    steps, grid = steps[taken], grid[:, taken]
+                self._bins.extend(steps, grid)
             self._read = stop
         elif self._tables.get("data") is not None:
             return self._tables["data"]  # no new rows, epochs or events: what the last call drew

@@ -111,3 +111,41 @@ def test_a_non_finite_gradient_shows_in_its_own_variables_norm_only():
     assert not np.isfinite(first[f"grad_norm/{scale}"])
     others = [v.path for v in model.trainable_variables if v.path != scale]
     assert all(np.isfinite(first[f"grad_norm/{key}"]) for key in others), first.to_dict()
+
+
+def test_norms_every_runs_two_compiled_steps_and_trains_as_bare_fit():
+    # fit() runs the step with the norms at steps 0, 3, 6, ... and the one
+    # without at the others (steps_per_execution 2: Keras' JAX trainer
+    # calls the jitted step once a step); the weights are bare fit's.
+    x, y = classification_data()
+    model = make_mlp(steps_per_execution=2)
+    recorder = lab.Recorder(gradients=True, weights=True, norms_every=3)
+    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[recorder])
+    rows = recorder.run.batches()
+    assert len(rows) == 12
+    assert np.flatnonzero(np.isfinite(rows["grad_norm"].to_numpy())).tolist() == [0, 3, 6, 9]
+    assert recorder._probe.sampled is True and "warning" not in set(recorder.run.events()["kind"])
+    bare = make_mlp(steps_per_execution=2)
+    bare.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    for mine, theirs in zip(model.weights + model.optimizer.variables, bare.weights + bare.optimizer.variables):
+        assert np.asarray(mine).tobytes() == np.asarray(theirs).tobytes()
+
+
+def test_a_trainer_the_lab_cannot_sample_takes_the_norms_every_step_and_the_run_says_so(monkeypatch):
+    import contextlib
+
+    from lab.backend.jax import compat
+
+    @contextlib.contextmanager
+    def unknown_trainer(replace):
+        yield False  # a Keras that jits fit()'s step without the name the lab replaces
+
+    monkeypatch.setattr(compat, "trainer_jit", unknown_trainer)
+    x, y = classification_data()
+    recorder = lab.Recorder(gradients=True, norms_every=3)
+    make_mlp().fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[recorder])
+    rows = recorder.run.batches()
+    assert np.isfinite(rows["grad_norm"].to_numpy()).all()
+    assert recorder.run.metadata["norms_every"] == 1
+    warnings = recorder.run.events().query("kind == 'warning'")["detail"].tolist()
+    assert len(warnings) == 1 and "norms_every=3 was not applied" in warnings[0]

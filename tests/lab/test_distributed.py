@@ -406,3 +406,15 @@ def test_a_watched_loop_that_meets_an_earlier_strategys_collective_keys_says_why
     kind, detail = told["events"][-1]
     assert kind == "error" and lab.compat.COLLECTIVE_KEYS_HINT in detail
     assert told["warnings"] == [lab.compat.COLLECTIVE_KEYS_HINT]
+
+
+def test_norms_every_on_the_replicas_takes_the_same_steps_norms_as_every_step(mirrored):
+    assert "sampled_norms_error" not in mirrored, mirrored["sampled_norms_error"]
+    every, sampled = mirrored["sampled_norms"]["every"], mirrored["sampled_norms"]["sampled"]
+    assert sorted(every) == sorted(sampled) and any(c.startswith("update_ratio/") for c in sampled)
+    for column, values in sampled.items():
+        values = np.asarray(values)
+        assert np.isfinite(values).tolist() == [True, False, True, False], column
+        np.testing.assert_array_equal(values[::2], np.asarray(every[column])[::2], err_msg=column)
+    for mine, theirs in zip(mirrored["sampled_norms"]["weights_sampled"], mirrored["sampled_norms"]["weights_every"]):
+        np.testing.assert_array_equal(mine, theirs)

@@ -198,3 +198,32 @@ def state_shardings_recorded(model):
 
 _SHARDING_RECORDS = ("_trainable_variable_shardings", "_non_trainable_variable_shardings",
                      "_optimizer_variable_shardings", "_metrics_variable_shardings")
+
+
+@contextlib.contextmanager
+def trainer_jit(replace):
+    """Within the block, the JAX trainer jits its step functions through
+    `replace(jit)`, where `jit` is its own (`jax.jit`, or `nnx.jit`): the
+    trainer's `make_train_function` calls `jit(step_fn, donate_argnums=0,
+    out_shardings=...)` through the module's name `jit` (3.11 to 3.15), so
+    the lab can make two compiled steps from the one `train_step` and keep
+    whatever Keras passes. Yields whether it could: a trainer without that
+    name (an other release) jits as it always does."""
+    from keras.src.backend.jax import trainer
+
+    own = getattr(trainer, "jit", None)
+    if own is None or not callable(own):
+        yield False
+        return
+    trainer.jit = replace(own)
+    try:
+        yield True
+    finally:
+        trainer.jit = own
+
+
+def is_traced(value):
+    """Whether `value` is a tracer: the step is being traced, not run."""
+    import jax
+
+    return isinstance(value, jax.core.Tracer)

@@ -13,6 +13,11 @@ trace, after the step it wraps:
   (`_backend_update_step`: after loss-scale unscaling, clipping and
   accumulation) with the learning rate that step used;
 - measures weights and updates from the trainable state before and after;
+- with `norms_every=n`, takes those norms (the gradients' and the
+  weights') at one step in n only: fit() then runs two compiled steps, one
+  with the norms and one without, chosen on the host before each step
+  (`compat.trainer_jit`), so the other steps cost what a step without them
+  costs;
 - evaluates device breakpoints (`nonfinite`, `loss_spike`) and, on a hit,
   returns the state as it was before the step (weights, optimizer state,
   `iterations`), holding every later step until the host releases it;
@@ -57,12 +62,17 @@ class Probe:
         breakpoints: sequence of `lab.Breakpoint`; the device ones
             (`nonfinite`, `loss_spike`) are evaluated inside the step.
         capacity: int, rows the ring holds between reads.
+        norms_every: int, the steps between two steps whose norms are
+            taken (the others' norm columns are NaN); 1: every step.
     """
 
-    def __init__(self, model, gradients=False, weights=False, breakpoints=(), capacity=1024):
+    def __init__(self, model, gradients=False, weights=False, breakpoints=(), capacity=1024, norms_every=1):
         self.model = model
         self.gradients = gradients
         self.weights = weights
+        self.norms_every = norms_every if (gradients or weights) else 1
+        self.steps_begun = 0  # steps begun since install, counted on the host where norms are sampled
+        self.sampled = None  # whether the train function took norms at one step in norms_every (None: not traced)
         self.device_points = [p for p in breakpoints if isinstance(p, DeviceBreakpoint)]
         for point in self.device_points:
             if point.name != "nonfinite" and not point.name.startswith("loss_spike"):
@@ -125,6 +135,8 @@ class Probe:
                 tally.attach(compat.update_step_owner(self.optimizers[name]))
             self._attach_ring()
             hooks.wrap(self, self.model, "train_step", self._wrap_train_step, role="probe")
+            if self.norms_every > 1:
+                hooks.wrap(self, self.model, "make_train_function", self._wrap_make_train_function, role="probe")
             for name, optimizer in self.optimizers.items():
                 hooks.wrap(self, compat.update_step_owner(optimizer), compat.UPDATE_STEP,
                            self._wrap_update_step(name), role="probe")
@@ -183,6 +195,51 @@ class Probe:
                     return inner(store)
             return save_own_variables
         return wrap
+
+    def _wrap_make_train_function(self, inner):
+        probe = self
+
+        def make_train_function(*args, **kwargs):
+            with compat.trainer_jit(probe._sampling_jit):
+                return inner(*args, **kwargs)
+        return make_train_function
+
+    def _sampling_jit(self, jit):
+        """The trainer's `jit`, which for the model's `train_step` makes two
+        compiled steps, with the norms and without, and returns a function
+        that runs one or the other by the step's number."""
+        probe = self
+
+        def sampling_jit(fn, *args, **kwargs):
+            if fn != probe.model.train_step:  # another function the trainer jits
+                return jit(fn, *args, **kwargs)
+            with_norms = jit(_measuring(fn, True), *args, **kwargs)
+            without = jit(_measuring(fn, False), *args, **kwargs)
+
+            def train_step(state, data):
+                begun = probe.steps_begun
+                probe.steps_begun = begun + 1
+                return (with_norms if begun % probe.norms_every == 0 else without)(state, data)
+            return train_step
+        return sampling_jit
+
+    def _measures(self, state):
+        """Whether the step being traced or run takes the norms."""
+        if self.norms_every == 1:
+            return True
+        chosen = getattr(_capture, "measure", None)
+        if chosen is not None:
+            self.sampled = True
+            return chosen
+        if any(compat.is_traced(leaf) for leaf in state[0][:1]):
+            # Jitted without the two steps (a trainer that jits otherwise):
+            # every step takes the norms; the recorder says so.
+            self.sampled = False
+            return True
+        begun = self.steps_begun  # run eagerly: Python runs every step
+        self.steps_begun = begun + 1
+        self.sampled = True
+        return begun % self.norms_every == 0
 
     def _wrap_update_step(self, name):
         keys = self.keys
@@ -275,7 +332,8 @@ class Probe:
             hit, flags = self._check(loss, checked, flags)
         held = jnp.logical_or(hit, ring.held(flags))
         values[schema.UPDATED] = jnp.where(held, jnp.float32(0.0), jnp.float32(1.0))
-        if self.gradients:
+        measures = self._measures(state)
+        if self.gradients and measures:
             flat = [(key, g) for key, parts in grads.items() for g in parts]
             squares = {}
             for (key, _), square in zip(flat, sums_of_squares([g for _, g in flat])):
@@ -286,7 +344,7 @@ class Probe:
             new_trainable = _kept(held, trainable, new_trainable)
             new_non_trainable = _kept(held, non_trainable, new_non_trainable)
             new_optimizer_vars = _kept(held, optimizer_vars, new_optimizer_vars)
-        if self.weights:
+        if self.weights and measures:
             keys = list(self.keys.values())
             for key, square in zip(keys, sums_of_squares(new_trainable)):
                 values[schema.variable_column(schema.WEIGHT_NORM_PREFIX, key)] = jnp.sqrt(square)
@@ -334,6 +392,19 @@ class Probe:
             present = ~np.isnan(norms).all(axis=0) if len(norms) else np.zeros(len(block), bool)
             rows[schema.GRAD_NORM] = np.where(present & (rows[schema.UPDATED] > 0), total, np.nan).astype(np.float32)
         return rows, lost
+
+
+def _measuring(train_step, measure):
+    """`train_step` traced with (or without) the norms: the probe's
+    wrapper inside it reads the choice while jax traces it."""
+    def step(state, data):
+        outer = getattr(_capture, "measure", None)
+        _capture.measure = measure
+        try:
+            return train_step(state, data)
+        finally:
+            _capture.measure = outer
+    return step
 
 
 def _kept(held, before, after):

@@ -66,6 +66,12 @@ class _Execution:
         return max(1, self.last - self.first + 1)
 
 
+UNSAMPLED = (
+    "norms_every={every} was not applied: this Keras jits fit()'s step in a way the lab does not know, so "
+    "the gradient and weight norms were taken at every step (the run's norm columns have every row; "
+    "run.metadata['norms_every'] is 1). Training is not affected.")
+
+
 class Recorder(StatusReporter, keras.callbacks.Callback):
     """Records one row per training batch into `recorder.run` (Keras on JAX).
 
@@ -87,7 +93,13 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         flush_every: float, seconds between reads of the device buffer.
         save_every: float, seconds between incremental saves when `path` is set.
         capacity: int, rows the device buffer holds between reads.
-
+        norms_every: int, take the gradient and weight norms at one step
+            in this many: the first step this recorder records, then every
+            `norms_every`-th (the other rows' norm columns are NaN, and
+            `run.metadata["norms_every"]` says so). Loss, metrics, learning
+            rate and breakpoints stay per step. 1 (the default): every step.
+            Where a step is short beside its norms (small models on a CPU)
+            this takes their cost off the other steps.
     Example:
 
     ```python
@@ -98,9 +110,9 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
     """
 
     def __init__(self, gradients=False, weights=False, breakpoints=(), path=None,
-                 run=None, flush_every=0.25, save_every=30.0, capacity=1024):
+                 run=None, flush_every=0.25, save_every=30.0, capacity=1024, norms_every=1):
         super().__init__()
-        check_recorder_options(gradients, weights, path, run, flush_every, save_every)
+        check_recorder_options(gradients, weights, path, run, flush_every, save_every, norms_every)
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 2:
             raise ValueError(f"lab.Recorder(capacity=...) must be a whole number of rows, 2 or more; got {capacity!r} "
                              "(e.g. capacity=1024).")
@@ -112,6 +124,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self.flush_every = flush_every
         self.save_every = save_every
         self.capacity = capacity
+        self.norms_every = norms_every
         self._init_status()
         self._breakpoint_listeners = Observers("a recorder's breakpoints")
         self._python_points = [p for p in self.breakpoints if not getattr(p, "on_device", False)]
@@ -164,7 +177,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self._hooks = hooks_for(model)
         if self._probe is None:
             self._probe = Probe(model, gradients=self.gradients, weights=self.weights,
-                                breakpoints=self.breakpoints, capacity=self.capacity)
+                                breakpoints=self.breakpoints, capacity=self.capacity, norms_every=self.norms_every)
         self._probe_state = state
         self._probe.install()
         cached = self._cached
@@ -235,6 +248,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         # Keras has waited for every batch end of the epoch before this one.
         self.flush(final=True)
+        self._note_unsampled()
         self._reset_executions()
         self.run.append_epoch(epoch, logs)
         if self.path:
@@ -529,9 +543,20 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
     def remove_breakpoint_listener(self, fn):
         self._breakpoint_listeners.remove(fn)
 
+    def _note_unsampled(self):
+        """Says once when the train function took the norms at every step
+        although `norms_every` asked for fewer (`Probe._measures`: a trainer
+        that jits its step otherwise than the lab knows)."""
+        if self._probe is None or self._probe.sampled is not False or self.run.metadata.get(schema.NORMS_EVERY) == 1:
+            return
+        self.run.metadata[schema.NORMS_EVERY] = 1
+        self.run.add_event("warning", UNSAMPLED.format(every=self._probe.norms_every), step=self.run.next_step)
+
     def _fill_metadata(self):
         meta = self.run.metadata
         model = self._model
+        if self._probe.norms_every > 1:
+            meta[schema.NORMS_EVERY] = self._probe.norms_every
         if "model" in meta:
             return  # filled by an earlier fit(): the first fit describes the run
         import jax

@@ -32,6 +32,7 @@ mean metric's totals and counts (`MeanParts`); the host takes the roots,
 the update ratios and the batch values, bit for bit as the step would.
 """
 
+import contextlib
 import threading
 import warnings
 
@@ -212,6 +213,15 @@ def _in_cross_replica_context(create):
     return tf.distribute.get_replica_context().merge_call(lambda distribution: create(distribution))
 
 
+def _step_counter(strategy):
+    """A step count (int64, 0) that the probe keeps outside the model; made
+    at trace time, as the step buffer's variables are."""
+    with tf.init_scope():
+        with strategy.scope() if strategy is not None else contextlib.nullcontext():
+            return tf.Variable(tf.constant(0, tf.int64), trainable=False, name="lab_steps_seen",
+                               aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+
+
 def _batch_size(data):
     leaves = [t for t in tf.nest.flatten(data) if t is not None]
     if not leaves:
@@ -331,6 +341,7 @@ class StepState:
         self.weights_at_start = []  # (trainable variable, its value as the step began), under device breakpoints
         self.updated = set()  # the keys of the variables an optimizer's update step took
         self.loss_scaling = LossScalingSeen()  # what Keras' loss scaling did in the step (replicas only)
+        self.measures = None  # with norms_every: whether this step takes its norms (a bool tensor)
 
     def nested(self):
         return self.graph is not None and tf.compat.v1.get_default_graph() is not self.graph
@@ -354,15 +365,21 @@ class Probe:
             `loss_spike(...)`): evaluated inside the step; a hit skips that
             update and holds every later one until `release()`.
         capacity: int, rows of the device buffer (at least 4 executions).
+        norms_every: int, take the per-variable norms (gradients, weights,
+            updates) only at steps where the optimizer's iteration count is
+            a multiple of it, in a `tf.cond` (`_sampled`); the other rows'
+            norm columns are NaN. 1: every step.
     """
 
     # Norms go into the row encoded, finished by `read()` (`encoded_norms_of`).
     FINISHES_ON_HOST = True
 
-    def __init__(self, model, gradients=False, weights=False, breakpoints=(), capacity=1024):
+    def __init__(self, model, gradients=False, weights=False, breakpoints=(), capacity=1024, norms_every=1):
         self.model = model
         self.gradients = gradients
         self.weights = weights
+        self.norms_every = norms_every if (gradients or weights) else 1
+        self._steps_seen = None  # with norms_every: the steps this probe saw (a variable, made at the first trace)
         self.breakpoints = [b for b in breakpoints if getattr(b, "on_device", False)]
         self.capacity = capacity
         self.columns = None
@@ -479,6 +496,7 @@ class Probe:
             state = StepState()
             probe._local.state = state
             try:
+                state.measures = probe._measures()
                 totals = state.totals = probe._metric_totals()
                 if probe.breakpoints:
                     state.forward_state = [(v, read_value(v)) for v in probe._forward_state_variables()]
@@ -688,7 +706,8 @@ class Probe:
                 state.batch_gradients = True
                 pairs = [(variable, grad) for variable, grad in zip(trainable_variables, grads) if grad is not None]
                 if pairs:
-                    norms = norms_of(isolated([summed_rows(grad) for _, grad in pairs]))
+                    norms = probe._sampled(state, lambda: norms_of(isolated([summed_rows(grad) for _, grad in pairs])),
+                                           len(pairs))
                     probe._emit_vector(state, [f"grad_norm/{probe._key(variable)}" for variable, _ in pairs],
                                        norms, combine=hypot)
                     probe._emit(state, "_batch_grad_norm", global_norm(norms), combine=hypot)
@@ -875,7 +894,8 @@ class Probe:
         local = [summed_rows(g) for i, g in enumerate(grads)
                  if g is not None and not (i < len(variables) and overwritten(variables[i]))]
         if local:
-            self._emit(state, "_local_grad_norm", global_norm(norms_of(isolated(local))), combine=hypot)
+            norm = self._sampled(state, lambda: tf.reshape(global_norm(norms_of(isolated(local))), [1]), 1)
+            self._emit(state, "_local_grad_norm", norm[0], combine=hypot)
 
     def _with_state(self, state, function, *args):
         self._local.state = state
@@ -1048,20 +1068,23 @@ class Probe:
         if record_gradients:
             present = [i for i in range(min(len(grads), len(variables))) if grads[i] is not None]
         # Every norm of the update in one norms_of: one overflow check for all.
-        tensors = self._update_tensors(present, grads, variables, before)
-        if not tensors:
+        size = len(present) + (len(variables) * (1 if before is None else 2) if self.weights and variables else 0)
+        if not size:
             return
-        if self._finishes_on_host(state):
-            self._emit_encoded_update(state, keys, present, variables, before, encoded_norms_of(tensors))
+        on_host = self._finishes_on_host(state)
+        taken = self._sampled(state, lambda: (encoded_norms_of if on_host else norms_of)(
+            self._update_tensors(present, grads, variables, before)), size)
+        if on_host:
+            self._emit_encoded_update(state, keys, present, variables, before, taken)
             return
-        norms = norms_of(tensors)
+        norms = taken
         if present:
             # Several applies of one optimizer in a step: the norm covers them all.
-            grad_norms = norms[:len(present)] if len(tensors) > len(present) else norms
+            grad_norms = norms[:len(present)] if size > len(present) else norms
             self._emit_vector(state, [f"grad_norm/{keys[i]}" for i in present], grad_norms, combine=hypot)
         if self.weights and variables:
             start, count = len(present), len(variables)
-            weight_norms = norms[start:start + count] if len(tensors) > count else norms
+            weight_norms = norms[start:start + count] if size > count else norms
             self._emit_vector(state, [f"weight_norm/{key}" for key in keys], weight_norms)
             if before is not None:
                 if self.FINISHES_ON_HOST:  # the host divides (`_finish`), whatever the trace
@@ -1069,6 +1092,28 @@ class Probe:
                 else:
                     self._emit_vector(state, [f"update_ratio/{key}" for key in keys],
                                       tf.math.divide_no_nan(norms[start + count:], weight_norms))
+
+    def _measures(self):
+        """With `norms_every`, whether the step traced now takes its norms:
+        a bool tensor, from the probe's own count of the steps it saw (the
+        first, then every `norms_every`-th), read at the step's start and
+        advanced once its row is written; None: every step does. The count
+        is one variable for every replica, so all replicas take the same
+        branch."""
+        if self.norms_every == 1:
+            return None
+        if self._steps_seen is None:
+            self._steps_seen = _in_cross_replica_context(_step_counter)
+        return tf.equal(tf.math.floormod(self._steps_seen.read_value(), self.norms_every), 0)
+
+    def _sampled(self, state, take, size):
+        """`take()` (a 1-D float32 tensor of `size` norms), computed only in
+        a step that takes its norms (`_measures`); NaN in the others. The
+        reads and reductions are inside the branch, so the other steps
+        run none of them."""
+        if state.measures is None:
+            return take()
+        return tf.cond(state.measures, take, lambda: tf.fill([size], tf.constant(np.nan, tf.float32)))
 
     def _update_tensors(self, present, grads, variables, before):
         """The tensors an update's norms are taken of, in order: the gradients
@@ -1407,7 +1452,13 @@ class Probe:
                 stacklevel=3,
             )
         nan = tf.constant(np.nan, tf.float32)
-        self.buffer.write(vector_of([values.get(c, nan) for c in self.columns]))
+        row = vector_of([values.get(c, nan) for c in self.columns])
+        self.buffer.write(row)
+        if self._steps_seen is not None:
+            # After the row, not at the step's start: a step that never got
+            # its batch (the end of the data inside an execution) counts none.
+            with tf.control_dependencies([row]):
+                self._steps_seen.assign_add(1)
 
     def _widen(self, names):
         """A buffer with `names` as more columns, holding the unread rows of

@@ -120,6 +120,13 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         flush_every: float, seconds between reads of the device buffer while
             training (views refresh from what was read).
         save_every: float, seconds between incremental saves when `path` is set.
+        norms_every: int, take the gradient and weight norms at one step
+            in this many: the first step this recorder records, then every
+            `norms_every`-th (the other rows' norm columns are NaN, and
+            `run.metadata["norms_every"]` says so). Loss, metrics, learning
+            rate and breakpoints stay per step. 1 (the default): every step.
+            Where a step is short beside its norms (small models on a CPU)
+            this takes their cost off the other steps.
 
     Example:
 
@@ -131,11 +138,12 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
     """
 
     def __init__(self, gradients=False, weights=False, breakpoints=(), path=None,
-                 run=None, flush_every=0.25, save_every=30.0):
+                 run=None, flush_every=0.25, save_every=30.0, norms_every=1):
         super().__init__()
-        check_recorder_options(gradients, weights, path, run, flush_every, save_every)
+        check_recorder_options(gradients, weights, path, run, flush_every, save_every, norms_every)
         self.gradients = gradients
         self.weights = weights
+        self.norms_every = norms_every
         self.breakpoints = as_breakpoints(breakpoints)
         self.path = path
         self.run = run if run is not None else Run()
@@ -213,7 +221,7 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         self._hooks = hooks_for(model)
         if self._probe is None:
             self._probe = Probe(model, gradients=self.gradients, weights=self.weights,
-                                breakpoints=self.breakpoints)
+                                breakpoints=self.breakpoints, norms_every=self.norms_every)
             self._probe.busy = self.is_training
             self._probe.gone = self.abandon_if_gone
             self._probe.release_hooks = self._release  # a claim that frees the probe frees all of ours
@@ -1013,6 +1021,8 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
     def _fill_metadata(self):
         meta = self.run.metadata
         model = self.model
+        if self._probe.norms_every > 1:
+            meta[schema.NORMS_EVERY] = self._probe.norms_every
         if "model" in meta:
             return  # filled by an earlier fit(): the first fit describes the run
         for key, value in describe.model_metadata(model).items():

@@ -54,6 +54,24 @@ def record(strategy, x, y):
     }
 
 
+def sampled_norms(strategy, x, y):
+    """norms_every on the replicas: every replica takes the same branch of
+    the step (one step count for all), and the measured rows equal those
+    of a recorder that takes the norms at every step."""
+    runs = {}
+    for every in (1, 2):
+        with strategy.scope():
+            model = make_model()
+        recorder = lab.Recorder(gradients=True, weights=True, norms_every=every)
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[recorder])
+        frame = recorder.run.batches()
+        runs[every] = {c: frame[c].astype(float).tolist() for c in frame.columns
+                       if c.startswith(("grad_norm", "weight_norm", "update_ratio"))}
+        runs[f"weights_{every}"] = [w.tolist() for w in model.get_weights()]
+    return {"every": runs[1], "sampled": runs[2], "weights_every": runs["weights_1"],
+            "weights_sampled": runs["weights_2"]}
+
+
 def breakpoint_run(strategy, x, y):
     """A NaN in one replica's share of batch 2: the nonfinite breakpoint must
     catch it, skip that update on every replica (the moving statistics of
@@ -707,7 +725,7 @@ def main():
                            ("stepper_interrupted", stepper_interrupted), ("predicted", predicted_on_replicas),
                            ("stepper_rewind", stepper_rewind_replicas), ("compare_modes", compare_modes_replicas),
                            ("uneven_first", uneven_first_batch_told), ("metrics", metrics_on_replicas),
-                           ("float8", float8_replicas)):
+                           ("float8", float8_replicas), ("sampled_norms", sampled_norms)):
             try:
                 out[key] = check(mirrored, x, y)
             except Exception as error:  # noqa: BLE001 - reported, so the other checks still run
