@@ -161,6 +161,8 @@ def configs(tmp, every=0.25):
         "`widgets.Dashboard(gradients=True)`": lambda: [dashboard(every)],
         "`lab.Recorder(gradients=True, weights=True)`": lambda: [
             lab.Recorder(gradients=True, weights=True, flush_every=every)],
+        "`lab.Recorder(gradients=True, weights=True, norms_every=10)`": lambda: [
+            lab.Recorder(gradients=True, weights=True, norms_every=10, flush_every=every)],
         A_A: lambda: [],
     })
     return found

@@ -97,7 +97,7 @@ def test_nonfinite_stops_a_gan_before_its_bad_update():
     assert_same(gan.d_optimizer.variables, bare.d_optimizer.variables)
     assert_same(gan.g_optimizer.variables, bare.g_optimizer.variables)
     events = recorder.run.events()
-    assert list(events[events["kind"] == "breakpoint"]["step"]) == [bad]
+    assert list(events[events["kind"] == "nonfinite"]["step"]) == [bad]
     assert recorder.status == "stopped"
 
 

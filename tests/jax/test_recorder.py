@@ -140,7 +140,7 @@ def test_nonfinite_keeps_the_bad_update_out_and_stops_fit(steps_per_execution, b
     assert list(rows["updated"][:bad]) == [1.0] * bad and (rows["updated"][bad:] == 0).all()
     assert np.isnan(rows["loss"][bad])
     events = recorder.run.events()
-    hit = events[events["kind"] == "breakpoint"]
+    hit = events[events["kind"] == "nonfinite"]
     assert list(hit["step"]) == [bad] and "nonfinite" in hit["detail"].iloc[0]
     assert recorder.status == "stopped"
     assert len(recorder.run.epochs()) == 0 or recorder.run.epochs()["epoch"].max() == 0
@@ -289,7 +289,7 @@ def test_nonfinite_with_loss_scaling_stops_at_a_nan_batch():
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[recorder])
     rows = recorder.run.batches()
     events = recorder.run.events()
-    assert list(events[events["kind"] == "breakpoint"]["step"]) == [3]
+    assert list(events[events["kind"] == "nonfinite"]["step"]) == [3]
     assert rows["updated"].tolist() == [1.0, 1.0, 1.0, 0.0]
     assert np.isfinite(rows["grad_norm"][:3]).all() and np.isnan(rows["grad_norm"][3])
     assert int(model.optimizer.inner_optimizer.iterations) == 3

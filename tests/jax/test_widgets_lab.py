@@ -377,7 +377,7 @@ def test_a_nonfinite_batch_pauses_the_lab_panel_with_the_stepper_on_it(panels):
     assert_bit_exact_weights(model, bare_fit(2))
     panel.stop_button.click()
     assert panel.training.join(TIMEOUT) and panel.state == "stopped"
-    assert list(panel.run.events()["kind"]).count("breakpoint") == 1
+    assert list(panel.run.events()["kind"]).count("nonfinite") == 1
     assert_bit_exact_weights(model, bare_fit(2))
 
 

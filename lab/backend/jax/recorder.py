@@ -425,10 +425,16 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         held = np.flatnonzero(rows[schema.UPDATED] == 0)
         if len(held) and self.status != "breakpoint":
             step = first + int(held[0])
-            names = ", ".join(p.name for p in self.breakpoints if getattr(p, "on_device", False))
-            detail = (f"{names} at step {step}: its update was kept out (weights, optimizer state and iterations "
-                      "as before the step); fit() stopped")
-            self._hit(step, "breakpoint", detail)
+            points = [p.name for p in self.breakpoints if getattr(p, "on_device", False)]
+            detail = (f"{', '.join(points)} at step {step}: its update was kept out (weights, optimizer state and "
+                      "iterations as before the step); fit() stopped")
+            # The kind TensorFlow's recorder gives the same hit: "nonfinite"
+            # for nonfinite(), "breakpoint" for the others (a loss_spike()
+            # beside a nonfinite() is told apart by the step's loss).
+            loss = rows.get(schema.LOSS)
+            nonfinite = "nonfinite" in points and (
+                len(points) == 1 or loss is None or not np.isfinite(loss[int(held[0])]))
+            self._hit(step, "nonfinite" if nonfinite else "breakpoint", detail)
             return
         if not self._python_points or self.status == "breakpoint":
             return
