@@ -120,13 +120,11 @@ class Recorder(StatusReporter, keras.callbacks.Callback):
         flush_every: float, seconds between reads of the device buffer while
             training (views refresh from what was read).
         save_every: float, seconds between incremental saves when `path` is set.
-        norms_every: int, take the gradient and weight norms at one step
-            in this many: the first step this recorder records, then every
-            `norms_every`-th (the other rows' norm columns are NaN, and
-            `run.metadata["norms_every"]` says so). Loss, metrics, learning
-            rate and breakpoints stay per step. 1 (the default): every step.
-            Where a step is short beside its norms (small models on a CPU)
-            this takes their cost off the other steps.
+        norms_every: int, the gradient and weight norms of one step in
+            this many: the first this recorder records, then every n-th;
+            the other rows' norm columns are NaN. For small models on a CPU,
+            where the norms cost (docs/recording.md, "Norms of one step in
+            n"). 1: every step.
 
     Example:
 
