@@ -129,6 +129,16 @@ def test_norms_every_runs_two_compiled_steps_and_trains_as_bare_fit():
     bare.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
     for mine, theirs in zip(model.weights + model.optimizer.variables, bare.weights + bare.optimizer.variables):
         assert np.asarray(mine).tobytes() == np.asarray(theirs).tobytes()
+    # No hook left: Keras' own make_train_function and train_step, and a
+    # later plain fit() trains as bare fit's does.
+    assert "make_train_function" not in vars(model) and "train_step" not in vars(model)
+    from keras.src.backend.jax import trainer
+
+    assert trainer.jit is jax.jit  # the trainer jits with its own jit again
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    bare.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    for mine, theirs in zip(model.weights, bare.weights):
+        assert np.asarray(mine).tobytes() == np.asarray(theirs).tobytes()
 
 
 def test_a_trainer_the_lab_cannot_sample_takes_the_norms_every_step_and_the_run_says_so(monkeypatch):
