@@ -159,3 +159,32 @@ def test_a_trainer_the_lab_cannot_sample_takes_the_norms_every_step_and_the_run_
     assert recorder.run.metadata["norms_every"] == 1
     warnings = recorder.run.events().query("kind == 'warning'")["detail"].tolist()
     assert len(warnings) == 1 and "norms_every=3 was not applied" in warnings[0]
+
+
+def test_two_threads_making_train_functions_at_once_leave_the_trainers_jit_as_it_was():
+    # A norms_every recorder's make_train_function jits through the lab's
+    # replacement for the trainer's `jit`. A second thread making one in the
+    # meantime (a background fit beside a foreground one) waits: had it
+    # taken the first's replacement for Keras' own, it would put it back
+    # after the first had restored Keras' own, and leave it there.
+    import threading
+    import time
+
+    from keras.src.backend.jax import trainer
+
+    from lab.backend.jax import compat
+
+    seen, later_may_end = [], threading.Event()
+
+    def later():
+        with compat.trainer_jit(lambda own: seen.append(own) or own):
+            later_may_end.wait(5)
+
+    with compat.trainer_jit(lambda own: (lambda *args, **kwargs: own(*args, **kwargs))):
+        thread = threading.Thread(target=later)
+        thread.start()
+        time.sleep(0.2)
+        assert seen == []  # waiting for this block
+    later_may_end.set()
+    thread.join(5)
+    assert seen == [jax.jit] and trainer.jit is jax.jit

@@ -7,6 +7,7 @@ needs). Checked on Keras 3.5 to 3.15 (`keras/src/backend/jax/trainer.py`).
 
 import contextlib
 import sys
+import threading
 
 
 def live_state(model):
@@ -208,18 +209,24 @@ def trainer_jit(replace):
     out_shardings=...)` through the module's name `jit` (3.11 to 3.15), so
     the lab can make two compiled steps from the one `train_step` and keep
     whatever Keras passes. Yields whether it could: a trainer without that
-    name (an other release) jits as it always does."""
+    name (an other release) jits as it always does. One block at a time
+    (`_TRAINER_JIT`): two threads making train functions at once would
+    otherwise put back each other's replacement, and leave one in place."""
     from keras.src.backend.jax import trainer
 
-    own = getattr(trainer, "jit", None)
-    if own is None or not callable(own):
-        yield False
-        return
-    trainer.jit = replace(own)
-    try:
-        yield True
-    finally:
-        trainer.jit = own
+    with _TRAINER_JIT:
+        own = getattr(trainer, "jit", None)
+        if own is None or not callable(own):
+            yield False
+            return
+        trainer.jit = replace(own)
+        try:
+            yield True
+        finally:
+            trainer.jit = own
+
+
+_TRAINER_JIT = threading.RLock()
 
 
 def is_traced(value):
