@@ -142,7 +142,9 @@ def settle(model):
         import jax
 
         jax.block_until_ready(state)
-    flush = getattr(getattr(_fit_callbacks, "current", None), "_flush_futures", None)
+    callbacks = getattr(_fit_callbacks, "current", None)
+    # Keras' name for "wait for every batch end sent to the pool": 3.12+ and 3.11.
+    flush = getattr(callbacks, "_flush_futures", None) or getattr(callbacks, "_clear_futures", None)
     if flush is not None:
         flush()
 

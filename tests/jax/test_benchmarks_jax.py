@@ -66,7 +66,7 @@ def test_jax_fits_pass_the_turn_at_batch_begin_and_keep_keras_pool_for_batch_end
     assert all(len(set(run)) == 1 for run in runs), seen  # blocks of 2 batches, one fit at a time
 
 
-def test_a_jax_fit_is_charged_the_batch_ends_it_sent_to_keras_pool():
+def test_a_jax_fit_passes_the_turn_only_once_the_batch_ends_it_sent_to_keras_pool_ran():
     # Keras on JAX runs batch ends on a thread pool: without waiting for
     # them when it passes the turn, a fit's batch ends ran in the next
     # fit's turn and were counted there (a no-op callback came out at 1.9
@@ -77,26 +77,40 @@ def test_a_jax_fit_is_charged_the_batch_ends_it_sent_to_keras_pool():
 
     overhead_jax = _benchmark("overhead_jax")
     overhead_jax.track_callback_lists()
+    seen = []
+
+    class Seen(keras.callbacks.Callback):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def on_train_batch_begin(self, batch, logs=None):
+            seen.append((self.name, "begin", batch))
 
     class SlowEnd(keras.callbacks.Callback):
-        async_safe = True  # Keras dispatches its batch ends to the pool
+        async_safe = True  # Keras (3.15) sends its batch ends to the pool
 
         def on_train_batch_end(self, batch, logs=None):
-            time.sleep(0.05)
+            time.sleep(0.03)
+            seen.append(("slow", "end", batch))
 
     turns = _benchmark("turns").Turns(["slow", "bare"], 1, random.Random(0).shuffle, hook="on_train_batch_begin")
     fits = {}
     for name in ["slow", "bare"]:
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
         model.compile("sgd", "mse")
-        model.fit(np.zeros((2, 3)), np.zeros((2, 2)), verbose=0)  # traced before the turns
-        hooks = [SlowEnd()] if name == "slow" else []
-        fits[name] = (lambda model=model, name=name, hooks=hooks: model.fit(
+        hooks = [Seen(name)] + ([SlowEnd()] if name == "slow" else [])
+        fits[name] = (lambda model=model, hooks=hooks, name=name: model.fit(
             np.zeros((12, 3)), np.zeros((12, 2)), batch_size=2, verbose=0,
             callbacks=hooks + [turns.callback(name, overhead_jax.settle)]))
     turns.run(fits)
-    assert turns.seconds["slow"] >= 6 * 0.05
-    assert turns.seconds["bare"] < 0.1, turns.seconds  # none of the slow fit's batch ends
+    assert sum(1 for event in seen if event[:2] == ("slow", "end")) == 6
+    for at, event in enumerate(seen):
+        if event[0] == "bare":
+            begun = [batch for name, kind, batch in seen[:at] if (name, kind) == ("slow", "begin")]
+            ended = {batch for name, kind, batch in seen[:at] if (name, kind) == ("slow", "end")}
+            # Every batch the slow fit began before its last turn ended in its turns.
+            assert set(begun[:-1]) <= ended, seen
 
 
 def test_the_jax_fit_benchmark_times_every_configuration_taking_turns():
