@@ -71,7 +71,7 @@ class Probe:
         self.gradients = gradients
         self.weights = weights
         self.norms_every = norms_every if (gradients or weights) else 1
-        self.steps_begun = 0  # steps begun since install, counted on the host where norms are sampled
+        self.steps_begun = 0  # steps begun since this probe was made, counted on the host where norms are sampled
         self.sampled = None  # whether the train function took norms at one step in norms_every (None: not traced)
         self.device_points = [p for p in breakpoints if isinstance(p, DeviceBreakpoint)]
         for point in self.device_points:
