@@ -5,6 +5,7 @@ import re
 import sys
 import time
 
+import keras
 import numpy as np
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
@@ -31,36 +32,44 @@ def _benchmark(name):
         sys.path.remove(str(BENCHMARKS))
 
 
+class Begins(keras.callbacks.Callback):
+    """Notes `(name, "begin", batch)` in `seen` at each batch's begin."""
+
+    def __init__(self, name, seen):
+        super().__init__()
+        self.name, self.seen = name, seen
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.seen.append((self.name, "begin", batch))
+
+
+def _tiny_fits(turns, seen, extra=None, settle=None):
+    """name -> a fit of 6 batches of a small model, noting its batch begins
+    in `seen` and passing the turn through `turns` (with `settle`)."""
+    fits = {}
+    for name in turns.seconds:
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model.compile("sgd", "mse")
+        hooks = [Begins(name, seen), *(extra or {}).get(name, []), turns.callback(name, settle)]
+        fits[name] = (lambda model=model, hooks=hooks: model.fit(
+            np.zeros((12, 3)), np.zeros((12, 2)), batch_size=2, verbose=0, callbacks=hooks))
+    return fits
+
+
 def test_jax_fits_pass_the_turn_at_batch_begin_and_keep_keras_pool_for_batch_ends():
     # A turn passed at a batch's end would make Keras wait for every step's
     # logs, which bare fit on JAX does not: the fit measured would not be
     # the fit a user runs.
     import random
 
-    import keras
     from keras.src.utils.python_utils import is_default
 
     turns = _benchmark("turns").Turns(["a", "b"], 2, random.Random(0).shuffle, hook="on_train_batch_begin")
     passer = turns.callback("a")
     assert is_default(passer.on_train_batch_end) and not is_default(passer.on_train_batch_begin)
-    seen = []
-
-    class Seen(keras.callbacks.Callback):
-        def __init__(self, name):
-            super().__init__()
-            self.name = name
-
-        def on_train_batch_begin(self, batch, logs=None):
-            seen.append(self.name)
-
-    fits = {}
-    for name in ["a", "b"]:
-        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-        model.compile("sgd", "mse")
-        fits[name] = (lambda model=model, name=name: model.fit(
-            np.zeros((12, 3)), np.zeros((12, 2)), batch_size=2, verbose=0,
-            callbacks=[Seen(name), turns.callback(name)]))
-    turns.run(fits)
+    events = []
+    turns.run(_tiny_fits(turns, events))
+    seen = [name for name, _, _ in events]
     assert sorted(seen) == ["a"] * 6 + ["b"] * 6
     runs = [seen[i:i + 2] for i in range(0, 12, 2)]
     assert all(len(set(run)) == 1 for run in runs), seen  # blocks of 2 batches, one fit at a time
@@ -73,19 +82,9 @@ def test_a_jax_fit_passes_the_turn_only_once_the_batch_ends_it_sent_to_keras_poo
     # of bare fit, bare fit's own batch ends counted in the others' turns).
     import random
 
-    import keras
-
     overhead_jax = _benchmark("overhead_jax")
     overhead_jax.track_callback_lists()
     seen = []
-
-    class Seen(keras.callbacks.Callback):
-        def __init__(self, name):
-            super().__init__()
-            self.name = name
-
-        def on_train_batch_begin(self, batch, logs=None):
-            seen.append((self.name, "begin", batch))
 
     class SlowEnd(keras.callbacks.Callback):
         async_safe = True  # Keras (3.15) sends its batch ends to the pool
@@ -95,15 +94,7 @@ def test_a_jax_fit_passes_the_turn_only_once_the_batch_ends_it_sent_to_keras_poo
             seen.append(("slow", "end", batch))
 
     turns = _benchmark("turns").Turns(["slow", "bare"], 1, random.Random(0).shuffle, hook="on_train_batch_begin")
-    fits = {}
-    for name in ["slow", "bare"]:
-        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-        model.compile("sgd", "mse")
-        hooks = [Seen(name)] + ([SlowEnd()] if name == "slow" else [])
-        fits[name] = (lambda model=model, hooks=hooks, name=name: model.fit(
-            np.zeros((12, 3)), np.zeros((12, 2)), batch_size=2, verbose=0,
-            callbacks=hooks + [turns.callback(name, overhead_jax.settle)]))
-    turns.run(fits)
+    turns.run(_tiny_fits(turns, seen, extra={"slow": [SlowEnd()]}, settle=overhead_jax.settle))
     assert sum(1 for event in seen if event[:2] == ("slow", "end")) == 6
     for at, event in enumerate(seen):
         if event[0] == "bare":
